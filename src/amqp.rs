@@ -1,0 +1,197 @@
+//! RabbitMQ plumbing: connecting, publishing with confirms (and treating a returned
+//! or nacked publish as a failure), and reading/writing postie's headers.
+
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use secrecy::{ExposeSecret, SecretString};
+
+use crate::config::redact_url;
+
+/// Header: failed attempts so far in the current retry cycle (postie's own; RabbitMQ
+/// 3.13+ drops client-set `x-*` headers, so none of ours start with `x-`).
+pub const HEADER_ATTEMPT: &str = "postie-attempt";
+/// Header: the error of the last failed attempt.
+pub const HEADER_LAST_ERROR: &str = "postie-last-error";
+/// Header on dead letters: why the job was dead-lettered, for a person.
+pub const HEADER_DEAD_REASON: &str = "postie-dead-reason";
+/// Header on dead letters: a short machine-readable reason class.
+pub const HEADER_DEAD_KIND: &str = "postie-dead-kind";
+/// Header on dead letters: when (RFC 3339).
+pub const HEADER_DEAD_AT: &str = "postie-dead-at";
+/// Header on dead letters: attempts made before dead-lettering.
+pub const HEADER_DEAD_ATTEMPTS: &str = "postie-dead-attempts";
+
+/// A publish that did not reach a queue durably.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The channel or connection failed.
+    #[error("publish failed: {0}")]
+    Broker(#[from] lapin::Error),
+    /// The broker nacked (e.g. a full queue with `reject-publish`).
+    #[error("broker nacked the publish to {0}")]
+    Nacked(String),
+    /// No queue was bound for it (mandatory publish returned).
+    #[error("publish to {0} was returned unroutable")]
+    Unroutable(String),
+}
+
+/// Connects with a timeout; the error names the redacted URL, never the password.
+pub async fn connect(
+    url: &SecretString,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    let redacted = redact_url(url.expose_secret());
+    match tokio::time::timeout(timeout, Connection::connect(url.expose_secret(), props)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(anyhow::anyhow!(
+            "cannot connect to RabbitMQ at {redacted}: {e}"
+        )),
+        Err(_) => Err(anyhow::anyhow!(
+            "cannot connect to RabbitMQ at {redacted}: no answer within {}",
+            humantime::format_duration(timeout)
+        )),
+    }
+}
+
+/// Opens a channel with publisher confirms switched on.
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
+}
+
+/// Publishes and waits for the broker's confirm. `mandatory` makes an unroutable
+/// publish an error instead of a silent drop (never use it on delayed publishes to
+/// the plugin's exchange: it returns them at once yet delivers them later).
+pub async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    mandatory: bool,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), PublishError> {
+    let target = if exchange.is_empty() {
+        format!("queue {routing_key}")
+    } else {
+        format!("exchange {exchange}")
+    };
+    let confirm = channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory,
+                ..Default::default()
+            },
+            body,
+            properties,
+        )
+        .await?
+        .await?;
+    match confirm {
+        Confirmation::Nack(_) => Err(PublishError::Nacked(target)),
+        Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(target)),
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+    }
+}
+
+/// Properties of a job message as the contract asks: persistent JSON.
+pub fn job_properties() -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+}
+
+/// A header value as text, if it is a string or a number.
+pub fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        other => header_i64(other).map(|n| n.to_string()),
+    }
+}
+
+/// A header value as an integer, if it is an integer, or a string holding one.
+pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+    let value = headers?.inner().get(name)?;
+    header_i64(value).or_else(|| match value {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().trim().parse().ok(),
+        _ => None,
+    })
+}
+
+fn header_i64(value: &AMQPValue) -> Option<i64> {
+    Some(match *value {
+        AMQPValue::ShortShortInt(n) => n.into(),
+        AMQPValue::ShortShortUInt(n) => n.into(),
+        AMQPValue::ShortInt(n) => n.into(),
+        AMQPValue::ShortUInt(n) => n.into(),
+        AMQPValue::LongInt(n) => n.into(),
+        AMQPValue::LongUInt(n) => n.into(),
+        AMQPValue::LongLongInt(n) => n,
+        _ => return None,
+    })
+}
+
+/// Sets a string header.
+pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
+    headers.insert(
+        ShortString::from(name),
+        AMQPValue::LongString(LongString::from(value)),
+    );
+}
+
+/// Sets an integer header.
+pub fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
+    headers.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
+}
+
+/// A copy of `headers` without `names`.
+pub fn without(headers: Option<&FieldTable>, names: &[&str]) -> FieldTable {
+    let mut out = FieldTable::default();
+    if let Some(headers) = headers {
+        for (k, v) in headers.inner() {
+            if !names.contains(&k.as_str()) {
+                out.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_integers_and_numeric_strings() {
+        let mut h = FieldTable::default();
+        h.insert("a".into(), AMQPValue::LongInt(7));
+        h.insert("b".into(), AMQPValue::LongString(" 12 ".into()));
+        h.insert("c".into(), AMQPValue::LongString("x".into()));
+        assert_eq!(header_int(Some(&h), "a"), Some(7));
+        assert_eq!(header_int(Some(&h), "b"), Some(12));
+        assert_eq!(header_int(Some(&h), "c"), None);
+        assert_eq!(header_int(Some(&h), "missing"), None);
+        assert_eq!(header_text(Some(&h), "a").as_deref(), Some("7"));
+    }
+
+    #[test]
+    fn without_drops_only_the_named_headers() {
+        let mut h = FieldTable::default();
+        set_int(&mut h, HEADER_ATTEMPT, 3);
+        set_text(&mut h, "traceparent", "00-abc");
+        let out = without(Some(&h), &[HEADER_ATTEMPT]);
+        assert!(!out.contains_key(HEADER_ATTEMPT));
+        assert!(out.contains_key("traceparent"));
+    }
+}

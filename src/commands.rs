@@ -1,0 +1,192 @@
+//! The CLI sub-commands other than `serve`: `migrate`, `topology`, `publish`, `status`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+
+use crate::amqp;
+use crate::config::Settings;
+use crate::inbox::Inbox;
+use crate::job::{EmailJob, ParseRules};
+use crate::topology::{Topology, ROUTING_KEY};
+
+/// Applies pending migrations and prints what it applied.
+pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
+    let inbox = Inbox::new(&settings.database)?;
+    inbox.check(&settings.database.url).await?;
+    let applied = inbox.migrate().await?;
+    if applied.is_empty() {
+        println!("database is up to date");
+    }
+    for name in applied {
+        println!("applied {name}");
+    }
+    Ok(())
+}
+
+/// Declares the topology (or deletes it) and prints the names.
+pub async fn topology(settings: &Settings, delete: bool) -> anyhow::Result<()> {
+    let topology = Topology::new(&settings.topology);
+    let conn = amqp::connect(
+        &settings.amqp.url,
+        "postie-topology",
+        settings.amqp.connect_timeout,
+    )
+    .await?;
+    let channel = conn.create_channel().await?;
+    if delete {
+        topology.delete(&channel).await?;
+        println!(
+            "deleted every queue and exchange under {:?}",
+            settings.topology.prefix
+        );
+    } else {
+        topology.declare(&channel).await?;
+        println!("exchanges: {}", topology.exchanges().join(", "));
+        println!("queues:    {}", topology.queues().join(", "));
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// A job to publish: a JSON file, or fields from flags.
+#[derive(Debug, Default, Clone)]
+pub struct PublishRequest {
+    /// Read the body from this file (`-` for stdin).
+    pub file: Option<PathBuf>,
+    /// `key`.
+    pub key: Option<String>,
+    /// `order_id`.
+    pub order_id: Option<String>,
+    /// `type`.
+    pub kind: Option<String>,
+    /// `from`.
+    pub from: Option<String>,
+    /// `to`.
+    pub to: Vec<String>,
+    /// `subject`.
+    pub subject: Option<String>,
+    /// `text`.
+    pub text: Option<String>,
+    /// `html`.
+    pub html: Option<String>,
+    /// The `x-delay` header.
+    pub delay: Option<Duration>,
+}
+
+impl PublishRequest {
+    /// The JSON body this request describes.
+    pub fn body(&self) -> anyhow::Result<Vec<u8>> {
+        if let Some(path) = &self.file {
+            return Ok(if path.as_os_str() == "-" {
+                let mut buf = Vec::new();
+                std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
+                buf
+            } else {
+                std::fs::read(path)
+                    .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?
+            });
+        }
+        let mut job = serde_json::Map::new();
+        let mut put = |name: &str, value: &Option<String>| {
+            if let Some(v) = value {
+                job.insert(name.into(), v.clone().into());
+            }
+        };
+        put("key", &self.key);
+        put("order_id", &self.order_id);
+        put("type", &self.kind);
+        put("from", &self.from);
+        put("subject", &self.subject);
+        put("text", &self.text);
+        put("html", &self.html);
+        job.insert("to".into(), self.to.clone().into());
+        Ok(serde_json::to_vec(&job)?)
+    }
+}
+
+/// Publishes one job to the contract exchange with a publisher confirm.
+pub async fn publish(settings: &Settings, request: &PublishRequest) -> anyhow::Result<()> {
+    let body = request.body()?;
+    // Check locally first, so a typo fails here rather than in the DLQ.
+    let job = EmailJob::parse(
+        &body,
+        &ParseRules {
+            max_body_bytes: settings.worker.max_body_bytes,
+            default_from: settings.smtp.default_from.as_deref(),
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("not a valid job: {e}"))?;
+    let topology = Topology::new(&settings.topology);
+    let conn = amqp::connect(
+        &settings.amqp.url,
+        "postie-publish",
+        settings.amqp.connect_timeout,
+    )
+    .await?;
+    let channel = amqp::confirm_channel(&conn).await?;
+    let mut headers = FieldTable::default();
+    if let Some(delay) = request.delay {
+        amqp::set_int(&mut headers, "x-delay", delay.as_millis() as i64);
+    }
+    let properties = amqp::job_properties()
+        .with_headers(headers)
+        .with_timestamp(chrono::Utc::now().timestamp() as u64);
+    amqp::publish_confirmed(
+        &channel,
+        &topology.delayed_exchange(),
+        ROUTING_KEY,
+        false,
+        &body,
+        properties,
+    )
+    .await?;
+    println!("published {} to {}", job.key, topology.delayed_exchange());
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// Prints inbox counts by status and the depth of every queue.
+pub async fn status(settings: &Settings) -> anyhow::Result<()> {
+    let inbox = Inbox::new(&settings.database)?;
+    inbox.check(&settings.database.url).await?;
+    let counts = inbox.counts().await?;
+    println!("inbox:");
+    for (status, count) in &counts.by_status {
+        println!("  {status:<10} {count}");
+    }
+    println!("  duplicates suppressed: {}", counts.duplicates);
+    println!("  leases taken over:     {}", counts.takeovers);
+
+    let topology = Topology::new(&settings.topology);
+    let conn = amqp::connect(
+        &settings.amqp.url,
+        "postie-status",
+        settings.amqp.connect_timeout,
+    )
+    .await?;
+    println!("queues (ready messages, consumers):");
+    for queue in topology.queues() {
+        // A passive declare fails (and closes the channel) if the queue is missing.
+        let channel = conn.create_channel().await?;
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .await
+        {
+            Ok(q) => println!(
+                "  {queue:<24} {:>8} {:>4}",
+                q.message_count(),
+                q.consumer_count()
+            ),
+            Err(_) => println!("  {queue:<24} (missing: run `postie topology`)"),
+        }
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}

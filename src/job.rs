@@ -1,0 +1,529 @@
+//! The producers' contract (DESIGN §1): one AMQP message in, one validated
+//! [`EmailJob`] out, or an [`InvalidJob`] whose text a person can read.
+//!
+//! Parse, don't validate: every field of [`EmailJob`] can only hold a value that is
+//! safe to put into an email, so later stages never re-check.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use lettre::message::Mailbox;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+/// Longest accepted key, order id or type.
+const MAX_KEY_LEN: usize = 200;
+/// Longest accepted header value (RFC 5322 line limit).
+const MAX_HEADER_LEN: usize = 998;
+/// Most recipients (to + cc + bcc) on one job.
+const MAX_RECIPIENTS: usize = 100;
+
+/// Why a message cannot become an email. Its `Display` is the reason stored with
+/// the dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidJob(pub String);
+
+fn invalid<T>(reason: impl Into<String>) -> Result<T, InvalidJob> {
+    Err(InvalidJob(reason.into()))
+}
+
+/// The business key that makes two publishes of one event collide.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Checks length and characters.
+    pub fn parse(raw: &str) -> Result<Self, InvalidJob> {
+        check_token("key", raw)?;
+        Ok(Self(raw.to_owned()))
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The Message-ID every attempt of this key carries: the same key always gives
+    /// the same id, so even a duplicate that slips through can be recognised.
+    pub fn message_id(&self, domain: &str) -> String {
+        let digest = Sha256::digest(self.0.as_bytes());
+        format!("<{}@{domain}>", hex::encode(&digest[..16]))
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A validated email job.
+#[derive(Debug, Clone)]
+pub struct EmailJob {
+    /// The idempotency key (`key`, else `order_id:type`).
+    pub key: IdempotencyKey,
+    /// Notification type, if given.
+    pub kind: Option<String>,
+    /// The user the email concerns, if given.
+    pub user_id: Option<String>,
+    /// Sender (from the job, else `smtp.default_from`).
+    pub from: Mailbox,
+    /// Recipients.
+    pub to: Vec<Mailbox>,
+    /// Carbon copies.
+    pub cc: Vec<Mailbox>,
+    /// Blind copies: envelope only, never a header.
+    pub bcc: Vec<Mailbox>,
+    /// Reply-To.
+    pub reply_to: Option<Mailbox>,
+    /// Subject, a single line.
+    pub subject: String,
+    /// Plain-text body.
+    pub text: Option<String>,
+    /// HTML body.
+    pub html: Option<String>,
+    /// Extra headers the producer asked for, names checked against the reserved list.
+    pub headers: Vec<(String, String)>,
+}
+
+/// The JSON body as producers send it (version 1). Unknown fields are rejected so
+/// that a typo (`"htm"`) cannot silently drop part of an email.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJob {
+    #[serde(default)]
+    version: Option<u32>,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    order_id: Option<String>,
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    user_id: Option<String>,
+    #[serde(default)]
+    from: Option<String>,
+    #[serde(default)]
+    to: Vec<String>,
+    #[serde(default)]
+    cc: Vec<String>,
+    #[serde(default)]
+    bcc: Vec<String>,
+    #[serde(default)]
+    reply_to: Option<String>,
+    subject: String,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    html: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+/// What the contract allows around the body.
+#[derive(Debug, Clone)]
+pub struct ParseRules<'a> {
+    /// Largest body in bytes.
+    pub max_body_bytes: usize,
+    /// Sender for jobs without `from`.
+    pub default_from: Option<&'a str>,
+}
+
+/// Headers a producer may not set: postie owns them, or they would change who
+/// receives the email or how it is parsed.
+const RESERVED_HEADERS: &[&str] = &[
+    "from",
+    "to",
+    "cc",
+    "bcc",
+    "reply-to",
+    "sender",
+    "subject",
+    "date",
+    "message-id",
+    "mime-version",
+    "return-path",
+    "received",
+    "in-reply-to",
+    "references",
+    "content-type",
+    "content-transfer-encoding",
+    "content-disposition",
+    "content-id",
+    "dkim-signature",
+    "resent-from",
+    "resent-to",
+    "resent-cc",
+    "resent-bcc",
+    "resent-sender",
+    "resent-date",
+    "resent-message-id",
+];
+
+impl EmailJob {
+    /// Parses and validates one message body.
+    pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        if body.is_empty() {
+            return invalid("empty body");
+        }
+        if body.len() > rules.max_body_bytes {
+            return invalid(format!(
+                "body is {} bytes, over the limit of {}",
+                body.len(),
+                rules.max_body_bytes
+            ));
+        }
+        let text = std::str::from_utf8(body).map_err(|e| {
+            InvalidJob(format!(
+                "body is not UTF-8 (invalid byte at {})",
+                e.valid_up_to()
+            ))
+        })?;
+        let raw: RawJob = serde_json::from_str(text).map_err(|e| {
+            // serde_json's message names the field and position but never echoes values.
+            InvalidJob(format!("body is not a valid job: {e}"))
+        })?;
+        Self::from_raw(raw, rules)
+    }
+
+    fn from_raw(raw: RawJob, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        if let Some(v) = raw.version {
+            if v != 1 {
+                return invalid(format!("unsupported version {v} (this postie reads 1)"));
+            }
+        }
+        if let Some(order_id) = &raw.order_id {
+            check_token("order_id", order_id)?;
+        }
+        if let Some(kind) = &raw.kind {
+            check_token("type", kind)?;
+        }
+        if let Some(user_id) = &raw.user_id {
+            check_token("user_id", user_id)?;
+        }
+        let key = match (&raw.key, &raw.order_id, &raw.kind) {
+            (Some(key), _, _) => IdempotencyKey::parse(key)?,
+            (None, Some(order_id), Some(kind)) => {
+                IdempotencyKey::parse(&format!("{order_id}:{kind}"))?
+            }
+            _ => {
+                return invalid(
+                    "no idempotency key: give \"key\", or both \"order_id\" and \"type\"",
+                )
+            }
+        };
+
+        let from = match raw.from.as_deref().or(rules.default_from) {
+            Some(from) => parse_mailbox("from", from)?,
+            None => return invalid("no \"from\" and no smtp.default_from configured"),
+        };
+        let to = parse_mailboxes("to", &raw.to)?;
+        let cc = parse_mailboxes("cc", &raw.cc)?;
+        let bcc = parse_mailboxes("bcc", &raw.bcc)?;
+        let recipients = to.len() + cc.len() + bcc.len();
+        if recipients == 0 {
+            return invalid("no recipient in \"to\", \"cc\" or \"bcc\"");
+        }
+        if recipients > MAX_RECIPIENTS {
+            return invalid(format!(
+                "{recipients} recipients, over the limit of {MAX_RECIPIENTS}"
+            ));
+        }
+        let reply_to = raw
+            .reply_to
+            .as_deref()
+            .map(|r| parse_mailbox("reply_to", r))
+            .transpose()?;
+
+        check_header_value("subject", &raw.subject)?;
+        if raw.text.is_none() && raw.html.is_none() {
+            return invalid("neither \"text\" nor \"html\" given");
+        }
+        for (field, body) in [("text", &raw.text), ("html", &raw.html)] {
+            if body.as_deref().is_some_and(|b| b.contains('\0')) {
+                return invalid(format!("\"{field}\" contains a NUL character"));
+            }
+        }
+
+        let mut headers = Vec::with_capacity(raw.headers.len());
+        for (name, value) in raw.headers {
+            check_header_name(&name)?;
+            check_header_value(&format!("headers.{name}"), &value)?;
+            headers.push((name, value));
+        }
+
+        Ok(Self {
+            key,
+            kind: raw.kind,
+            user_id: raw.user_id,
+            from,
+            to,
+            cc,
+            bcc,
+            reply_to,
+            subject: raw.subject,
+            text: raw.text,
+            html: raw.html,
+            headers,
+        })
+    }
+}
+
+/// A character that would end or fold a header line, or hide in one.
+fn is_line_breaking(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+}
+
+fn check_token(field: &str, value: &str) -> Result<(), InvalidJob> {
+    if value.trim().is_empty() {
+        return invalid(format!("\"{field}\" is empty"));
+    }
+    if value.len() > MAX_KEY_LEN {
+        return invalid(format!(
+            "\"{field}\" is {} bytes, over the limit of {MAX_KEY_LEN}",
+            value.len()
+        ));
+    }
+    if value.chars().any(is_line_breaking) {
+        return invalid(format!("\"{field}\" contains a control character"));
+    }
+    Ok(())
+}
+
+fn check_header_value(field: &str, value: &str) -> Result<(), InvalidJob> {
+    if let Some(c) = value.chars().find(|&c| is_line_breaking(c)) {
+        let what = match c {
+            '\r' | '\n' => "CR/LF".to_string(),
+            '\0' => "NUL".to_string(),
+            other => format!("control character U+{:04X}", other as u32),
+        };
+        return invalid(format!("\"{field}\" contains {what}"));
+    }
+    if value.len() > MAX_HEADER_LEN {
+        return invalid(format!(
+            "\"{field}\" is {} bytes, over the limit of {MAX_HEADER_LEN}",
+            value.len()
+        ));
+    }
+    Ok(())
+}
+
+fn check_header_name(name: &str) -> Result<(), InvalidJob> {
+    let valid_chars = !name.is_empty()
+        && name.len() <= 76
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !valid_chars {
+        return invalid(format!(
+            "header name {:?} must be 1-76 ASCII letters, digits, '-' or '_'",
+            name.chars().take(80).collect::<String>()
+        ));
+    }
+    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        return invalid(format!("header {name:?} is set by postie, not by the job"));
+    }
+    Ok(())
+}
+
+fn parse_mailbox(field: &str, raw: &str) -> Result<Mailbox, InvalidJob> {
+    check_header_value(field, raw)?;
+    let mailbox = Mailbox::from_str(raw).map_err(|e| {
+        InvalidJob(format!(
+            "\"{field}\" is not a valid address ({e}): {}",
+            shorten(raw)
+        ))
+    })?;
+    let domain = mailbox.email.domain();
+    if domain.starts_with('[') || !domain.contains('.') {
+        return invalid(format!(
+            "\"{field}\" must use a domain name, not {}",
+            shorten(domain)
+        ));
+    }
+    Ok(mailbox)
+}
+
+fn parse_mailboxes(field: &str, raw: &[String]) -> Result<Vec<Mailbox>, InvalidJob> {
+    raw.iter().map(|r| parse_mailbox(field, r)).collect()
+}
+
+/// At most 80 characters of an offending value for a reason line.
+fn shorten(value: &str) -> String {
+    let mut s: String = value.chars().take(80).collect();
+    if s.len() < value.len() {
+        s.push('…');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const RULES: ParseRules<'static> = ParseRules {
+        max_body_bytes: 64 * 1024,
+        default_from: Some("Shop <noreply@shop.example>"),
+    };
+
+    fn parse(json: serde_json::Value) -> Result<EmailJob, InvalidJob> {
+        EmailJob::parse(json.to_string().as_bytes(), &RULES)
+    }
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "order_id": "42", "type": "order_confirmation",
+            "to": ["alice@example.com"], "subject": "Your order", "text": "hi"
+        })
+    }
+
+    #[test]
+    fn key_comes_from_order_id_and_type_when_absent() {
+        let job = parse(base()).unwrap();
+        assert_eq!(job.key.as_str(), "42:order_confirmation");
+        assert_eq!(job.from.email.to_string(), "noreply@shop.example");
+    }
+
+    #[test]
+    fn explicit_key_wins() {
+        let mut v = base();
+        v["key"] = "order-42:order_confirmation".into();
+        assert_eq!(
+            parse(v).unwrap().key.as_str(),
+            "order-42:order_confirmation"
+        );
+    }
+
+    #[test]
+    fn rejects_each_bad_input_with_a_reason() {
+        let cases: Vec<(serde_json::Value, &str)> = vec![
+            (
+                serde_json::json!({"to": ["a@b.example"], "subject": "s", "text": "t"}),
+                "no idempotency key",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["to"] = serde_json::json!([]);
+                    v
+                },
+                "no recipient",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["to"] = serde_json::json!(["not an address"]);
+                    v
+                },
+                "not a valid address",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["subject"] = "a\r\nBcc: x@evil.example".into();
+                    v
+                },
+                "CR/LF",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["subject"] = "line\u{2028}sep".into();
+                    v
+                },
+                "U+2028",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v.as_object_mut().unwrap().remove("text");
+                    v
+                },
+                "neither",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["headers"] = serde_json::json!({"Bcc": "x@evil.example"});
+                    v
+                },
+                "set by postie",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["headers"] = serde_json::json!({"X-A": "1\n2"});
+                    v
+                },
+                "CR/LF",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["htm"] = "<p>".into();
+                    v
+                },
+                "unknown field",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["version"] = 2.into();
+                    v
+                },
+                "unsupported version",
+            ),
+        ];
+        for (json, expected) in cases {
+            let err = parse(json.clone()).expect_err(&json.to_string());
+            assert!(err.0.contains(expected), "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn rejects_oversized_empty_and_non_utf8_bodies() {
+        let big = vec![b' '; RULES.max_body_bytes + 1];
+        assert!(EmailJob::parse(&big, &RULES)
+            .unwrap_err()
+            .0
+            .contains("over the limit"));
+        assert!(EmailJob::parse(b"", &RULES)
+            .unwrap_err()
+            .0
+            .contains("empty"));
+        assert!(EmailJob::parse(b"\xff\xfe", &RULES)
+            .unwrap_err()
+            .0
+            .contains("UTF-8"));
+        assert!(EmailJob::parse(b"{not json", &RULES)
+            .unwrap_err()
+            .0
+            .contains("not a valid job"));
+    }
+
+    #[test]
+    fn message_id_is_a_function_of_the_key() {
+        let a = IdempotencyKey::parse("order-1:x").unwrap();
+        let b = IdempotencyKey::parse("order-2:x").unwrap();
+        assert_eq!(a.message_id("d.example"), a.message_id("d.example"));
+        assert_ne!(a.message_id("d.example"), b.message_id("d.example"));
+        assert!(a.message_id("d.example").ends_with("@d.example>"));
+    }
+
+    proptest! {
+        #[test]
+        fn no_accepted_header_value_can_break_a_line(subject in "\\PC{0,40}[\\r\\n\\u{0}\\u{2028}\\u{85}]\\PC{0,40}") {
+            let mut v = base();
+            v["subject"] = subject.into();
+            prop_assert!(parse(v).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = EmailJob::parse(&body, &RULES);
+        }
+    }
+}

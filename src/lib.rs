@@ -1,0 +1,43 @@
+//! postie: delayed email jobs from RabbitMQ, claimed in PostgreSQL by business key,
+//! sent over SMTP exactly once.
+//!
+//! The data flow, one module per step:
+//!
+//! - [`config`]: typed settings in layers (defaults, file, `POSTIE__…` environment).
+//! - [`topology`]: the exchanges and queues, declared idempotently.
+//! - [`job`]: the producers' contract: parse and validate one message into an [`job::EmailJob`].
+//! - [`inbox`]: the PostgreSQL inbox: migrations, claim by key, record the outcome.
+//! - [`mailer`]: build the email and hand it to SMTP (or to `.eml` files).
+//! - [`worker`]: the unit of work: one delivery in, one named [`worker::Outcome`] out.
+//! - [`consumer`]: the supervised consume loop: maps outcomes to publish + ack.
+//! - [`amqp`]: connections, confirmed publishes and header helpers.
+//! - [`commands`]: the CLI sub-commands other than `serve`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
+
+pub mod amqp;
+pub mod commands;
+pub mod config;
+pub mod consumer;
+pub mod inbox;
+pub mod job;
+pub mod mailer;
+pub mod telemetry;
+pub mod topology;
+pub mod worker;
+
+/// An error and its causes on one line, for the last words of a failed command.
+pub fn describe_error(error: &anyhow::Error) -> String {
+    error
+        .chain()
+        .map(ToString::to_string)
+        .fold(String::new(), |mut line, part| {
+            if !line.contains(&part) {
+                if !line.is_empty() {
+                    line.push_str(": ");
+                }
+                line.push_str(&part);
+            }
+            line
+        })
+}

@@ -1,0 +1,151 @@
+//! The `postie` binary: parses arguments, loads settings, sets up logging, runs a command.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use postie::commands::{self, PublishRequest};
+use postie::config::Settings;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "postie",
+    version,
+    about = "Delayed email jobs from RabbitMQ, sent exactly once"
+)]
+struct Cli {
+    /// Configuration file (TOML); environment variables POSTIE__SECTION__KEY override it.
+    #[arg(long, global = true, env = "POSTIE_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+// Parsed once per run: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum Command {
+    /// Consume jobs and send emails until SIGTERM or Ctrl-C.
+    Serve,
+    /// Apply the database migrations in sql/.
+    Migrate,
+    /// Declare the exchanges and queues (idempotent), or delete them.
+    Topology {
+        /// Delete every queue and exchange under the prefix instead (loses their messages).
+        #[arg(long)]
+        delete: bool,
+    },
+    /// Publish one job to the contract exchange, with a publisher confirm.
+    Publish {
+        /// Read the JSON body from a file (`-` for stdin) instead of the flags below.
+        #[arg(long, conflicts_with_all = ["key", "order_id", "kind", "to", "subject", "text", "html"])]
+        file: Option<PathBuf>,
+        /// Idempotency key (default: ORDER_ID:TYPE).
+        #[arg(long)]
+        key: Option<String>,
+        /// Order id.
+        #[arg(long)]
+        order_id: Option<String>,
+        /// Notification type.
+        #[arg(long = "type")]
+        kind: Option<String>,
+        /// Sender (default: smtp.default_from).
+        #[arg(long)]
+        from: Option<String>,
+        /// Recipient; repeat for more.
+        #[arg(long)]
+        to: Vec<String>,
+        /// Subject line.
+        #[arg(long)]
+        subject: Option<String>,
+        /// Plain-text body.
+        #[arg(long)]
+        text: Option<String>,
+        /// HTML body.
+        #[arg(long)]
+        html: Option<String>,
+        /// Delay before sending, e.g. 90s or 2h (sets x-delay).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        delay: Option<Duration>,
+    },
+    /// Show inbox counts by status and queue depths.
+    Status,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let settings = match Settings::load(cli.config.as_deref()) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("postie: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    postie::telemetry::init(&settings.log);
+    let result = match cli.command {
+        Command::Serve => postie::consumer::serve(settings, shutdown_signal()).await,
+        Command::Migrate => commands::migrate(&settings).await,
+        Command::Topology { delete } => commands::topology(&settings, delete).await,
+        Command::Status => commands::status(&settings).await,
+        Command::Publish {
+            file,
+            key,
+            order_id,
+            kind,
+            from,
+            to,
+            subject,
+            text,
+            html,
+            delay,
+        } => {
+            let request = PublishRequest {
+                file,
+                key,
+                order_id,
+                kind,
+                from,
+                to,
+                subject,
+                text,
+                html,
+                delay,
+            };
+            commands::publish(&settings, &request).await
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("postie: {}", postie::describe_error(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A token cancelled on SIGTERM or Ctrl-C.
+fn shutdown_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing the SIGTERM handler");
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("stop requested; draining");
+        cancel.cancel();
+    });
+    token
+}

@@ -1,0 +1,336 @@
+//! The unit of work (DESIGN §3): one delivery in, one named [`Outcome`] out.
+//!
+//! The worker parses, claims in the inbox, sends, and records the result. It never
+//! touches the broker: the consumer maps each outcome to a publish and an ack, so the
+//! rule "no ack before the outcome is durable" lives in one place.
+//!
+//! PostgreSQL being down is never the job's fault: every database step is retried
+//! with backoff until it answers (the delivery stays unacked meanwhile), and
+//! [`Health`] tells the consumer to stop taking new work until then.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::types::FieldTable;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{header_int, HEADER_ATTEMPT};
+use crate::config::WorkerSettings;
+use crate::inbox::{Claim, DbError, Inbox};
+use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules};
+use crate::mailer::{Mailer, SendError};
+use crate::topology::Topology;
+
+/// Why a job is dead-lettered, as a stable label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadKind {
+    /// The message can never become an email.
+    Invalid,
+    /// The SMTP server refused it for good (5xx).
+    Permanent,
+    /// Transient failures used up every retry step.
+    Exhausted,
+}
+
+impl DeadKind {
+    /// The label used in headers and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Invalid => "invalid",
+            Self::Permanent => "permanent",
+            Self::Exhausted => "retries_exhausted",
+        }
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Sent and recorded. `takeover` means an expired claim was taken over first, so
+    /// the previous owner may have sent it too (the known duplicate window).
+    Sent {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// An expired lease was taken over.
+        takeover: bool,
+    },
+    /// Sent, but meanwhile another instance took the key over (fence moved).
+    SentFenceLost {
+        /// The job's key.
+        key: IdempotencyKey,
+    },
+    /// Already sent: acked without sending.
+    Duplicate {
+        /// The job's key.
+        key: IdempotencyKey,
+    },
+    /// Another instance holds a live claim: park the job in retry queue `step`,
+    /// which is at least the remaining lease away, without counting an attempt.
+    Deferred {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Retry queue index.
+        step: usize,
+    },
+    /// A transient failure: retry queue `step`, with `attempt` failures so far.
+    Retry {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Retry queue index.
+        step: usize,
+        /// Failed attempts in this cycle, this one included.
+        attempt: u32,
+        /// What went wrong.
+        error: String,
+    },
+    /// To the dead-letter queue with a reason a person can read.
+    DeadLetter {
+        /// The job's key, when the message had one.
+        key: Option<IdempotencyKey>,
+        /// The reason class.
+        kind: DeadKind,
+        /// The reason.
+        reason: String,
+        /// Failed attempts in this cycle.
+        attempts: u32,
+    },
+}
+
+impl Outcome {
+    /// A short label for logs and metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Sent { .. } => "sent",
+            Self::SentFenceLost { .. } => "sent_fence_lost",
+            Self::Duplicate { .. } => "duplicate",
+            Self::Deferred { .. } => "deferred",
+            Self::Retry { .. } => "retry",
+            Self::DeadLetter { .. } => "dead_letter",
+        }
+    }
+}
+
+/// The worker stopped waiting for PostgreSQL because the process is shutting down;
+/// the delivery must be left unacked so the broker hands it to someone else.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by shutdown while waiting for the database")]
+pub struct Interrupted;
+
+/// Whether the dependencies the worker needs are answering.
+#[derive(Clone)]
+pub struct Health {
+    database_up: Arc<watch::Sender<bool>>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self {
+            database_up: Arc::new(watch::channel(true).0),
+        }
+    }
+}
+
+impl Health {
+    /// True while PostgreSQL answers.
+    pub fn database_up(&self) -> bool {
+        *self.database_up.borrow()
+    }
+
+    fn set_database_up(&self, up: bool) {
+        self.database_up.send_if_modified(|current| {
+            let changed = *current != up;
+            *current = up;
+            changed
+        });
+    }
+
+    /// Resolves once PostgreSQL answers again.
+    pub async fn wait_database_up(&self) {
+        let mut rx = self.database_up.subscribe();
+        let _ = rx.wait_for(|up| *up).await;
+    }
+}
+
+/// Everything one unit of work needs.
+#[derive(Clone)]
+pub struct Worker {
+    inbox: Inbox,
+    mailer: Mailer,
+    topology: Topology,
+    settings: WorkerSettings,
+    default_from: Option<String>,
+    owner: String,
+    health: Health,
+    hard_stop: CancellationToken,
+}
+
+impl Worker {
+    /// Assembles a worker. `hard_stop` ends waits for the database (drain timeout).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        inbox: Inbox,
+        mailer: Mailer,
+        topology: Topology,
+        settings: WorkerSettings,
+        default_from: Option<String>,
+        owner: String,
+        health: Health,
+        hard_stop: CancellationToken,
+    ) -> Self {
+        Self {
+            inbox,
+            mailer,
+            topology,
+            settings,
+            default_from,
+            owner,
+            health,
+            hard_stop,
+        }
+    }
+
+    /// The dependency health this worker reports into.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Processes one delivery's body and headers.
+    pub async fn process(
+        &self,
+        body: &[u8],
+        headers: Option<&FieldTable>,
+    ) -> Result<Outcome, Interrupted> {
+        let failed_so_far = header_int(headers, HEADER_ATTEMPT)
+            .unwrap_or(0)
+            .clamp(0, u32::MAX as i64) as u32;
+        let job = match self.parse(body) {
+            Ok(job) => job,
+            Err(InvalidJob(reason)) => {
+                return Ok(Outcome::DeadLetter {
+                    key: None,
+                    kind: DeadKind::Invalid,
+                    reason,
+                    attempts: 0,
+                })
+            }
+        };
+        let key = job.key.clone();
+
+        let claim = self
+            .db("claim", || {
+                self.inbox
+                    .claim(key.as_str(), &self.owner, self.settings.lease)
+            })
+            .await?;
+        let (fence, takeover) = match claim {
+            Claim::AlreadySent => return Ok(Outcome::Duplicate { key }),
+            Claim::Busy { remaining } => {
+                let step = self.topology.step_at_least(remaining);
+                return Ok(Outcome::Deferred { key, step });
+            }
+            Claim::Claimed {
+                fence, takeover, ..
+            } => (fence, takeover),
+        };
+        if takeover {
+            tracing::warn!(key = %key, "took over an expired claim: the previous owner may have sent this email");
+        }
+
+        let sent = match self.mailer.build(&job) {
+            Ok(message) => self.mailer.send(&message).await,
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(()) => {
+                let message_id = self.mailer.message_id(&job);
+                let kept = self
+                    .db("record sent", || {
+                        self.inbox.mark_sent(key.as_str(), fence, &message_id)
+                    })
+                    .await?;
+                Ok(if kept {
+                    Outcome::Sent { key, takeover }
+                } else {
+                    Outcome::SentFenceLost { key }
+                })
+            }
+            Err(SendError::Permanent(error)) => {
+                self.db("record dead", || {
+                    self.inbox.mark_dead(key.as_str(), fence, &error)
+                })
+                .await?;
+                Ok(Outcome::DeadLetter {
+                    key: Some(key),
+                    kind: DeadKind::Permanent,
+                    reason: format!("SMTP refused the email: {error}"),
+                    attempts: failed_so_far + 1,
+                })
+            }
+            Err(SendError::Transient(error)) => {
+                let attempt = failed_so_far + 1;
+                let steps = self.topology.retry_steps().len();
+                if attempt as usize > steps {
+                    self.db("record dead", || {
+                        self.inbox.mark_dead(key.as_str(), fence, &error)
+                    })
+                    .await?;
+                    return Ok(Outcome::DeadLetter {
+                        key: Some(key),
+                        kind: DeadKind::Exhausted,
+                        reason: format!("gave up after {attempt} attempts; last error: {error}"),
+                        attempts: attempt,
+                    });
+                }
+                self.db("record retry", || {
+                    self.inbox.mark_retrying(key.as_str(), fence, &error)
+                })
+                .await?;
+                Ok(Outcome::Retry {
+                    key,
+                    step: attempt as usize - 1,
+                    attempt,
+                    error,
+                })
+            }
+        }
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<EmailJob, InvalidJob> {
+        EmailJob::parse(
+            body,
+            &ParseRules {
+                max_body_bytes: self.settings.max_body_bytes,
+                default_from: self.default_from.as_deref(),
+            },
+        )
+    }
+
+    /// Runs one database step until PostgreSQL answers, with capped backoff.
+    async fn db<T, F, Fut>(&self, what: &str, mut step: F) -> Result<T, Interrupted>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, DbError>>,
+    {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match step().await {
+                Ok(value) => {
+                    self.health.set_database_up(true);
+                    return Ok(value);
+                }
+                Err(error) => {
+                    if self.health.database_up() {
+                        tracing::error!(%error, step = what, "PostgreSQL unavailable: pausing consumption, holding in-flight deliveries");
+                    }
+                    self.health.set_database_up(false);
+                    tokio::select! {
+                        _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(self.settings.outage_backoff_max);
+                }
+            }
+        }
+    }
+}
