@@ -1,0 +1,417 @@
+//! Shared test harness: every test gets its own topology prefix, its own database and
+//! its own SMTP sink process, and deletes all three when it ends (also on panic).
+#![allow(dead_code, unreachable_pub)]
+
+pub mod proxy;
+pub mod sink;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection};
+use postie::amqp;
+use postie::config::Settings;
+use postie::topology::{Topology, ROUTING_KEY};
+use secrecy::SecretString;
+use tokio_util::sync::CancellationToken;
+
+pub use sink::SmtpSink;
+
+/// RabbitMQ for tests (override with POSTIE_TEST_AMQP_URL).
+pub fn amqp_url() -> String {
+    std::env::var("POSTIE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// PostgreSQL server for tests, without a database name (override with POSTIE_TEST_PG).
+pub fn pg_base() -> String {
+    std::env::var("POSTIE_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+/// One test's private world.
+pub struct TestEnv {
+    /// Topology prefix, unique to the test.
+    pub prefix: String,
+    /// Database name, unique to the test.
+    pub db_name: String,
+    /// The SMTP sink process.
+    pub sink: SmtpSink,
+    /// Names of the broker objects.
+    pub topology: Topology,
+    conn: Connection,
+    channel: Channel,
+}
+
+impl TestEnv {
+    /// Creates the database, starts the sink, declares the topology.
+    pub async fn new(name: &str) -> Self {
+        let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
+        let prefix = format!("t.{name}.{id}");
+        let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
+        admin_sql(&format!("CREATE DATABASE {db_name}")).await;
+        let sink = SmtpSink::start().await;
+        let settings = base_settings(&prefix, &db_name, &sink.smtp_url());
+        let topology = Topology::new(&settings.topology);
+        let conn = amqp::connect(&SecretString::from(amqp_url()), "postie-test", Duration::from_secs(10))
+            .await
+            .expect("RabbitMQ for tests");
+        let channel = amqp::confirm_channel(&conn).await.unwrap();
+        topology.declare(&conn.create_channel().await.unwrap()).await.unwrap();
+        Self { prefix, db_name, sink, topology, conn, channel }
+    }
+
+    /// Settings for a postie in this world: short retry steps and lease.
+    pub fn settings(&self) -> Settings {
+        base_settings(&self.prefix, &self.db_name, &self.sink.smtp_url())
+    }
+
+    /// The same settings as environment variables, for a `postie` child process.
+    pub fn env_vars(&self) -> Vec<(String, String)> {
+        settings_env(&self.prefix, &self.db_name, &self.sink.smtp_url())
+    }
+
+    /// Runs `postie serve` in this process until the handle is stopped.
+    pub fn serve(&self, settings: Settings) -> Serving {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(postie::consumer::serve(settings, stop.clone()));
+        Serving { stop, task: Some(task) }
+    }
+
+    /// Starts `postie serve` as a separate OS process.
+    pub fn spawn_process(&self, extra_env: &[(&str, &str)]) -> PostieProcess {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_postie"));
+        cmd.arg("serve")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "warn,postie=info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in self.env_vars() {
+            cmd.env(k, v);
+        }
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn postie serve");
+        let stderr = child.stderr.take().expect("stderr piped");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&line);
+                sink.lock().unwrap().push('\n');
+            }
+        });
+        PostieProcess { child, log }
+    }
+
+    /// Publishes a job body to the contract exchange (confirmed).
+    pub async fn publish(&self, body: &serde_json::Value) {
+        self.publish_raw(body.to_string().as_bytes(), amqp::job_properties()).await;
+    }
+
+    /// Publishes raw bytes with the given properties to the contract exchange.
+    pub async fn publish_raw(&self, body: &[u8], properties: BasicProperties) {
+        amqp::publish_confirmed(&self.channel, &self.topology.delayed_exchange(), ROUTING_KEY, true, body, properties)
+            .await
+            .expect("confirmed publish");
+    }
+
+    /// Publishes many job bodies, pipelined, then waits for every confirm.
+    pub async fn publish_many(&self, bodies: &[serde_json::Value]) {
+        let mut confirms = Vec::with_capacity(bodies.len());
+        for body in bodies {
+            let confirm = self
+                .channel
+                .basic_publish(
+                    self.topology.delayed_exchange().as_str().into(),
+                    ROUTING_KEY.into(),
+                    lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() },
+                    body.to_string().as_bytes(),
+                    amqp::job_properties(),
+                )
+                .await
+                .expect("publish");
+            confirms.push(confirm);
+        }
+        for confirm in confirms {
+            let confirmation = confirm.await.expect("confirm");
+            assert!(confirmation.is_ack(), "publish nacked");
+            assert!(confirmation.take_message().is_none(), "publish returned unroutable");
+        }
+    }
+
+    /// Publishes raw bytes straight to a queue (emulates an operator's move).
+    pub async fn publish_to_queue(&self, queue: &str, body: &[u8], properties: BasicProperties) {
+        amqp::publish_confirmed(&self.channel, "", queue, true, body, properties)
+            .await
+            .expect("confirmed publish");
+    }
+
+    /// Ready messages in a queue.
+    pub async fn depth(&self, queue: &str) -> u32 {
+        let channel = self.conn.create_channel().await.unwrap();
+        let options = QueueDeclareOptions { passive: true, ..Default::default() };
+        channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .expect("queue exists")
+            .message_count()
+    }
+
+    /// Takes every message out of the dead-letter queue.
+    pub async fn take_dead_letters(&self) -> Vec<DeadLetter> {
+        let channel = self.conn.create_channel().await.unwrap();
+        let mut out = Vec::new();
+        while let Some(msg) = channel
+            .basic_get(self.topology.dead_queue().as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            let delivery = msg.delivery;
+            let headers = delivery.properties.headers().clone().unwrap_or_default();
+            delivery.acker.ack(BasicAckOptions::default()).await.unwrap();
+            out.push(DeadLetter {
+                body: delivery.data.clone(),
+                properties: delivery.properties.clone(),
+                headers: headers_as_text(&headers),
+            });
+        }
+        out
+    }
+
+    /// One inbox row; `None` also before postie has created the table.
+    pub async fn inbox_row(&self, key: &str) -> Option<InboxRow> {
+        let client = self.db().await;
+        client
+            .query_opt(
+                "SELECT status, attempts, duplicates, takeovers, last_error FROM postie_inbox WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| InboxRow {
+                status: r.get(0),
+                attempts: r.get(1),
+                duplicates: r.get(2),
+                takeovers: r.get(3),
+                last_error: r.get(4),
+            })
+    }
+
+    /// A plain connection to the test database.
+    pub async fn db(&self) -> tokio_postgres::Client {
+        connect_pg(&format!("{}/{}", pg_base(), self.db_name)).await
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let topology = self.topology.clone();
+        let db_name = self.db_name.clone();
+        // Async clean-up from a sync Drop: a throwaway runtime on its own thread.
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                if let Ok(conn) = amqp::connect(&SecretString::from(amqp_url()), "postie-test-cleanup", Duration::from_secs(10)).await {
+                    if let Ok(channel) = conn.create_channel().await {
+                        let _ = topology.delete(&channel).await;
+                    }
+                    let _ = conn.close(200, "bye".into()).await;
+                }
+                admin_sql(&format!("DROP DATABASE IF EXISTS {db_name} WITH (FORCE)")).await;
+            })
+        })
+        .join();
+        if done.is_err() {
+            eprintln!("test clean-up failed for {}", self.prefix);
+        }
+    }
+}
+
+/// An in-process `postie serve`.
+pub struct Serving {
+    stop: CancellationToken,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Serving {
+    /// Asks it to stop and waits (it must exit cleanly).
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        let task = self.task.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("serve stops within 60 s")
+            .expect("serve task did not panic")
+            .expect("serve returned Ok");
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        // On a test failure: stop it before the environment deletes its topology, or
+        // a start-up still in progress would declare the queues again.
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A `postie serve` child process, killed when dropped.
+pub struct PostieProcess {
+    /// The child.
+    pub child: Child,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl PostieProcess {
+    /// Everything it wrote to stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// SIGKILL, no goodbye.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then wait up to `within` for the exit status.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for PostieProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A dead letter as the tests see it.
+pub struct DeadLetter {
+    /// Body.
+    pub body: Vec<u8>,
+    /// Properties.
+    pub properties: BasicProperties,
+    /// Headers rendered as text.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl DeadLetter {
+    /// The `postie-dead-reason` header.
+    pub fn reason(&self) -> &str {
+        self.headers.get(amqp::HEADER_DEAD_REASON).map(String::as_str).unwrap_or("")
+    }
+}
+
+/// An inbox row.
+#[derive(Debug)]
+pub struct InboxRow {
+    /// Status.
+    pub status: String,
+    /// SMTP attempts.
+    pub attempts: i32,
+    /// Suppressed duplicates.
+    pub duplicates: i32,
+    /// Leases taken over.
+    pub takeovers: i32,
+    /// Last error.
+    pub last_error: Option<String>,
+}
+
+/// Polls `check` every 100 ms until it returns `Some`, or panics after `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A valid job body for `key` to `to`.
+pub fn job(key: &str, to: &str) -> serde_json::Value {
+    serde_json::json!({
+        "key": key,
+        "from": "Shop <noreply@shop.example>",
+        "to": [to],
+        "subject": format!("About {key}"),
+        "text": format!("Hello about {key}"),
+    })
+}
+
+fn base_settings(prefix: &str, db_name: &str, smtp_url: &str) -> Settings {
+    // Through the same environment parsing a deployment uses, minus the process env.
+    let vars = settings_env(prefix, db_name, smtp_url).into_iter().collect();
+    Settings::load_from(None, Some(vars)).expect("test settings are valid")
+}
+
+/// Test settings as `POSTIE__…` variables: short retry steps and lease.
+fn settings_env(prefix: &str, db_name: &str, smtp_url: &str) -> Vec<(String, String)> {
+    [
+        ("POSTIE__AMQP__URL", amqp_url()),
+        ("POSTIE__DATABASE__URL", format!("{}/{db_name}", pg_base())),
+        ("POSTIE__DATABASE__CONNECT_TIMEOUT", "2s".into()),
+        ("POSTIE__SMTP__URL", smtp_url.to_string()),
+        ("POSTIE__SMTP__TIMEOUT", "2s".into()),
+        ("POSTIE__TOPOLOGY__PREFIX", prefix.to_string()),
+        ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2s,5s".into()),
+        ("POSTIE__WORKER__LEASE", "5s".into()),
+        ("POSTIE__WORKER__OUTAGE_BACKOFF_MAX", "1s".into()),
+        ("POSTIE__HTTP__LISTEN", "".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
+    headers
+        .inner()
+        .iter()
+        .map(|(k, v)| {
+            let text = match v {
+                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                other => amqp::header_text(Some(headers), k.as_str()).unwrap_or_else(|| format!("{other:?}")),
+            };
+            (k.as_str().to_string(), text)
+        })
+        .collect()
+}
+
+async fn connect_pg(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL for tests at {url}: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
+async fn admin_sql(sql: &str) {
+    let client = connect_pg(&format!("{}/postgres", pg_base())).await;
+    client.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
