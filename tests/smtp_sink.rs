@@ -1,0 +1,603 @@
+//! Integration tests for the `postie-smtp-sink` test server.
+//!
+//! Each test spawns its own sink process (ephemeral ports), talks SMTP to it through
+//! lettre's pooled async transport or a raw TCP socket, and inspects and controls it
+//! through its HTTP control API. The process is killed when the [`Sink`] guard drops.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use lettre::transport::smtp::Error as SmtpError;
+use lettre::{AsyncSmtpTransport, AsyncTransport as _, Message, Tokio1Executor};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+/// Generous upper bound for anything that should be quick; never asserted on.
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running sink process; killed and reaped on drop.
+struct Sink {
+    child: Child,
+    smtp_port: u16,
+    control: String,
+    http: reqwest::Client,
+}
+
+impl Drop for Sink {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Sink {
+    /// Spawns a sink with default arguments.
+    fn spawn() -> Self {
+        Self::spawn_with(&[])
+    }
+
+    /// Spawns a sink with extra arguments and waits for its address line.
+    fn spawn_with(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_postie-smtp-sink"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn postie-smtp-sink");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut sink = Sink {
+            child,
+            smtp_port: 0,
+            control: String::new(),
+            http: reqwest::Client::builder()
+                .timeout(TIMEOUT)
+                .build()
+                .expect("http client"),
+        };
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(TIMEOUT).expect("sink prints its addresses");
+        let (smtp, control) = parse_announce(&line);
+        sink.smtp_port = smtp
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("smtp port");
+        sink.control = format!("http://{control}");
+        sink
+    }
+
+    /// A pooled lettre transport pointed at the sink.
+    fn mailer(&self) -> AsyncSmtpTransport<Tokio1Executor> {
+        AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous("127.0.0.1")
+            .port(self.smtp_port)
+            .timeout(Some(TIMEOUT))
+            .build()
+    }
+
+    /// Opens a raw SMTP connection.
+    async fn raw(&self) -> RawSmtp {
+        let stream = TcpStream::connect(("127.0.0.1", self.smtp_port))
+            .await
+            .expect("connect to sink");
+        RawSmtp {
+            stream: tokio::io::BufReader::new(stream),
+        }
+    }
+
+    /// `GET path`, expecting 200 and a JSON body.
+    async fn get_json(&self, path: &str) -> Value {
+        let resp = self
+            .http
+            .get(format!("{}{path}", self.control))
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(resp.status(), 200, "GET {path}");
+        resp.json().await.expect("JSON body")
+    }
+
+    /// Recorded messages, optionally with raw content.
+    async fn messages(&self, raw: bool) -> Vec<Value> {
+        let path = if raw {
+            "/messages?raw=true"
+        } else {
+            "/messages"
+        };
+        match self.get_json(path).await {
+            Value::Array(items) => items,
+            other => panic!("expected array, got {other}"),
+        }
+    }
+
+    /// `GET /stats`.
+    async fn stats(&self) -> Value {
+        self.get_json("/stats").await
+    }
+
+    /// `PUT /faults`, returning the status code.
+    async fn put_faults(&self, rules: Value) -> u16 {
+        self.http
+            .put(format!("{}/faults", self.control))
+            .json(&rules)
+            .send()
+            .await
+            .expect("PUT /faults")
+            .status()
+            .as_u16()
+    }
+
+    /// `DELETE path`, expecting success.
+    async fn delete(&self, path: &str) {
+        let resp = self
+            .http
+            .delete(format!("{}{path}", self.control))
+            .send()
+            .await
+            .expect("DELETE");
+        assert!(
+            resp.status().is_success(),
+            "DELETE {path}: {}",
+            resp.status()
+        );
+    }
+}
+
+/// Splits `smtp=ADDR control=ADDR` into its two addresses.
+fn parse_announce(line: &str) -> (String, String) {
+    let mut smtp = None;
+    let mut control = None;
+    for part in line.split_whitespace() {
+        if let Some(v) = part.strip_prefix("smtp=") {
+            smtp = Some(v.to_owned());
+        } else if let Some(v) = part.strip_prefix("control=") {
+            control = Some(v.to_owned());
+        }
+    }
+    match (smtp, control) {
+        (Some(s), Some(c)) => (s, c),
+        _ => panic!("unexpected startup line {line:?}"),
+    }
+}
+
+/// Builds a plain-text message from a fixed sender.
+fn email(to: &str, message_id: &str, subject: &str, body: &str) -> Message {
+    Message::builder()
+        .from("Postie Test <sender@example.com>".parse().expect("from"))
+        .to(to.parse().expect("to"))
+        .subject(subject)
+        .message_id(Some(message_id.to_owned()))
+        .body(body.to_owned())
+        .expect("valid message")
+}
+
+/// Sends one message with the given transport.
+async fn send(
+    mailer: &AsyncSmtpTransport<Tokio1Executor>,
+    to: &str,
+    message_id: &str,
+) -> Result<(), SmtpError> {
+    mailer
+        .send(email(to, message_id, "Test", "Hello.\r\n"))
+        .await
+        .map(|_| ())
+}
+
+/// Gives lettre's pool time to take back a connection.
+///
+/// lettre returns a connection to its pool from a spawned task when the send
+/// finishes, so a send issued immediately afterwards may open a second connection.
+async fn let_pool_recycle() {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// A raw SMTP client for protocol-level checks.
+struct RawSmtp {
+    stream: tokio::io::BufReader<TcpStream>,
+}
+
+impl RawSmtp {
+    /// Sends bytes verbatim.
+    async fn send(&mut self, data: &str) {
+        self.stream
+            .get_mut()
+            .write_all(data.as_bytes())
+            .await
+            .expect("write");
+    }
+
+    /// Reads one (possibly multi-line) reply; returns its lines without CRLF, or
+    /// an empty vector on EOF.
+    async fn reply(&mut self) -> Vec<String> {
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            let n = tokio::time::timeout(TIMEOUT, self.stream.read_line(&mut line))
+                .await
+                .expect("reply within timeout")
+                .expect("read");
+            if n == 0 {
+                return lines;
+            }
+            let line = line.trim_end_matches(['\r', '\n']).to_owned();
+            let last = line.as_bytes().get(3) != Some(&b'-');
+            lines.push(line);
+            if last {
+                return lines;
+            }
+        }
+    }
+
+    /// Reads a single-line reply and returns it.
+    async fn line(&mut self) -> String {
+        let lines = self.reply().await;
+        assert_eq!(lines.len(), 1, "expected one reply line, got {lines:?}");
+        lines.into_iter().next().unwrap_or_default()
+    }
+}
+
+/// Extracts a string field.
+fn str_field<'a>(v: &'a Value, key: &str) -> &'a str {
+    v[key]
+        .as_str()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+#[tokio::test]
+async fn records_message_headers_and_unstuffed_body() {
+    let sink = Sink::spawn();
+    let body = "first line\r\n.leading dot line\r\n..two dots\r\nlast line\r\n";
+    let msg = email(
+        "Rcpt One <rcpt@example.net>",
+        "<id-1@postie.test>",
+        "Hello sink",
+        body,
+    );
+    sink.mailer().send(msg).await.expect("send");
+
+    let listed = sink.messages(false).await;
+    assert_eq!(listed.len(), 1);
+    let m = &listed[0];
+    assert_eq!(m["seq"], 1);
+    assert_eq!(str_field(m, "message_id"), "<id-1@postie.test>");
+    assert_eq!(str_field(m, "mail_from"), "sender@example.com");
+    assert_eq!(m["rcpt_to"], json!(["rcpt@example.net"]));
+    assert_eq!(str_field(m, "subject"), "Hello sink");
+    assert!(m.get("raw").is_none(), "raw only on request: {m}");
+    let received = m["received_at_ms"].as_i64().expect("received_at_ms");
+    assert!(received > 1_600_000_000_000, "unix ms: {received}");
+
+    let with_raw = sink.messages(true).await;
+    let raw = str_field(&with_raw[0], "raw");
+    assert!(raw.contains("\r\n\r\nfirst line\r\n.leading dot line\r\n..two dots\r\nlast line"));
+    assert!(!raw.contains("..leading"), "dot-unstuffed: {raw:?}");
+    assert!(raw.contains("Message-ID: <id-1@postie.test>\r\n"));
+    assert_eq!(with_raw[0]["size"], raw.len());
+}
+
+#[tokio::test]
+async fn folded_subject_is_unfolded() {
+    let sink = Sink::spawn();
+    let subject = "A rather long subject line that a well-behaved client will fold \
+                   across several physical lines when it writes the header out";
+    let msg = email("rcpt@example.net", "<fold@postie.test>", subject, "x\r\n");
+    sink.mailer().send(msg).await.expect("send");
+    let m = &sink.messages(true).await[0];
+    let raw_headers = str_field(m, "raw").split("\r\n\r\n").next().unwrap_or("");
+    assert!(
+        raw_headers.contains("\r\n "),
+        "subject was folded: {raw_headers:?}"
+    );
+    assert_eq!(str_field(m, "subject"), subject);
+}
+
+#[tokio::test]
+async fn pooled_connection_carries_two_messages() {
+    let sink = Sink::spawn();
+    let mailer = sink.mailer();
+    send(&mailer, "a@example.net", "<pool-1@postie.test>")
+        .await
+        .expect("first send");
+    let_pool_recycle().await;
+    send(&mailer, "b@example.net", "<pool-2@postie.test>")
+        .await
+        .expect("second send");
+
+    let msgs = sink.messages(false).await;
+    let ids: Vec<_> = msgs.iter().map(|m| str_field(m, "message_id")).collect();
+    assert_eq!(ids, ["<pool-1@postie.test>", "<pool-2@postie.test>"]);
+    assert_eq!(msgs[1]["seq"], 2);
+    let stats = sink.stats().await;
+    assert_eq!(stats["accepted"], 2);
+    assert_eq!(stats["connections"], 1, "one pooled connection: {stats}");
+}
+
+#[tokio::test]
+async fn transient_rcpt_fault_fires_limited_times() {
+    let sink = Sink::spawn();
+    let rules = json!([{
+        "stage": "rcpt",
+        "action": {"reply": "451 4.3.0 try again later"},
+        "times": 2
+    }]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    let mailer = sink.mailer();
+
+    for attempt in 1..=2 {
+        let err = send(&mailer, "r@example.net", "<t@postie.test>")
+            .await
+            .expect_err("rejected while the rule is active");
+        assert!(err.is_transient(), "attempt {attempt}: {err}");
+    }
+    send(&mailer, "r@example.net", "<t@postie.test>")
+        .await
+        .expect("third attempt succeeds");
+
+    let faults = sink.get_json("/faults").await;
+    assert_eq!(faults[0]["times"], 0, "{faults}");
+    let stats = sink.stats().await;
+    assert_eq!(stats["faults_applied"], 2);
+    assert_eq!(stats["accepted"], 1);
+    assert_eq!(sink.messages(false).await.len(), 1);
+}
+
+#[tokio::test]
+async fn permanent_rcpt_fault_matches_recipient_substring() {
+    let sink = Sink::spawn();
+    let rules = json!([
+        {
+            "stage": "rcpt",
+            "rcpt_contains": "reject",
+            "action": {"reply": "550 5.1.1 no such user"}
+        },
+        {
+            "stage": "data_end",
+            "rcpt_contains": "spam",
+            "action": {"reply": "554 5.7.1 looks like spam"}
+        }
+    ]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    let mailer = sink.mailer();
+
+    let err = send(&mailer, "reject-me@example.net", "<p1@postie.test>")
+        .await
+        .expect_err("rejected");
+    assert!(err.is_permanent(), "{err}");
+    let err = send(&mailer, "spam@example.net", "<p3@postie.test>")
+        .await
+        .expect_err("rejected after the final dot");
+    assert!(err.is_permanent(), "{err}");
+    send(&mailer, "fine@example.net", "<p2@postie.test>")
+        .await
+        .expect("other recipients pass");
+
+    let msgs = sink.messages(false).await;
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(msgs[0]["rcpt_to"], json!(["fine@example.net"]));
+    let faults = sink.get_json("/faults").await;
+    assert!(faults[0]["times"].is_null(), "unlimited: {faults}");
+}
+
+#[tokio::test]
+async fn data_end_drop_with_deliver_records_but_client_fails() {
+    let sink = Sink::spawn();
+    let rules = json!([{
+        "stage": "data_end",
+        "action": {"drop": true, "deliver": true},
+        "times": 1
+    }]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    let mailer = sink.mailer();
+
+    let err = send(&mailer, "d@example.net", "<lost-reply@postie.test>").await;
+    assert!(err.is_err(), "client must not see success");
+    let msgs = sink.messages(false).await;
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(
+        str_field(&msgs[0], "message_id"),
+        "<lost-reply@postie.test>"
+    );
+
+    send(&mailer, "d@example.net", "<after@postie.test>")
+        .await
+        .expect("pool recovers with a new connection");
+    let stats = sink.stats().await;
+    assert_eq!(stats["dropped"], 1);
+    assert_eq!(stats["faults_applied"], 1);
+    assert_eq!(stats["accepted"], 2);
+}
+
+#[tokio::test]
+async fn delay_fault_slows_the_send() {
+    let sink = Sink::spawn();
+    let rules = json!([{"stage": "mail", "action": {"delay_ms": 400}}]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+
+    let started = Instant::now();
+    send(&sink.mailer(), "slow@example.net", "<slow@postie.test>")
+        .await
+        .expect("delayed send succeeds");
+    let elapsed = started.elapsed();
+    assert!(elapsed >= Duration::from_millis(400), "{elapsed:?}");
+    assert_eq!(sink.stats().await["faults_applied"], 1);
+    assert_eq!(sink.messages(false).await.len(), 1);
+}
+
+#[tokio::test]
+async fn delete_messages_clears_and_seq_keeps_counting() {
+    let sink = Sink::spawn();
+    let mailer = sink.mailer();
+    send(&mailer, "x@example.net", "<first@postie.test>")
+        .await
+        .expect("send");
+    assert_eq!(sink.messages(false).await.len(), 1);
+
+    sink.delete("/messages").await;
+    assert!(sink.messages(false).await.is_empty());
+
+    send(&mailer, "x@example.net", "<second@postie.test>")
+        .await
+        .expect("send");
+    let msgs = sink.messages(false).await;
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(msgs[0]["seq"], 2);
+}
+
+#[tokio::test]
+async fn raw_protocol_sequence_errors_and_pipelining() {
+    let sink = Sink::spawn();
+    let mut c = sink.raw().await;
+    assert_eq!(c.line().await, "220 postie-smtp-sink ESMTP");
+
+    c.send("MAIL FROM:<a@example.com>\r\n").await;
+    assert!(c.line().await.starts_with("503 "), "MAIL before EHLO");
+    c.send("ehlo client.test\r\n").await;
+    let ehlo = c.reply().await;
+    assert_eq!(ehlo.len(), 4, "{ehlo:?}");
+    assert!(ehlo.contains(&"250-SIZE 52428800".to_owned()));
+    assert!(ehlo.contains(&"250-8BITMIME".to_owned()));
+    assert_eq!(ehlo[3], "250 PIPELINING");
+
+    c.send("FROB\r\n").await;
+    assert!(c.line().await.starts_with("500 "));
+    c.send("VRFY someone\r\n").await;
+    assert!(c.line().await.starts_with("252 "));
+    c.send("RCPT TO:<x@example.net>\r\n").await;
+    assert!(c.line().await.starts_with("503 "), "RCPT before MAIL");
+    c.send(&format!("NOOP {}\r\n", "x".repeat(10_000))).await;
+    assert!(c.line().await.starts_with("500 "), "overlong line");
+    c.send("NOOP\r\n").await;
+    assert!(c.line().await.starts_with("250 "));
+
+    // Everything up to DATA pipelined in one write.
+    c.send(
+        "MAIL FROM:<a@example.com> BODY=8BITMIME\r\nRCPT TO:<c@example.net>\r\n\
+         rcpt to: <e@example.net> NOTIFY=NEVER\r\nDATA\r\n",
+    )
+    .await;
+    for _ in 0..3 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert!(c.line().await.starts_with("354 "));
+    c.send("Subject: raw\r\nmessage-id:  <raw@x> \r\n\r\n..x\r\n.\r\n")
+        .await;
+    assert_eq!(c.line().await, "250 2.0.0 Ok: queued as 1");
+
+    c.send("DATA\r\n").await;
+    assert!(c.line().await.starts_with("503 "), "DATA without MAIL");
+    c.send("MAIL FROM:<>\r\nRSET\r\nRCPT TO:<c@example.net>\r\n")
+        .await;
+    assert!(c.line().await.starts_with("250 "));
+    assert!(c.line().await.starts_with("250 "));
+    assert!(
+        c.line().await.starts_with("503 "),
+        "RSET ended the transaction"
+    );
+    c.send("QUIT\r\n").await;
+    assert!(c.line().await.starts_with("221 "));
+    assert!(c.reply().await.is_empty(), "closed after QUIT");
+
+    let m = &sink.messages(true).await[0];
+    assert_eq!(str_field(m, "mail_from"), "a@example.com");
+    assert_eq!(m["rcpt_to"], json!(["c@example.net", "e@example.net"]));
+    assert_eq!(str_field(m, "message_id"), "<raw@x>");
+    assert_eq!(str_field(m, "subject"), "raw");
+    assert_eq!(
+        str_field(m, "raw"),
+        "Subject: raw\r\nmessage-id:  <raw@x> \r\n\r\n.x\r\n"
+    );
+}
+
+#[tokio::test]
+async fn connect_and_data_faults_over_raw_smtp() {
+    let sink = Sink::spawn();
+    let rules = json!([
+        {"stage": "connect", "action": {"reply": "421 4.3.2 busy"}, "times": 1},
+        {"stage": "data", "action": {"reply": "452 4.3.1 full"}, "times": 1}
+    ]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+
+    let mut refused = sink.raw().await;
+    assert_eq!(refused.line().await, "421 4.3.2 busy");
+    assert!(
+        refused.reply().await.is_empty(),
+        "closed after connect fault"
+    );
+
+    let mut c = sink.raw().await;
+    assert!(c.line().await.starts_with("220 "));
+    c.send("HELO t\r\nMAIL FROM:<a@b>\r\nRCPT TO:<c@d>\r\nDATA\r\nRCPT TO:<c@d>\r\n")
+        .await;
+    for _ in 0..3 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert_eq!(c.line().await, "452 4.3.1 full");
+    assert!(c.line().await.starts_with("503 "), "transaction was reset");
+
+    let stats = sink.stats().await;
+    assert_eq!(stats["connections"], 2);
+    assert_eq!(stats["faults_applied"], 2);
+}
+
+#[tokio::test]
+async fn control_api_validates_and_clears_rules() {
+    let sink = Sink::spawn();
+    let health = sink
+        .http
+        .get(format!("{}/health", sink.control))
+        .send()
+        .await
+        .expect("GET /health");
+    assert_eq!(health.status(), 200);
+    assert_eq!(health.text().await.expect("body"), "ok");
+
+    let bad = [
+        json!([{"stage": "nope", "action": {"delay_ms": 1}}]),
+        json!([{"stage": "rcpt", "action": {}}]),
+        json!([{"stage": "rcpt", "action": {"reply": "oops"}}]),
+        json!([{"stage": "rcpt", "action": {"delay_ms": 1, "drop": true}}]),
+        json!({"stage": "rcpt"}),
+    ];
+    for rules in bad {
+        assert_eq!(sink.put_faults(rules.clone()).await, 400, "{rules}");
+    }
+
+    let rules = json!([{"stage": "data_end", "action": {"drop": true}, "times": 3}]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    let listed = sink.get_json("/faults").await;
+    assert_eq!(listed[0]["stage"], "data_end");
+    assert_eq!(listed[0]["action"]["drop"], true);
+    assert_eq!(listed[0]["action"]["deliver"], false);
+    assert_eq!(listed[0]["times"], 3);
+
+    sink.delete("/faults").await;
+    assert_eq!(sink.get_json("/faults").await, json!([]));
+    assert_eq!(
+        sink.stats().await,
+        json!({"accepted": 0, "connections": 0, "faults_applied": 0, "dropped": 0})
+    );
+}
+
+#[tokio::test]
+async fn maildir_receives_eml_copies() {
+    let dir: PathBuf = std::env::temp_dir().join(format!("postie-sink-{}", uuid::Uuid::new_v4()));
+    let dir_arg = dir.to_str().expect("utf-8 temp path").to_owned();
+    let sink = Sink::spawn_with(&["--maildir", &dir_arg]);
+    send(&sink.mailer(), "m@example.net", "<eml@postie.test>")
+        .await
+        .expect("send");
+
+    let raw = str_field(&sink.messages(true).await[0], "raw").to_owned();
+    let written = std::fs::read_to_string(dir.join("1.eml")).expect("1.eml written");
+    assert_eq!(written, raw);
+    drop(sink);
+    let _ = std::fs::remove_dir_all(&dir);
+}
