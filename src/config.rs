@@ -174,6 +174,7 @@ impl Default for WorkerSettings {
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSettings {
     /// Where `/metrics`, `/healthz` and `/readyz` listen; empty to disable.
+    #[serde(deserialize_with = "optional_addr")]
     pub listen: Option<SocketAddr>,
 }
 
@@ -222,6 +223,15 @@ pub struct ConfigError(String);
 impl Settings {
     /// Loads defaults, then `file` (if any), then the `POSTIE__…` environment.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_from(file, None)
+    }
+
+    /// Like [`Settings::load`], with `env` standing in for the process environment
+    /// when given (tests run many configurations in one process).
+    pub fn load_from(
+        file: Option<&Path>,
+        env: Option<std::collections::HashMap<String, String>>,
+    ) -> Result<Self, ConfigError> {
         let mut builder = config::Config::builder();
         if let Some(path) = file {
             if !path.exists() {
@@ -238,7 +248,8 @@ impl Settings {
                 .separator("__")
                 .list_separator(",")
                 .with_list_parse_key("topology.retry_steps")
-                .try_parsing(true),
+                .try_parsing(true)
+                .source(env),
         );
         let settings: Settings = builder
             .build()
@@ -326,6 +337,17 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}")))
 }
 
+fn optional_addr<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+    let text = Option::<String>::deserialize(d)?.unwrap_or_default();
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    text.trim()
+        .parse()
+        .map(Some)
+        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not an address like 127.0.0.1:9090: {e}")))
+}
+
 fn durations<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
     Vec::<String>::deserialize(d)?
         .iter()
@@ -357,6 +379,39 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         Settings::default().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn environment_overrides_defaults_and_parses_lists() {
+        let env = [
+            ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2m"),
+            ("POSTIE__AMQP__PREFETCH", "7"),
+            ("POSTIE__HTTP__LISTEN", ""),
+            ("POSTIE__SMTP__URL", "file:///tmp/x"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(
+            s.topology.retry_steps,
+            [Duration::from_secs(1), Duration::from_secs(120)]
+        );
+        assert_eq!(s.amqp.prefetch, 7);
+        assert_eq!(s.http.listen, None);
+    }
+
+    #[test]
+    fn bad_values_and_unknown_keys_fail_with_the_key_named() {
+        for (key, value, expected) in [
+            ("POSTIE__SMTP__TIMEOUT", "soon", "smtp.timeout"),
+            ("POSTIE__AMQP__PREFETCH", "lots", "amqp.prefetch"),
+            ("POSTIE__AMQP__PREFECH", "5", "prefech"),
+        ] {
+            let env = [(key.to_string(), value.to_string())].into_iter().collect();
+            let err = Settings::load_from(None, Some(env)).unwrap_err().to_string();
+            assert!(err.contains(expected), "{key}: {err}");
+        }
     }
 
     #[test]
