@@ -168,9 +168,8 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
     )
     .await?;
     println!("queues (ready messages, consumers):");
+    let mut channel = conn.create_channel().await?;
     for queue in topology.queues() {
-        // A passive declare fails (and closes the channel) if the queue is missing.
-        let channel = conn.create_channel().await?;
         let options = QueueDeclareOptions {
             passive: true,
             ..Default::default()
@@ -184,9 +183,14 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
                 q.message_count(),
                 q.consumer_count()
             ),
-            Err(_) => println!("  {queue:<24} (missing: run `postie topology`)"),
+            Err(_) => {
+                println!("  {queue:<24} (missing: run `postie topology`)");
+                // A failed passive declare closes the channel.
+                channel = conn.create_channel().await?;
+            }
         }
     }
+    let _ = channel.close(200, "done".into()).await;
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }

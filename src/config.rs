@@ -200,7 +200,7 @@ impl Default for LogSettings {
     fn default() -> Self {
         Self {
             format: LogFormat::Human,
-            filter: "info,lapin=warn".into(),
+            filter: "info,lapin=warn,tokio_postgres=warn".into(),
         }
     }
 }

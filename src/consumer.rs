@@ -140,7 +140,7 @@ impl Consumer {
         conn: &Connection,
         stop: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        self.topology.declare(&conn.create_channel().await?).await?;
+        declare(&self.topology, conn).await?;
         let consume = conn.create_channel().await?;
         consume
             .basic_qos(self.settings.amqp.prefetch, BasicQosOptions::default())
@@ -205,6 +205,8 @@ impl Consumer {
             tracker.close();
             tracker.wait().await;
         }
+        let _ = consume.close(200, "done".into()).await;
+        let _ = publish.close(200, "done".into()).await;
         Ok(end)
     }
 
@@ -369,6 +371,14 @@ fn log_outcome(outcome: &Outcome) {
             tracing::warn!(kind = kind.as_str(), attempts, %reason, "dead-lettered");
         }
     }
+}
+
+/// Declares the topology on a channel of its own, closed afterwards.
+async fn declare(topology: &Topology, conn: &Connection) -> anyhow::Result<()> {
+    let channel = conn.create_channel().await?;
+    topology.declare(&channel).await?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
 }
 
 async fn sleep_unless(stop: &CancellationToken, wait: Duration) {

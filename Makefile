@@ -1,0 +1,28 @@
+# postie — common tasks. `make help` lists them.
+CARGO ?= cargo
+
+.PHONY: help build test demo fmt lint check ci
+
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+
+build: ## release build of postie and the test SMTP sink
+	$(CARGO) build --release --locked
+
+test: ## the whole test suite (needs RabbitMQ and PostgreSQL on 127.0.0.1)
+	$(CARGO) test --locked --all-targets
+
+demo: ## migrate, serve, publish a few jobs, show the delivered emails
+	bash scripts/demo.sh
+
+fmt: ## format the code
+	$(CARGO) fmt
+
+lint: ## formatting and clippy, warnings are errors
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets --locked -- -D warnings
+
+check: lint test ## what CI checks
+
+ci: ## what CI runs: start services if needed, then the tests
+	bash .ci/run
