@@ -181,6 +181,10 @@ impl EmailJob {
                 e.valid_up_to()
             ))
         })?;
+        // serde would also read a struct from a JSON array in field order: refuse it.
+        if !text.trim_start().starts_with('{') {
+            return invalid("body is not a JSON object");
+        }
         let raw: RawJob = serde_json::from_str(text).map_err(|e| {
             // serde_json's message names the field and position but never echoes values.
             InvalidJob(format!("body is not a valid job: {e}"))
