@@ -8,6 +8,8 @@ use lapin::types::FieldTable;
 
 use crate::amqp;
 use crate::config::Settings;
+use crate::consumer::resolve_topology;
+use crate::delay::{HEADER_PUBLISHED_AT, HEADER_X_DELAY};
 use crate::inbox::Inbox;
 use crate::job::{EmailJob, ParseRules};
 use crate::topology::{Topology, ROUTING_KEY};
@@ -26,9 +28,9 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Declares the topology (or deletes it) and prints the names.
+/// Declares the topology (or deletes it) and prints the mode and the names.
 pub async fn topology(settings: &Settings, delete: bool) -> anyhow::Result<()> {
-    let topology = Topology::new(&settings.topology);
+    let topology = resolve_topology(settings).await?;
     let conn = amqp::connect(
         &settings.amqp.url,
         "postie-topology",
@@ -44,6 +46,11 @@ pub async fn topology(settings: &Settings, delete: bool) -> anyhow::Result<()> {
         );
     } else {
         topology.declare(&channel).await?;
+        println!(
+            "delay mode: {} (configured: {})",
+            topology.mode_name(),
+            settings.delay.mode.as_str()
+        );
         println!("exchanges: {}", topology.exchanges().join(", "));
         println!("queues:    {}", topology.queues().join(", "));
     }
@@ -118,8 +125,9 @@ pub async fn publish(settings: &Settings, request: &PublishRequest) -> anyhow::R
             default_from: settings.smtp.default_from.as_deref(),
         },
     )
-    .map_err(|e| anyhow::anyhow!("not a valid job: {e}"))?;
-    let topology = Topology::new(&settings.topology);
+    .map_err(|e| anyhow::anyhow!("refusing to publish: {e}"))?;
+    // Only the entry exchange's name is needed, and it is the same in every mode.
+    let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
     let conn = amqp::connect(
         &settings.amqp.url,
         "postie-publish",
@@ -129,11 +137,13 @@ pub async fn publish(settings: &Settings, request: &PublishRequest) -> anyhow::R
     let channel = amqp::confirm_channel(&conn).await?;
     let mut headers = FieldTable::default();
     if let Some(delay) = request.delay {
-        amqp::set_int(&mut headers, "x-delay", delay.as_millis() as i64);
+        amqp::set_int(&mut headers, HEADER_X_DELAY, delay.as_millis() as i64);
     }
+    let now = chrono::Utc::now();
+    amqp::set_int(&mut headers, HEADER_PUBLISHED_AT, now.timestamp_millis());
     let properties = amqp::job_properties()
         .with_headers(headers)
-        .with_timestamp(chrono::Utc::now().timestamp() as u64);
+        .with_timestamp(now.timestamp() as u64);
     amqp::publish_confirmed(
         &channel,
         &topology.delayed_exchange(),
@@ -160,7 +170,8 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
     println!("  duplicates suppressed: {}", counts.duplicates);
     println!("  leases taken over:     {}", counts.takeovers);
 
-    let topology = Topology::new(&settings.topology);
+    let topology = resolve_topology(settings).await?;
+    println!("delay mode: {}", topology.mode_name());
     let conn = amqp::connect(
         &settings.amqp.url,
         "postie-status",

@@ -11,6 +11,8 @@ use std::time::Duration;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer};
 
+pub use crate::delay::DelayMode;
+
 /// Everything postie can be told.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -25,6 +27,8 @@ pub struct Settings {
     pub topology: TopologySettings,
     /// The consumer and the unit of work.
     pub worker: WorkerSettings,
+    /// How `x-delay` is honoured.
+    pub delay: DelaySettings,
     /// The HTTP endpoint (metrics and health).
     pub http: HttpSettings,
     /// Logging.
@@ -169,6 +173,35 @@ impl Default for WorkerSettings {
     }
 }
 
+/// Delays: plugin or ladder mode.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DelaySettings {
+    /// `auto`, `plugin` or `ladder` (see README, "Delays").
+    pub mode: DelayMode,
+    /// Ladder mode: the unit of the TTL cascade. Smaller means more levels; the
+    /// worker waits out the last sub-unit rest, so this is not the lateness.
+    #[serde(deserialize_with = "duration")]
+    pub resolution: Duration,
+    /// Ladder mode: the longest accepted `x-delay`; longer jobs are dead-lettered.
+    /// (Plugin mode: the plugin's 2^32-1 ms.)
+    #[serde(deserialize_with = "duration")]
+    pub max: Duration,
+    /// Ladder mode: intake deliveries relayed at once per instance (and its prefetch).
+    pub relay_concurrency: u16,
+}
+
+impl Default for DelaySettings {
+    fn default() -> Self {
+        Self {
+            mode: DelayMode::Auto,
+            resolution: Duration::from_millis(100),
+            max: Duration::from_secs(366 * 86_400),
+            relay_concurrency: 64,
+        }
+    }
+}
+
 /// HTTP endpoint settings.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -276,6 +309,12 @@ impl Settings {
         }
         if self.topology.retry_steps.iter().any(|d| d.is_zero()) {
             return fail("topology.retry_steps must all be above zero".into());
+        }
+        if self.delay.resolution.is_zero() || self.delay.max < self.delay.resolution {
+            return fail("delay.resolution must be above zero and below delay.max".into());
+        }
+        if self.delay.relay_concurrency == 0 {
+            return fail("delay.relay_concurrency must be at least 1".into());
         }
         if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
             return fail("worker.concurrency and amqp.prefetch must be at least 1".into());

@@ -1,11 +1,15 @@
-//! `postie serve`: the supervised consume loop.
+//! `postie serve`: the supervised consume loops.
 //!
-//! One connection, one consuming channel (prefetch N, manual ack) and one publishing
-//! channel with confirms. Each delivery goes to the [`Worker`]; its [`Outcome`] is
-//! mapped here to "publish (confirmed) then ack". If the connection or the consumer
-//! is lost, in-flight work finishes or is abandoned unacked (the broker redelivers),
-//! and the loop reconnects with backoff. On stop it cancels the consumer, lets
-//! in-flight deliveries finish within the drain timeout, and closes cleanly.
+//! One connection per session, one publishing channel with confirms, and one
+//! consuming channel per role: the **send** role (`<p>.send` → [`Worker`]) and, in
+//! ladder mode, the **relay** role (`<p>.intake` → [`relay::decide`]). Each delivery's
+//! outcome is mapped here to "publish (confirmed) then ack", so the rule "no ack before
+//! the outcome is durable" lives in one place.
+//!
+//! If the connection, a channel or a consumer is lost, in-flight work finishes or is
+//! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
+//! On stop, consumers are cancelled, in-flight deliveries get the drain timeout to
+//! finish, and the connection is closed cleanly.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,16 +26,19 @@ use tracing::Instrument;
 
 use crate::amqp::{self, PublishError};
 use crate::config::Settings;
+use crate::delay::{HEADER_DUE_AT, HEADER_X_DELAY};
 use crate::inbox::Inbox;
 use crate::mailer::Mailer;
-use crate::topology::{Topology, ROUTING_KEY};
-use crate::worker::{Health, Outcome, Worker};
+use crate::relay::{self, Decision};
+use crate::topology::{self, DelayLayout, Topology, ROUTING_KEY};
+use crate::worker::{now_ms, DeadKind, Health, Outcome, Worker};
 
 /// How long in-flight deliveries get to finish after a stop is asked for.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs the service until `stop` is cancelled. Fails fast (one clear error) if a
-/// dependency is unreachable at start-up; after that, outages are ridden out.
+/// dependency is unreachable or misconfigured at start-up; after that, outages are
+/// ridden out.
 pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Result<()> {
     let inbox = Inbox::new(&settings.database)?;
     inbox.check(&settings.database.url).await?;
@@ -41,13 +48,11 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         }
     }
     let mailer = Mailer::new(&settings.smtp)?;
-    let topology = Topology::new(&settings.topology);
+    let topology = resolve_topology(&settings).await?;
     let owner = settings.instance_id();
     let connection =
         amqp::connect(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
-    topology
-        .declare(&connection.create_channel().await?)
-        .await?;
+    declare(&topology, &connection).await?;
 
     let hard_stop = CancellationToken::new();
     let worker = Worker::new(
@@ -60,29 +65,58 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         Health::default(),
         hard_stop.clone(),
     );
-    let consumer = Consumer {
+    let service = Service {
         worker,
         topology,
         settings: Arc::new(settings),
         owner,
         hard_stop,
     };
-    tracing::info!(instance = %consumer.owner, queue = %consumer.topology.send_queue(), "postie serving");
-    consumer.run(connection, stop).await;
+    tracing::info!(
+        instance = %service.owner,
+        delay_mode = service.topology.mode_name(),
+        queue = %service.topology.send_queue(),
+        "postie serving"
+    );
+    service.run(connection, stop).await;
     tracing::info!("postie stopped");
     Ok(())
+}
+
+/// Resolves `delay.mode` (probing the broker for `auto`) and logs the choice.
+pub async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
+    let mode = topology::resolve_mode(
+        settings.delay.mode,
+        &settings.topology,
+        &settings.amqp.url,
+        settings.amqp.connect_timeout,
+    )
+    .await?;
+    if mode != settings.delay.mode {
+        tracing::info!(configured = settings.delay.mode.as_str(), chosen = mode.as_str(), "delay mode probed");
+    }
+    Ok(Topology::new(&settings.topology, &settings.delay, mode))
 }
 
 /// Why a session with the broker ended.
 enum SessionEnd {
     /// A stop was asked for; drained.
     Stopped,
-    /// The connection, a channel or the consumer went away.
+    /// The connection, a channel or a consumer went away.
     Lost(String),
 }
 
+/// What a consume loop does with its deliveries.
+#[derive(Clone, Copy, Debug)]
+enum Role {
+    /// `<p>.send`: claim, send, record.
+    Send,
+    /// `<p>.intake`: route into the ladder.
+    Relay,
+}
+
 #[derive(Clone)]
-struct Consumer {
+struct Service {
     worker: Worker,
     topology: Topology,
     settings: Arc<Settings>,
@@ -90,7 +124,7 @@ struct Consumer {
     hard_stop: CancellationToken,
 }
 
-impl Consumer {
+impl Service {
     async fn run(&self, first: Connection, stop: CancellationToken) {
         let mut connection = Some(first);
         let mut backoff = Duration::from_millis(200);
@@ -126,7 +160,7 @@ impl Consumer {
                     tracing::warn!(%reason, "lost the broker session; reconnecting");
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "broker session failed; reconnecting");
+                    tracing::warn!(error = %crate::describe_error(&error), "broker session failed; reconnecting");
                 }
             }
             let _ = conn.close(320, "postie reconnecting".into()).await;
@@ -135,31 +169,79 @@ impl Consumer {
         }
     }
 
-    async fn session(
+    /// One connection's worth of work: every role's consume loop, until one is lost
+    /// or a stop is asked for.
+    async fn session(&self, conn: &Connection, stop: &CancellationToken) -> anyhow::Result<SessionEnd> {
+        declare(&self.topology, conn).await?;
+        let publish = amqp::confirm_channel(conn).await?;
+        let session_stop = stop.child_token();
+        let send = self.consume_loop(
+            conn,
+            Role::Send,
+            self.topology.send_queue(),
+            self.settings.amqp.prefetch,
+            self.settings.worker.concurrency,
+            &publish,
+            &session_stop,
+        );
+        let end = if let DelayLayout::Ladder(_) = self.topology.delay() {
+            let concurrency = self.settings.delay.relay_concurrency;
+            let relay = self.consume_loop(
+                conn,
+                Role::Relay,
+                self.topology.intake_queue(),
+                concurrency,
+                concurrency as usize,
+                &publish,
+                &session_stop,
+            );
+            tokio::pin!(send, relay);
+            // When one loop ends, the other is told to drain and stop too.
+            let first = tokio::select! {
+                end = &mut send => { session_stop.cancel(); let _ = relay.await; end }
+                end = &mut relay => { session_stop.cancel(); let _ = send.await; end }
+            };
+            first
+        } else {
+            send.await
+        }?;
+        let _ = publish.close(200, "done".into()).await;
+        Ok(match end {
+            SessionEnd::Lost(reason) => SessionEnd::Lost(reason),
+            SessionEnd::Stopped if stop.is_cancelled() => SessionEnd::Stopped,
+            SessionEnd::Stopped => SessionEnd::Lost("a sibling consumer ended".into()),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn consume_loop(
         &self,
         conn: &Connection,
+        role: Role,
+        queue: String,
+        prefetch: u16,
+        concurrency: usize,
+        publish: &Channel,
         stop: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        declare(&self.topology, conn).await?;
-        let consume = conn.create_channel().await?;
-        consume
-            .basic_qos(self.settings.amqp.prefetch, BasicQosOptions::default())
+        let channel = conn.create_channel().await?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
             .await?;
-        let publish = amqp::confirm_channel(conn).await?;
-        let mut deliveries = consume
+        let mut deliveries = channel
             .basic_consume(
-                self.topology.send_queue().as_str().into(),
-                format!("postie-{}", self.owner).into(),
+                queue.as_str().into(),
+                format!("postie-{}-{role:?}", self.owner).into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await?;
         let health = self.worker.health().clone();
-        let slots = Arc::new(Semaphore::new(self.settings.worker.concurrency));
+        let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
         let end = loop {
-            if !health.database_up() {
+            if matches!(role, Role::Send) && !health.database_up() {
                 tokio::select! {
                     _ = stop.cancelled() => break SessionEnd::Stopped,
                     _ = health.wait_database_up() => tracing::info!("PostgreSQL answers again; resuming"),
@@ -174,13 +256,16 @@ impl Consumer {
                 next = deliveries.next() => next,
             };
             match next {
-                None => break SessionEnd::Lost("the broker cancelled the consumer".into()),
+                None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
                 Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
                 Some(Ok(delivery)) => {
                     let this = self.clone();
                     let publish = publish.clone();
                     tracker.spawn(async move {
-                        this.handle(delivery, &publish).await;
+                        match role {
+                            Role::Send => this.handle_send(delivery, &publish).await,
+                            Role::Relay => this.handle_relay(delivery, &publish).await,
+                        }
                         drop(permit);
                     });
                 }
@@ -189,14 +274,11 @@ impl Consumer {
 
         if let SessionEnd::Stopped = end {
             // Stop taking work; prefetched but unstarted deliveries go back on close.
-            let _ = consume
+            let _ = channel
                 .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
                 .await;
             tracker.close();
-            if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait())
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait()).await.is_err() {
                 tracing::warn!("drain timeout: abandoning in-flight deliveries to redelivery");
                 self.hard_stop.cancel();
                 tracker.wait().await;
@@ -205,12 +287,11 @@ impl Consumer {
             tracker.close();
             tracker.wait().await;
         }
-        let _ = consume.close(200, "done".into()).await;
-        let _ = publish.close(200, "done".into()).await;
+        let _ = channel.close(200, "done".into()).await;
         Ok(end)
     }
 
-    async fn handle(&self, delivery: Delivery, publish: &Channel) {
+    async fn handle_send(&self, delivery: Delivery, publish: &Channel) {
         let span = tracing::info_span!(
             "delivery",
             key = tracing::field::Empty,
@@ -218,8 +299,9 @@ impl Consumer {
             redelivered = delivery.redelivered,
         );
         async {
-            let headers = delivery.properties.headers().as_ref();
-            let outcome = match self.worker.process(&delivery.data, headers).await {
+            let props = &delivery.properties;
+            let headers = props.headers().as_ref();
+            let outcome = match self.worker.process(&delivery.data, headers, *props.timestamp()).await {
                 Ok(outcome) => outcome,
                 Err(interrupted) => {
                     tracing::warn!(%interrupted, "leaving the delivery unacked for redelivery");
@@ -227,95 +309,84 @@ impl Consumer {
                 }
             };
             log_outcome(&outcome);
-            if let Err(error) = self.settle(&delivery, &outcome, publish).await {
-                tracing::warn!(%error, "could not publish the outcome; leaving the delivery unacked");
-                return;
-            }
-            match delivery.acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => {}
-                Ok(false) | Err(_) => {
-                    tracing::warn!("ack not delivered (channel gone); the broker will redeliver and the inbox will suppress it")
+            if let Some((exchange, routing_key, headers)) = self.republish_target(&outcome, headers) {
+                if let Err(error) = self.publish_retrying(publish, &delivery, &exchange, &routing_key, headers).await {
+                    tracing::warn!(%error, "could not publish the outcome; leaving the delivery unacked");
+                    return;
                 }
             }
+            ack(&delivery).await;
         }
         .instrument(span)
         .await
     }
 
-    /// Makes the outcome durable on the broker where it needs a new message.
-    async fn settle(
-        &self,
-        delivery: &Delivery,
-        outcome: &Outcome,
-        publish: &Channel,
-    ) -> Result<(), PublishError> {
-        let original = delivery.properties.headers().as_ref();
-        let (exchange, routing_key, headers) = match outcome {
-            Outcome::Sent { .. } | Outcome::SentFenceLost { .. } | Outcome::Duplicate { .. } => {
-                return Ok(())
+    async fn handle_relay(&self, delivery: Delivery, publish: &Channel) {
+        let props = &delivery.properties;
+        let headers = props.headers().as_ref();
+        let (exchange, routing_key, headers) = match relay::decide(&self.topology, headers, *props.timestamp(), now_ms()) {
+            Decision::Forward { exchange, routing_key, due_ms } => {
+                let mut stamped = amqp::without(headers, &[]);
+                amqp::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
+                (exchange, routing_key, stamped)
             }
-            Outcome::Deferred { step, .. } => (
-                String::new(),
-                self.topology.retry_queue(*step),
-                amqp::without(original, &[]),
-            ),
-            Outcome::Retry {
-                step,
-                attempt,
-                error,
-                ..
-            } => {
+            Decision::Invalid(reason) => {
+                tracing::warn!(%reason, "dead-lettered at intake");
+                let headers = dead_letter_headers(headers, DeadKind::Invalid, &reason, 0);
+                (self.topology.dead_exchange(), ROUTING_KEY.to_string(), headers)
+            }
+        };
+        match self.publish_retrying(publish, &delivery, &exchange, &routing_key, headers).await {
+            Ok(()) => ack(&delivery).await,
+            Err(error) => tracing::warn!(%error, "relay publish failed; leaving the intake delivery unacked"),
+        }
+    }
+
+    /// Where an outcome must be published before the ack, if anywhere.
+    fn republish_target(&self, outcome: &Outcome, original: Option<&FieldTable>) -> Option<(String, String, FieldTable)> {
+        Some(match outcome {
+            Outcome::Sent { .. } | Outcome::SentFenceLost { .. } | Outcome::Duplicate { .. } => return None,
+            Outcome::Deferred { step, .. } => (String::new(), self.topology.retry_queue(*step), amqp::without(original, &[])),
+            Outcome::Early { due_ms, early_ms, .. } => {
+                // Back through the delayed exchange: the relay (ladder) reads the due
+                // time; the plugin reads x-delay, set to what is left.
+                let mut headers = amqp::without(original, &[]);
+                amqp::set_int(&mut headers, HEADER_DUE_AT, *due_ms);
+                amqp::set_int(&mut headers, HEADER_X_DELAY, *early_ms);
+                (self.topology.delayed_exchange(), ROUTING_KEY.to_string(), headers)
+            }
+            Outcome::Retry { step, attempt, error, .. } => {
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, amqp::HEADER_ATTEMPT, i64::from(*attempt));
                 amqp::set_text(&mut headers, amqp::HEADER_LAST_ERROR, error);
                 (String::new(), self.topology.retry_queue(*step), headers)
             }
-            Outcome::DeadLetter {
-                kind,
-                reason,
-                attempts,
-                ..
-            } => {
-                // Without the attempt header, a replayed dead letter starts a fresh cycle.
-                let mut headers = amqp::without(original, &[amqp::HEADER_ATTEMPT]);
-                amqp::set_text(&mut headers, amqp::HEADER_DEAD_REASON, reason);
-                amqp::set_text(&mut headers, amqp::HEADER_DEAD_KIND, kind.as_str());
-                amqp::set_text(
-                    &mut headers,
-                    amqp::HEADER_DEAD_AT,
-                    &chrono::Utc::now().to_rfc3339(),
-                );
-                amqp::set_int(
-                    &mut headers,
-                    amqp::HEADER_DEAD_ATTEMPTS,
-                    i64::from(*attempts),
-                );
-                (
-                    self.topology.dead_exchange(),
-                    ROUTING_KEY.to_string(),
-                    headers,
-                )
-            }
-        };
-        let properties: BasicProperties = delivery
-            .properties
-            .clone()
-            .with_delivery_mode(2)
-            .with_headers(headers);
+            Outcome::DeadLetter { kind, reason, attempts, .. } => (
+                self.topology.dead_exchange(),
+                ROUTING_KEY.to_string(),
+                dead_letter_headers(original, *kind, reason, *attempts),
+            ),
+        })
+    }
+
+    /// Publishes a copy of the delivery (confirmed, persistent) with new headers,
+    /// retrying while the broker refuses it; gives up only if the channel is gone
+    /// (the delivery then returns to its queue by itself) or on hard stop.
+    async fn publish_retrying(
+        &self,
+        publish: &Channel,
+        delivery: &Delivery,
+        exchange: &str,
+        routing_key: &str,
+        headers: FieldTable,
+    ) -> Result<(), PublishError> {
+        let properties: BasicProperties = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
+        // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
+        let mandatory = !(exchange == self.topology.delayed_exchange() && self.topology.delay() == DelayLayout::Plugin);
         let mut backoff = Duration::from_millis(100);
         loop {
-            match amqp::publish_confirmed(
-                publish,
-                &exchange,
-                &routing_key,
-                true,
-                &delivery.data,
-                properties.clone(),
-            )
-            .await
-            {
+            match amqp::publish_confirmed(publish, exchange, routing_key, mandatory, &delivery.data, properties.clone()).await {
                 Ok(()) => return Ok(()),
-                // The channel is gone: the delivery goes back to the queue by itself.
                 Err(PublishError::Broker(e)) => return Err(PublishError::Broker(e)),
                 Err(error) => {
                     tracing::warn!(%error, "republish refused; retrying");
@@ -330,13 +401,33 @@ impl Consumer {
     }
 }
 
+/// Headers of a dead letter: the original ones, the reason, and no retry counter
+/// (so that a replay starts a fresh cycle).
+fn dead_letter_headers(original: Option<&FieldTable>, kind: DeadKind, reason: &str, attempts: u32) -> FieldTable {
+    let mut headers = amqp::without(original, &[amqp::HEADER_ATTEMPT]);
+    amqp::set_text(&mut headers, amqp::HEADER_DEAD_REASON, reason);
+    amqp::set_text(&mut headers, amqp::HEADER_DEAD_KIND, kind.as_str());
+    amqp::set_text(&mut headers, amqp::HEADER_DEAD_AT, &chrono::Utc::now().to_rfc3339());
+    amqp::set_int(&mut headers, amqp::HEADER_DEAD_ATTEMPTS, i64::from(attempts));
+    headers
+}
+
+async fn ack(delivery: &Delivery) {
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => {}
+        Ok(false) | Err(_) => {
+            tracing::warn!("ack not delivered (channel gone); the broker will redeliver and the inbox will suppress it")
+        }
+    }
+}
+
 fn log_outcome(outcome: &Outcome) {
     let span = tracing::Span::current();
     span.record("outcome", outcome.label());
     match outcome {
-        Outcome::Sent { key, takeover } => {
+        Outcome::Sent { key, takeover, lateness_ms } => {
             span.record("key", key.as_str());
-            tracing::info!(takeover, "sent");
+            tracing::info!(takeover, lateness_ms, "sent");
         }
         Outcome::SentFenceLost { key } => {
             span.record("key", key.as_str());
@@ -350,21 +441,15 @@ fn log_outcome(outcome: &Outcome) {
             span.record("key", key.as_str());
             tracing::info!(step, "claimed elsewhere; parked until the lease ends");
         }
-        Outcome::Retry {
-            key,
-            step,
-            attempt,
-            error,
-        } => {
+        Outcome::Early { key, early_ms, .. } => {
+            span.record("key", key.as_str());
+            tracing::warn!(early_ms, "arrived before its due time; sent back to wait");
+        }
+        Outcome::Retry { key, step, attempt, error } => {
             span.record("key", key.as_str());
             tracing::warn!(step, attempt, %error, "transient failure; will retry");
         }
-        Outcome::DeadLetter {
-            key,
-            kind,
-            reason,
-            attempts,
-        } => {
+        Outcome::DeadLetter { key, kind, reason, attempts } => {
             if let Some(key) = key {
                 span.record("key", key.as_str());
             }

@@ -193,22 +193,28 @@ impl Inbox {
 
     /// Records the send. `false` means the fence moved: another instance took the
     /// key over while this one was sending (counted as a possible duplicate).
+    /// `due_ms` (Unix ms) is kept so that `sent_at - due_at` is the lateness.
     pub async fn mark_sent(
         &self,
         key: &str,
         fence: i64,
         message_id: &str,
+        due_ms: i64,
     ) -> Result<bool, DbError> {
-        self.complete(
-            "UPDATE postie_inbox SET status = 'sent', sent_at = now(), updated_at = now(),
-                    attempts = attempts + 1, owner = NULL, lease_until = NULL,
-                    message_id = $3, last_error = NULL
-              WHERE key = $1 AND fence = $2",
-            key,
-            fence,
-            message_id,
-        )
-        .await
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE postie_inbox SET status = 'sent', sent_at = clock_timestamp(),
+                        updated_at = now(), attempts = attempts + 1, owner = NULL,
+                        lease_until = NULL, message_id = $3, last_error = NULL,
+                        due_at = to_timestamp($4::bigint / 1000.0)
+                  WHERE key = $1 AND fence = $2",
+            )
+            .await?;
+        Ok(client
+            .execute(&stmt, &[&key, &fence, &message_id, &due_ms])
+            .await?
+            == 1)
     }
 
     /// Records a transient failure; the job goes to a retry queue.

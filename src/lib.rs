@@ -5,9 +5,11 @@
 //!
 //! - [`config`]: typed settings in layers (defaults, file, `POSTIE__…` environment).
 //! - [`topology`]: the exchanges and queues, declared idempotently.
+//! - [`delay`]: the `x-delay` contract: due times, and the plugin-free TTL ladder.
 //! - [`job`]: the producers' contract: parse and validate one message into an [`job::EmailJob`].
 //! - [`inbox`]: the PostgreSQL inbox: migrations, claim by key, record the outcome.
 //! - [`mailer`]: build the email and hand it to SMTP (or to `.eml` files).
+//! - [`relay`]: ladder mode: route each new job into the TTL cascade by its due time.
 //! - [`worker`]: the unit of work: one delivery in, one named [`worker::Outcome`] out.
 //! - [`consumer`]: the supervised consume loop: maps outcomes to publish + ack.
 //! - [`amqp`]: connections, confirmed publishes and header helpers.
@@ -19,9 +21,11 @@ pub mod amqp;
 pub mod commands;
 pub mod config;
 pub mod consumer;
+pub mod delay;
 pub mod inbox;
 pub mod job;
 pub mod mailer;
+pub mod relay;
 pub mod telemetry;
 pub mod topology;
 pub mod worker;

@@ -1,22 +1,36 @@
 //! The broker objects (DESIGN §2), named from one prefix and declared idempotently.
 //!
 //! ```text
-//! producers ──▶ <p>.delayed ──email──▶ <p>.send ◀──email── <p>.work ◀─ TTL ─ <p>.retry.<n>
-//!                                         │ (delivery limit)                     ▲
-//!                                         ▼                                      │ republish
-//!                                     <p>.dlx ──▶ <p>.dead ◀── dead letters ── postie
+//! plugin:  producers ─▶ <p>.delayed (x-delayed-message) ─────────────────────┐
+//! ladder:  producers ─▶ <p>.delayed (direct) ─▶ <p>.intake ─▶ relay ─▶ <p>.delay.<k> cascade
+//!                                                                 │        │
+//!                                                                 ▼        ▼
+//!          <p>.retry.<n> ── TTL ──▶ <p>.work ──email──▶ <p>.send ◀──────────┘
+//!                                                    │ (delivery limit)
+//!                                                    ▼
+//!                               <p>.dlx ──▶ <p>.dead ◀── dead letters (with reasons)
 //! ```
 
 use std::time::Duration;
 
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
 
-use crate::config::TopologySettings;
+use crate::config::{DelaySettings, TopologySettings};
+use crate::delay::{DelayMode, Ladder, PLUGIN_MAX_DELAY};
+
+/// How `<p>.delayed` holds jobs until due: the resolved delay mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DelayLayout {
+    /// The broker's delayed-message plugin.
+    Plugin,
+    /// postie's intake relay and TTL cascade.
+    Ladder(Ladder),
+}
 
 /// The routing key of the contract: producers publish with it and every internal
 /// hop keeps it.
@@ -28,6 +42,8 @@ pub struct Topology {
     prefix: String,
     retry_steps: Vec<Duration>,
     delivery_limit: u32,
+    delay: DelayLayout,
+    max_delay: Duration,
 }
 
 /// A declaration the broker refused, with the fix spelled out.
@@ -44,6 +60,27 @@ pub enum TopologyError {
         /// The broker's text.
         detail: String,
     },
+    /// `<p>.delayed` exists with the other mode's exchange type.
+    #[error(
+        "exchange {exchange} already exists with another type, so it was declared for the other \
+         delay mode ({detail}); set delay.mode to match it, or switch modes deliberately: stop \
+         publishers, let pending delayed jobs drain, delete {exchange}, then start postie"
+    )]
+    ModeMismatch {
+        /// The exchange.
+        exchange: String,
+        /// The broker's text.
+        detail: String,
+    },
+    /// Plugin mode on a broker without the plugin (503 unknown exchange type).
+    #[error(
+        "delay.mode = plugin, but the broker has no delayed-message plugin ({detail}); enable \
+         rabbitmq_delayed_message_exchange on the broker, or set delay.mode = ladder (or auto)"
+    )]
+    PluginMissing {
+        /// The broker's text.
+        detail: String,
+    },
     /// Anything else the broker or the connection said.
     #[error("declaring {what}: {source}")]
     Broker {
@@ -56,12 +93,58 @@ pub enum TopologyError {
 }
 
 impl Topology {
-    /// Builds the names from the settings.
-    pub fn new(settings: &TopologySettings) -> Self {
+    /// Builds the names from the settings, for a resolved delay mode (`Auto` is
+    /// resolved by [`resolve_mode`] first; here it is taken as `Ladder`).
+    pub fn new(settings: &TopologySettings, delay: &DelaySettings, mode: DelayMode) -> Self {
+        let (layout, max_delay) = match mode {
+            DelayMode::Plugin => (DelayLayout::Plugin, PLUGIN_MAX_DELAY),
+            DelayMode::Ladder | DelayMode::Auto => (
+                DelayLayout::Ladder(Ladder::new(delay.resolution, delay.max)),
+                delay.max,
+            ),
+        };
         Self {
             prefix: settings.prefix.clone(),
             retry_steps: settings.retry_steps.clone(),
             delivery_limit: settings.delivery_limit,
+            delay: layout,
+            max_delay,
+        }
+    }
+
+    /// The resolved delay layout.
+    pub fn delay(&self) -> DelayLayout {
+        self.delay
+    }
+
+    /// The resolved mode's name.
+    pub fn mode_name(&self) -> &'static str {
+        match self.delay {
+            DelayLayout::Plugin => "plugin",
+            DelayLayout::Ladder(_) => "ladder",
+        }
+    }
+
+    /// The longest accepted `x-delay`.
+    pub fn max_delay(&self) -> Duration {
+        self.max_delay
+    }
+
+    /// Ladder mode: the queue the intake relay consumes.
+    pub fn intake_queue(&self) -> String {
+        format!("{}.intake", self.prefix)
+    }
+
+    /// Ladder mode: level `k`'s exchange and queue (same name, different kinds).
+    pub fn delay_level(&self, k: u32) -> String {
+        format!("{}.delay.{k}", self.prefix)
+    }
+
+    /// Ladder mode: where the relay enters the cascade (the top level's exchange).
+    pub fn ladder_entry(&self) -> Option<String> {
+        match self.delay {
+            DelayLayout::Ladder(ladder) => Some(self.delay_level(ladder.levels() - 1)),
+            DelayLayout::Plugin => None,
         }
     }
 
@@ -104,16 +187,24 @@ impl Topology {
     pub fn queues(&self) -> Vec<String> {
         let mut queues = vec![self.send_queue(), self.dead_queue()];
         queues.extend((0..self.retry_steps.len()).map(|n| self.retry_queue(n)));
+        if let DelayLayout::Ladder(ladder) = self.delay {
+            queues.push(self.intake_queue());
+            queues.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
+        }
         queues
     }
 
     /// Every exchange, for clean-up.
     pub fn exchanges(&self) -> Vec<String> {
-        vec![
+        let mut exchanges = vec![
             self.delayed_exchange(),
             self.work_exchange(),
             self.dead_exchange(),
-        ]
+        ];
+        if let DelayLayout::Ladder(ladder) = self.delay {
+            exchanges.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
+        }
+        exchanges
     }
 
     /// The smallest retry step that is at least `wait`, or the largest one.
@@ -126,19 +217,13 @@ impl Topology {
 
     /// Declares everything; safe to run any number of times, from any instance.
     pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
-        let durable = ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
+        self.declare_delayed_exchange(channel).await?;
         for (name, kind) in [
-            (self.delayed_exchange(), ExchangeKind::Direct),
             (self.work_exchange(), ExchangeKind::Direct),
             (self.dead_exchange(), ExchangeKind::Fanout),
         ] {
-            channel
-                .exchange_declare(name.as_str().into(), kind, durable, FieldTable::default())
-                .await
-                .map_err(|e| classify(format!("exchange {name}"), e))?;
+            self.declare_exchange(channel, &name, kind, FieldTable::default())
+                .await?;
         }
 
         let mut send_args = quorum_args();
@@ -150,9 +235,8 @@ impl Topology {
         );
         self.declare_queue(channel, &self.send_queue(), send_args)
             .await?;
-        for exchange in [self.work_exchange(), self.delayed_exchange()] {
-            self.bind(channel, &self.send_queue(), &exchange).await?;
-        }
+        self.bind(channel, &self.send_queue(), &self.work_exchange(), ROUTING_KEY)
+            .await?;
 
         for (n, step) in self.retry_steps.iter().enumerate() {
             let mut args = quorum_args();
@@ -169,8 +253,110 @@ impl Topology {
 
         self.declare_queue(channel, &self.dead_queue(), quorum_args())
             .await?;
-        self.bind(channel, &self.dead_queue(), &self.dead_exchange())
+        self.bind(channel, &self.dead_queue(), &self.dead_exchange(), ROUTING_KEY)
+            .await?;
+
+        match self.delay {
+            DelayLayout::Plugin => {
+                self.bind(channel, &self.send_queue(), &self.delayed_exchange(), ROUTING_KEY)
+                    .await
+            }
+            DelayLayout::Ladder(ladder) => self.declare_ladder(channel, ladder).await,
+        }
+    }
+
+    async fn declare_delayed_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let name = self.delayed_exchange();
+        let (kind, args) = match self.delay {
+            DelayLayout::Plugin => {
+                let mut args = FieldTable::default();
+                insert(&mut args, "x-delayed-type", string("direct"));
+                (ExchangeKind::Custom("x-delayed-message".into()), args)
+            }
+            DelayLayout::Ladder(_) => (ExchangeKind::Direct, FieldTable::default()),
+        };
+        match self.declare_exchange(channel, &name, kind, args).await {
+            Err(TopologyError::Mismatch { detail, .. }) => Err(TopologyError::ModeMismatch {
+                exchange: name,
+                detail,
+            }),
+            other => other,
+        }
+    }
+
+    /// The intake queue and the cascade: see the `delay` module for the shape.
+    async fn declare_ladder(&self, channel: &Channel, ladder: Ladder) -> Result<(), TopologyError> {
+        let mut intake_args = quorum_args();
+        dead_letter_to(&mut intake_args, &self.dead_exchange());
+        insert(
+            &mut intake_args,
+            "x-delivery-limit",
+            AMQPValue::LongInt(self.delivery_limit as i32),
+        );
+        self.declare_queue(channel, &self.intake_queue(), intake_args)
+            .await?;
+        self.bind(channel, &self.intake_queue(), &self.delayed_exchange(), ROUTING_KEY)
+            .await?;
+
+        for k in 0..ladder.levels() {
+            let name = self.delay_level(k);
+            self.declare_exchange(channel, &name, ExchangeKind::Topic, FieldTable::default())
+                .await?;
+            let mut args = quorum_args();
+            insert(
+                &mut args,
+                "x-message-ttl",
+                AMQPValue::LongLongInt(ladder.ttl(k).as_millis() as i64),
+            );
+            if k == 0 {
+                dead_letter_to(&mut args, &self.work_exchange());
+                insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
+            } else {
+                // Keep the binary routing key: the next level reads its own bit.
+                dead_letter_to(&mut args, &self.delay_level(k - 1));
+            }
+            self.declare_queue(channel, &name, args).await?;
+            self.bind(channel, &name, &name, &ladder.pattern(k, true))
+                .await?;
+        }
+        // Zero bits skip a level without waiting; below level 0 is the send queue.
+        for k in 0..ladder.levels() {
+            let zero = ladder.pattern(k, false);
+            if k == 0 {
+                self.bind(channel, &self.send_queue(), &self.delay_level(0), &zero)
+                    .await?;
+            } else {
+                let (source, destination) = (self.delay_level(k), self.delay_level(k - 1));
+                channel
+                    .exchange_bind(
+                        destination.as_str().into(),
+                        source.as_str().into(),
+                        zero.as_str().into(),
+                        ExchangeBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| classify(format!("binding {source} → {destination}"), e))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn declare_exchange(
+        &self,
+        channel: &Channel,
+        name: &str,
+        kind: ExchangeKind,
+        args: FieldTable,
+    ) -> Result<(), TopologyError> {
+        let options = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(name.into(), kind, options, args)
             .await
+            .map_err(|e| classify(format!("exchange {name}"), e))
     }
 
     async fn declare_queue(
@@ -195,12 +381,13 @@ impl Topology {
         channel: &Channel,
         queue: &str,
         exchange: &str,
+        routing_key: &str,
     ) -> Result<(), TopologyError> {
         channel
             .queue_bind(
                 queue.into(),
                 exchange.into(),
-                ROUTING_KEY.into(),
+                routing_key.into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
@@ -248,14 +435,97 @@ fn string(value: &str) -> AMQPValue {
 
 fn classify(what: String, source: lapin::Error) -> TopologyError {
     if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
-        if amqp.get_id() == 406 {
-            return TopologyError::Mismatch {
-                what,
-                detail: amqp.get_message().to_string(),
-            };
+        let detail = amqp.get_message().to_string();
+        match amqp.get_id() {
+            406 => return TopologyError::Mismatch { what, detail },
+            503 if detail.contains("x-delayed-message") => {
+                return TopologyError::PluginMissing { detail }
+            }
+            _ => {}
         }
     }
     TopologyError::Broker { what, source }
+}
+
+/// Resolves `auto` (DESIGN §4) on throwaway connections, since a failed probe closes
+/// the whole connection: an existing `<p>.delayed` keeps its mode; on a fresh broker,
+/// `plugin` if the plugin is enabled, else `ladder`. Other modes are returned as set.
+pub async fn resolve_mode(
+    configured: DelayMode,
+    settings: &TopologySettings,
+    amqp_url: &secrecy::SecretString,
+    timeout: Duration,
+) -> anyhow::Result<DelayMode> {
+    if configured != DelayMode::Auto {
+        return Ok(configured);
+    }
+    let delayed = format!("{}.delayed", settings.prefix);
+    // Does it exist? (passive declare; a 404 closes only the channel)
+    let conn = crate::amqp::connect(amqp_url, "postie-probe", timeout).await?;
+    let channel = conn.create_channel().await?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let exists = channel
+        .exchange_declare(delayed.as_str().into(), ExchangeKind::Direct, passive, FieldTable::default())
+        .await
+        .is_ok();
+    if exists {
+        // Redeclaring as direct succeeds only if it is direct (ladder); 406 otherwise.
+        let channel = conn.create_channel().await?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let is_direct = channel
+            .exchange_declare(delayed.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
+            .await
+            .is_ok();
+        let _ = conn.close(200, "probed".into()).await;
+        return Ok(if is_direct { DelayMode::Ladder } else { DelayMode::Plugin });
+    }
+    let _ = conn.close(200, "probed".into()).await;
+    Ok(if probe_plugin(amqp_url, timeout).await? {
+        DelayMode::Plugin
+    } else {
+        DelayMode::Ladder
+    })
+}
+
+/// True if the broker knows the `x-delayed-message` exchange type. Declares and
+/// deletes a throwaway exchange on a throwaway connection.
+pub async fn probe_plugin(amqp_url: &secrecy::SecretString, timeout: Duration) -> anyhow::Result<bool> {
+    let conn = crate::amqp::connect(amqp_url, "postie-probe", timeout).await?;
+    let channel = conn.create_channel().await?;
+    let name = format!("postie.probe.{}", uuid::Uuid::new_v4().simple());
+    let mut args = FieldTable::default();
+    insert(&mut args, "x-delayed-type", string("direct"));
+    let options = ExchangeDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    let result = channel
+        .exchange_declare(
+            name.as_str().into(),
+            ExchangeKind::Custom("x-delayed-message".into()),
+            options,
+            args,
+        )
+        .await;
+    match result {
+        Ok(()) => {
+            let _ = channel
+                .exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
+                .await;
+            let _ = conn.close(200, "probed".into()).await;
+            Ok(true)
+        }
+        Err(e) => match classify(name, e) {
+            TopologyError::PluginMissing { .. } => Ok(false),
+            other => Err(other.into()),
+        },
+    }
 }
 
 #[cfg(test)]
@@ -263,11 +533,30 @@ mod tests {
     use super::*;
 
     fn topology(steps: &[u64]) -> Topology {
-        Topology::new(&TopologySettings {
-            prefix: "p".into(),
-            retry_steps: steps.iter().map(|s| Duration::from_secs(*s)).collect(),
-            delivery_limit: 5,
-        })
+        Topology::new(
+            &TopologySettings {
+                prefix: "p".into(),
+                retry_steps: steps.iter().map(|s| Duration::from_secs(*s)).collect(),
+                delivery_limit: 5,
+            },
+            &DelaySettings::default(),
+            DelayMode::Plugin,
+        )
+    }
+
+    #[test]
+    fn ladder_mode_adds_the_intake_and_one_level_per_bit() {
+        let delay = DelaySettings {
+            resolution: Duration::from_secs(1),
+            max: Duration::from_secs(7),
+            ..DelaySettings::default()
+        };
+        let t = Topology::new(&TopologySettings { prefix: "p".into(), ..Default::default() }, &delay, DelayMode::Ladder);
+        assert!(t.queues().contains(&"p.intake".to_string()));
+        assert!(t.queues().contains(&"p.delay.2".to_string()));
+        assert!(!t.queues().contains(&"p.delay.3".to_string()));
+        assert_eq!(t.ladder_entry().as_deref(), Some("p.delay.2"));
+        assert_eq!(t.mode_name(), "ladder");
     }
 
     #[test]

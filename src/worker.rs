@@ -17,10 +17,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{header_int, HEADER_ATTEMPT};
 use crate::config::WorkerSettings;
+use crate::delay::{self, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
 use crate::inbox::{Claim, DbError, Inbox};
 use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules};
 use crate::mailer::{Mailer, SendError};
-use crate::topology::Topology;
+use crate::topology::{DelayLayout, Topology};
+
+/// A job that reaches the worker at most this much before its due time is held
+/// until due (the ladder rounds down to whole units); earlier ones go back to wait.
+const HOLD_SLACK: Duration = Duration::from_secs(2);
 
 /// Why a job is dead-lettered, as a stable label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +59,18 @@ pub enum Outcome {
         key: IdempotencyKey,
         /// An expired lease was taken over.
         takeover: bool,
+        /// Sent minus due, in ms (negative never happens by construction).
+        lateness_ms: i64,
+    },
+    /// Arrived well before its due time (clock skew, or moved in by hand): goes back
+    /// to the delayed exchange, stamped with its due time.
+    Early {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Due time, Unix ms.
+        due_ms: i64,
+        /// How far off, in ms.
+        early_ms: i64,
     },
     /// Sent, but meanwhile another instance took the key over (fence moved).
     SentFenceLost {
@@ -102,6 +119,7 @@ impl Outcome {
     pub fn label(&self) -> &'static str {
         match self {
             Self::Sent { .. } => "sent",
+            Self::Early { .. } => "early",
             Self::SentFenceLost { .. } => "sent_fence_lost",
             Self::Duplicate { .. } => "duplicate",
             Self::Deferred { .. } => "deferred",
@@ -152,6 +170,11 @@ impl Health {
     }
 }
 
+/// Now, in Unix milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
 /// Everything one unit of work needs.
 #[derive(Clone)]
 pub struct Worker {
@@ -195,11 +218,12 @@ impl Worker {
         &self.health
     }
 
-    /// Processes one delivery's body and headers.
+    /// Processes one delivery's body, headers and AMQP timestamp.
     pub async fn process(
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,
+        timestamp_s: Option<u64>,
     ) -> Result<Outcome, Interrupted> {
         let failed_so_far = header_int(headers, HEADER_ATTEMPT)
             .unwrap_or(0)
@@ -216,6 +240,28 @@ impl Worker {
             }
         };
         let key = job.key.clone();
+        let due_ms = match self.due_ms(headers, timestamp_s) {
+            Ok(due) => due,
+            Err(InvalidJob(reason)) => {
+                return Ok(Outcome::DeadLetter {
+                    key: Some(key),
+                    kind: DeadKind::Invalid,
+                    reason,
+                    attempts: 0,
+                })
+            }
+        };
+        let early_ms = due_ms - now_ms();
+        if early_ms > 0 {
+            if early_ms as u128 > self.hold_limit().as_millis() {
+                return Ok(Outcome::Early { key, due_ms, early_ms });
+            }
+            // Never early: wait out the last sub-unit rest of the ladder.
+            tokio::select! {
+                _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                _ = tokio::time::sleep(Duration::from_millis(early_ms as u64)) => {}
+            }
+        }
 
         let claim = self
             .db("claim", || {
@@ -244,13 +290,19 @@ impl Worker {
         match sent {
             Ok(()) => {
                 let message_id = self.mailer.message_id(&job);
+                let lateness_ms = now_ms() - due_ms;
                 let kept = self
                     .db("record sent", || {
-                        self.inbox.mark_sent(key.as_str(), fence, &message_id)
+                        self.inbox
+                            .mark_sent(key.as_str(), fence, &message_id, due_ms)
                     })
                     .await?;
                 Ok(if kept {
-                    Outcome::Sent { key, takeover }
+                    Outcome::Sent {
+                        key,
+                        takeover,
+                        lateness_ms,
+                    }
                 } else {
                     Outcome::SentFenceLost { key }
                 })
@@ -293,6 +345,34 @@ impl Worker {
                     error,
                 })
             }
+        }
+    }
+
+    /// The due time in Unix ms. The ladder stamps `postie-due-at`; the plugin has
+    /// already waited, so without a publish time there, the job is due now.
+    fn due_ms(&self, headers: Option<&FieldTable>, timestamp_s: Option<u64>) -> Result<i64, InvalidJob> {
+        let now = now_ms();
+        let max = self.topology.max_delay();
+        match self.topology.delay() {
+            DelayLayout::Ladder(_) => delay::due_at(headers, timestamp_s, now, max),
+            DelayLayout::Plugin => {
+                delay::x_delay(headers, max)?; // refuse a bad x-delay in this mode too
+                let known = header_int(headers, HEADER_DUE_AT).is_some()
+                    || header_int(headers, HEADER_PUBLISHED_AT).is_some()
+                    || timestamp_s.is_some();
+                if known {
+                    delay::due_at(headers, timestamp_s, now, max)
+                } else {
+                    Ok(now)
+                }
+            }
+        }
+    }
+
+    fn hold_limit(&self) -> Duration {
+        match self.topology.delay() {
+            DelayLayout::Ladder(ladder) => ladder.resolution() + HOLD_SLACK,
+            DelayLayout::Plugin => HOLD_SLACK,
         }
     }
 

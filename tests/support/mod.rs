@@ -55,7 +55,7 @@ impl TestEnv {
         admin_sql(&format!("CREATE DATABASE {db_name}")).await;
         let sink = SmtpSink::start().await;
         let settings = base_settings(&prefix, &db_name, &sink.smtp_url());
-        let topology = Topology::new(&settings.topology);
+        let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
         let conn = amqp::connect(&SecretString::from(amqp_url()), "postie-test", Duration::from_secs(10))
             .await
             .expect("RabbitMQ for tests");
@@ -383,6 +383,9 @@ fn settings_env(prefix: &str, db_name: &str, smtp_url: &str) -> Vec<(String, Str
         ("POSTIE__WORKER__LEASE", "5s".into()),
         ("POSTIE__WORKER__OUTAGE_BACKOFF_MAX", "1s".into()),
         ("POSTIE__HTTP__LISTEN", "".into()),
+        ("POSTIE__DELAY__MODE", "ladder".into()),
+        ("POSTIE__DELAY__RESOLUTION", "100ms".into()),
+        ("POSTIE__DELAY__MAX", "10m".into()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

@@ -1,0 +1,369 @@
+//! The `x-delay` contract (DESIGN §4): reading the header, computing a job's due
+//! time, and — in ladder mode — the binary decomposition of the remaining delay into
+//! a cascade of TTL queues, in the manner of NServiceBus's delayed delivery v2.
+//!
+//! The ladder has `levels` topic exchanges and quorum queues, `<p>.delay.<k>`; queue
+//! `k` holds a message for `resolution × 2^k`. A routing key spells the remaining delay
+//! in binary, most significant bit first, then `email`: `1.0.1.email` is 5 units with
+//! three levels. Exchange `k` sends bit `k` = 1 to queue `k` (whose TTL then expires
+//! it onward to exchange `k-1`), and bit `k` = 0 straight to exchange `k-1`. Below
+//! level 0 is the work queue. So a job makes at most `levels` hops, all inside the
+//! broker, and only the set bits cost any waiting.
+//!
+//! The ladder rounds down to whole units; the worker holds the last sub-unit rest
+//! (see `HEADER_DUE_AT`) so that no email ever leaves before its due time.
+
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable};
+
+use crate::amqp::header_int;
+use crate::job::InvalidJob;
+
+/// Header the producer may set: its own publish time in Unix milliseconds. It wins
+/// over the AMQP `timestamp` property, which only has seconds.
+pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
+/// Header postie sets when it first sees a job: the due time in Unix milliseconds.
+pub const HEADER_DUE_AT: &str = "postie-due-at";
+/// The producers' delay header (milliseconds).
+pub const HEADER_X_DELAY: &str = "x-delay";
+/// The plugin's limit on `x-delay`: 2^32 - 1 ms (about 49.7 days).
+pub const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
+
+/// How delays are honoured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DelayMode {
+    /// Probe the broker at start-up: the exchange already there decides; on a fresh
+    /// broker, `plugin` if the plugin is enabled, else `ladder`.
+    Auto,
+    /// `x-delayed-message` exchange (rabbitmq_delayed_message_exchange).
+    Plugin,
+    /// Plugin-free: intake relay and TTL-queue cascade.
+    Ladder,
+}
+
+impl DelayMode {
+    /// The name used in config and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Plugin => "plugin",
+            Self::Ladder => "ladder",
+        }
+    }
+}
+
+/// Reads `x-delay` in milliseconds: an integer or a numeric string; missing, zero or
+/// negative means now. Floats, garbage and values over `max` are refused, never
+/// truncated.
+pub fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
+    let Some(value) = headers.and_then(|h| h.inner().get(HEADER_X_DELAY)) else {
+        return Ok(0);
+    };
+    let ms: i64 = match value {
+        AMQPValue::Void => 0,
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => {
+            header_int(headers, HEADER_X_DELAY).ok_or_else(|| {
+                InvalidJob(format!(
+                    "x-delay {} is not an integer number of milliseconds",
+                    describe(value)
+                ))
+            })?
+        }
+        other => header_int(headers, HEADER_X_DELAY).ok_or_else(|| {
+            InvalidJob(format!(
+                "x-delay {} is not an integer number of milliseconds",
+                describe(other)
+            ))
+        })?,
+    };
+    let ms = ms.max(0) as u64;
+    if ms > max.as_millis() as u64 {
+        return Err(InvalidJob(format!(
+            "x-delay {ms} ms is over the maximum of {} ms ({})",
+            max.as_millis(),
+            humantime::format_duration(max)
+        )));
+    }
+    Ok(ms)
+}
+
+fn describe(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => {
+            let text = String::from_utf8_lossy(s.as_bytes());
+            format!("{:?}", text.chars().take(40).collect::<String>())
+        }
+        AMQPValue::ShortString(s) => format!("{:?}", s.as_str()),
+        AMQPValue::Float(f) => f.to_string(),
+        AMQPValue::Double(f) => f.to_string(),
+        other => format!("of type {:?}", other.get_type()),
+    }
+}
+
+/// When the job was handed over, in Unix ms, as best known without ever placing it
+/// later than the truth: `postie-published-at` if given; else the AMQP `timestamp`
+/// (seconds, so the latest millisecond of that second); never after `received_ms`.
+pub fn published_at(
+    headers: Option<&FieldTable>,
+    timestamp_s: Option<u64>,
+    received_ms: i64,
+) -> i64 {
+    let claimed = header_int(headers, HEADER_PUBLISHED_AT)
+        .or_else(|| timestamp_s.map(|s| (s as i64).saturating_mul(1000).saturating_add(999)));
+    claimed.map_or(received_ms, |t| t.min(received_ms))
+}
+
+/// The due time in Unix ms: the `postie-due-at` postie stamped earlier, else
+/// published-at + `x-delay`.
+pub fn due_at(
+    headers: Option<&FieldTable>,
+    timestamp_s: Option<u64>,
+    received_ms: i64,
+    max: Duration,
+) -> Result<i64, InvalidJob> {
+    if let Some(due) = header_int(headers, HEADER_DUE_AT) {
+        return Ok(due);
+    }
+    let delay = x_delay(headers, max)?;
+    Ok(published_at(headers, timestamp_s, received_ms).saturating_add(delay as i64))
+}
+
+/// Where the relay sends a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Due within one unit: straight to the work exchange.
+    Now,
+    /// Into the ladder: `units` whole units, spelled as `routing_key`.
+    Ladder {
+        /// Whole units of delay.
+        units: u64,
+        /// Binary routing key, MSB first, ending in `.email`.
+        routing_key: String,
+    },
+}
+
+/// The shape of the cascade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ladder {
+    resolution_ms: u64,
+    levels: u32,
+}
+
+impl Ladder {
+    /// Enough levels to spell `max` in units of `resolution`.
+    pub fn new(resolution: Duration, max: Duration) -> Self {
+        let resolution_ms = resolution.as_millis().max(1) as u64;
+        let max_units = (max.as_millis() as u64).div_ceil(resolution_ms).max(1);
+        let levels = 64 - max_units.leading_zeros();
+        Self {
+            resolution_ms,
+            levels,
+        }
+    }
+
+    /// Number of levels (queues and exchanges).
+    pub fn levels(&self) -> u32 {
+        self.levels
+    }
+
+    /// The unit.
+    pub fn resolution(&self) -> Duration {
+        Duration::from_millis(self.resolution_ms)
+    }
+
+    /// The longest delay the ladder can spell.
+    pub fn max_delay(&self) -> Duration {
+        Duration::from_millis(((1u64 << self.levels) - 1) * self.resolution_ms)
+    }
+
+    /// TTL of level `k`'s queue.
+    pub fn ttl(&self, k: u32) -> Duration {
+        Duration::from_millis(self.resolution_ms << k)
+    }
+
+    /// The route for a job due in `remaining_ms` (rounded down to whole units; the
+    /// worker waits out the rest).
+    pub fn route(&self, remaining_ms: i64) -> Route {
+        let units = (remaining_ms.max(0) as u64 / self.resolution_ms).min((1u64 << self.levels) - 1);
+        if units == 0 {
+            return Route::Now;
+        }
+        Route::Ladder {
+            units,
+            routing_key: self.routing_key(units),
+        }
+    }
+
+    /// `units` in binary over all levels, MSB first, dot-separated, then `.email`.
+    pub fn routing_key(&self, units: u64) -> String {
+        let mut key = String::with_capacity(self.levels as usize * 2 + 6);
+        for k in (0..self.levels).rev() {
+            key.push(if units >> k & 1 == 1 { '1' } else { '0' });
+            key.push('.');
+        }
+        key.push_str(crate::topology::ROUTING_KEY);
+        key
+    }
+
+    /// The topic pattern at exchange `k` matching bit `k` = `bit`.
+    pub fn pattern(&self, k: u32, bit: bool) -> String {
+        let skip = (self.levels - 1 - k) as usize;
+        format!("{}{}.#", "*.".repeat(skip), if bit { '1' } else { '0' })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::{LongString, ShortString};
+    use proptest::prelude::*;
+
+    fn headers(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut h = FieldTable::default();
+        for (k, v) in pairs {
+            h.insert(ShortString::from(*k), v.clone());
+        }
+        h
+    }
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    #[test]
+    fn x_delay_accepts_integers_and_numeric_strings_and_clamps_negatives() {
+        let cases = [
+            (AMQPValue::LongInt(1500), 1500),
+            (AMQPValue::LongLongInt(-5), 0),
+            (AMQPValue::LongString(LongString::from("2500")), 2500),
+            (AMQPValue::ShortShortUInt(7), 7),
+        ];
+        for (value, expected) in cases {
+            let h = headers(&[("x-delay", value)]);
+            assert_eq!(x_delay(Some(&h), DAY).unwrap(), expected);
+        }
+        assert_eq!(x_delay(None, DAY).unwrap(), 0);
+    }
+
+    #[test]
+    fn x_delay_refuses_garbage_floats_and_too_large() {
+        for (value, expected) in [
+            (AMQPValue::LongString(LongString::from("soon")), "not an integer"),
+            (AMQPValue::Double(1.5), "not an integer"),
+            (AMQPValue::Boolean(true), "not an integer"),
+            (AMQPValue::LongLongInt(DAY.as_millis() as i64 + 1), "over the maximum"),
+        ] {
+            let h = headers(&[("x-delay", value)]);
+            let err = x_delay(Some(&h), DAY).unwrap_err();
+            assert!(err.0.contains(expected), "{err}");
+        }
+    }
+
+    #[test]
+    fn published_at_prefers_the_ms_header_and_never_exceeds_receipt() {
+        let h = headers(&[(HEADER_PUBLISHED_AT, AMQPValue::LongLongInt(1_000_500))]);
+        assert_eq!(published_at(Some(&h), Some(999), 2_000_000), 1_000_500);
+        // Seconds timestamp: the latest ms of that second.
+        assert_eq!(published_at(None, Some(1000), 2_000_000), 1_000_999);
+        // A producer clock ahead of ours: receipt wins.
+        assert_eq!(published_at(None, Some(5000), 2_000_000), 2_000_000);
+        assert_eq!(published_at(None, None, 42), 42);
+    }
+
+    #[test]
+    fn due_at_uses_the_stamped_due_time_first() {
+        let h = headers(&[
+            (HEADER_DUE_AT, AMQPValue::LongLongInt(777)),
+            ("x-delay", AMQPValue::LongInt(5000)),
+        ]);
+        assert_eq!(due_at(Some(&h), None, 100, DAY).unwrap(), 777);
+        let h = headers(&[("x-delay", AMQPValue::LongInt(5000))]);
+        assert_eq!(due_at(Some(&h), None, 100, DAY).unwrap(), 5100);
+    }
+
+    #[test]
+    fn a_year_needs_25_levels_of_one_second() {
+        let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(365 * 86_400));
+        assert_eq!(ladder.levels(), 25);
+        assert!(ladder.max_delay() >= Duration::from_secs(365 * 86_400));
+    }
+
+    #[test]
+    fn routing_keys_and_patterns_line_up() {
+        let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(7));
+        assert_eq!(ladder.levels(), 3);
+        assert_eq!(ladder.routing_key(5), "1.0.1.email");
+        assert_eq!(ladder.pattern(2, true), "1.#");
+        assert_eq!(ladder.pattern(0, false), "*.*.0.#");
+        assert_eq!(ladder.route(999), Route::Now);
+        assert_eq!(
+            ladder.route(5_400),
+            Route::Ladder { units: 5, routing_key: "1.0.1.email".into() }
+        );
+    }
+
+    /// Follows a routing key through the cascade as the broker would: at each level,
+    /// a 1 bit waits that level's TTL. Returns (total wait, hops).
+    fn walk(ladder: &Ladder, key: &str) -> (Duration, u32) {
+        let bits: Vec<&str> = key.split('.').collect();
+        let mut waited = Duration::ZERO;
+        let mut hops = 0;
+        for k in (0..ladder.levels()).rev() {
+            let position = (ladder.levels() - 1 - k) as usize;
+            if bits[position] == "1" {
+                waited += ladder.ttl(k);
+                hops += 1;
+            }
+        }
+        (waited, hops)
+    }
+
+    proptest! {
+        #[test]
+        fn the_ladder_waits_the_delay_rounded_down_to_a_unit_and_never_more(
+            remaining_ms in 0i64..(365 * 86_400_000),
+            resolution_ms in prop::sample::select(vec![100u64, 250, 1000, 5000]),
+        ) {
+            let ladder = Ladder::new(Duration::from_millis(resolution_ms), Duration::from_secs(365 * 86_400));
+            match ladder.route(remaining_ms) {
+                Route::Now => prop_assert!((remaining_ms as u64) < resolution_ms),
+                Route::Ladder { units, routing_key } => {
+                    let (waited, hops) = walk(&ladder, &routing_key);
+                    prop_assert_eq!(waited.as_millis() as u64, units * resolution_ms);
+                    // Never early, and the worker's rest is under one unit.
+                    prop_assert!(waited.as_millis() as i64 <= remaining_ms);
+                    prop_assert!(remaining_ms - (waited.as_millis() as i64) < resolution_ms as i64);
+                    prop_assert!(hops <= ladder.levels());
+                    // Exactly one pattern per level matches each key.
+                    for k in 0..ladder.levels() {
+                        let one = topic_matches(&ladder.pattern(k, true), &routing_key);
+                        let zero = topic_matches(&ladder.pattern(k, false), &routing_key);
+                        prop_assert!(one != zero);
+                    }
+                }
+            }
+        }
+    }
+
+    /// RabbitMQ topic matching for the patterns used here (`*` one word, `#` the rest).
+    fn topic_matches(pattern: &str, key: &str) -> bool {
+        let p: Vec<&str> = pattern.split('.').collect();
+        let k: Vec<&str> = key.split('.').collect();
+        for (i, word) in p.iter().enumerate() {
+            match *word {
+                "#" => return true,
+                "*" => {
+                    if i >= k.len() {
+                        return false;
+                    }
+                }
+                w => {
+                    if k.get(i) != Some(&w) {
+                        return false;
+                    }
+                }
+            }
+        }
+        p.len() == k.len()
+    }
+}
