@@ -226,6 +226,8 @@ pub struct LogSettings {
     /// `human` for development, `json` for production.
     pub format: LogFormat,
     /// A `tracing` filter, e.g. `info` or `postie=debug,lapin=warn`. `RUST_LOG` wins.
+    /// lapin is off by default: it logs the probe's expected 503 and every
+    /// connection loss as errors, which postie already reports in its own words.
     pub filter: String,
 }
 
@@ -233,7 +235,7 @@ impl Default for LogSettings {
     fn default() -> Self {
         Self {
             format: LogFormat::Human,
-            filter: "info,lapin=warn,tokio_postgres=warn".into(),
+            filter: "info,lapin=off,tokio_postgres=warn".into(),
         }
     }
 }

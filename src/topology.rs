@@ -265,16 +265,21 @@ impl Topology {
         }
     }
 
-    async fn declare_delayed_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
-        let name = self.delayed_exchange();
-        let (kind, args) = match self.delay {
+    /// The entry exchange's type and arguments in the resolved mode.
+    pub fn delayed_exchange_spec(&self) -> (ExchangeKind, FieldTable) {
+        match self.delay {
             DelayLayout::Plugin => {
                 let mut args = FieldTable::default();
                 insert(&mut args, "x-delayed-type", string("direct"));
                 (ExchangeKind::Custom("x-delayed-message".into()), args)
             }
             DelayLayout::Ladder(_) => (ExchangeKind::Direct, FieldTable::default()),
-        };
+        }
+    }
+
+    async fn declare_delayed_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let name = self.delayed_exchange();
+        let (kind, args) = self.delayed_exchange_spec();
         match self.declare_exchange(channel, &name, kind, args).await {
             Err(TopologyError::Mismatch { detail, .. }) => Err(TopologyError::ModeMismatch {
                 exchange: name,
@@ -542,6 +547,37 @@ mod tests {
             &DelaySettings::default(),
             DelayMode::Plugin,
         )
+    }
+
+    #[test]
+    fn plugin_mode_declares_an_x_delayed_message_exchange_of_direct_type() {
+        let t = topology(&[5]);
+        let (kind, args) = t.delayed_exchange_spec();
+        assert_eq!(kind, ExchangeKind::Custom("x-delayed-message".into()));
+        assert_eq!(
+            args.inner().get("x-delayed-type"),
+            Some(&AMQPValue::LongString("direct".into()))
+        );
+        assert_eq!(t.max_delay(), PLUGIN_MAX_DELAY);
+        assert_eq!(t.ladder_entry(), None);
+        assert!(!t.queues().iter().any(|q| q.contains("intake")));
+    }
+
+    #[test]
+    fn broker_errors_map_to_messages_naming_the_fix() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+        let missing = lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Hard(AMQPHardError::COMMANDINVALID),
+            "COMMAND_INVALID - unknown exchange type 'x-delayed-message'".into(),
+        )));
+        let text = classify("exchange p.delayed".into(), missing).to_string();
+        assert!(text.contains("rabbitmq_delayed_message_exchange") && text.contains("delay.mode = ladder"), "{text}");
+        let mismatch = lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
+            "PRECONDITION_FAILED - inequivalent arg 'type'".into(),
+        )));
+        let text = classify("queue p.retry.0".into(), mismatch).to_string();
+        assert!(text.contains("p.retry.0") && text.contains("different settings"), "{text}");
     }
 
     #[test]
