@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test demo fmt lint check ci
+.PHONY: help build test demo fmt lint check ci bench-delay
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
@@ -26,3 +26,6 @@ check: lint test ## what CI checks
 
 ci: ## what CI runs: start services if needed, then the tests
 	bash .ci/run
+
+bench-delay: ## ladder lateness for 10,000 jobs over 0-60 s, broker memory with 100,000 pending
+	$(CARGO) test --release --locked --test bench_delay -- --ignored --nocapture delay_bench_full

@@ -125,8 +125,14 @@ impl TestEnv {
 
     /// Publishes many job bodies, pipelined, then waits for every confirm.
     pub async fn publish_many(&self, bodies: &[serde_json::Value]) {
-        let mut confirms = Vec::with_capacity(bodies.len());
-        for body in bodies {
+        let jobs: Vec<_> = bodies.iter().map(|b| (b.clone(), amqp::job_properties())).collect();
+        self.publish_many_with(&jobs).await;
+    }
+
+    /// Like [`TestEnv::publish_many`], each body with its own properties.
+    pub async fn publish_many_with(&self, jobs: &[(serde_json::Value, BasicProperties)]) {
+        let mut confirms = Vec::with_capacity(jobs.len());
+        for (body, properties) in jobs {
             let confirm = self
                 .channel
                 .basic_publish(
@@ -134,7 +140,7 @@ impl TestEnv {
                     ROUTING_KEY.into(),
                     lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() },
                     body.to_string().as_bytes(),
-                    amqp::job_properties(),
+                    properties.clone(),
                 )
                 .await
                 .expect("publish");

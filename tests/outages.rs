@@ -1,0 +1,79 @@
+//! Whole-service outages: RabbitMQ restarted (with jobs pending in the ladder).
+//! These tests stop and start the shared services, so they take a process-wide
+//! lock and run one at a time; `cargo test` runs test binaries one after another,
+//! so no other binary's tests see the outage.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lapin::types::{AMQPValue, FieldTable};
+use postie::amqp;
+use postie::delay::HEADER_PUBLISHED_AT;
+use postie::job::IdempotencyKey;
+use support::{eventually, job, TestEnv};
+use tokio::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+fn message_id(key: &str) -> String {
+    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = Command::new("rabbitmqctl").args(args).status().expect("rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
+/// Stops the RabbitMQ application for `down`, then starts it and waits until it runs.
+async fn restart_rabbitmq(down: Duration) {
+    rabbitmqctl(&["stop_app"]);
+    tokio::time::sleep(down).await;
+    rabbitmqctl(&["start_app"]);
+    rabbitmqctl(&["await_startup", "--timeout", "60"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
+    let _serial = SERIAL.lock().await;
+    const JOBS: usize = 40;
+    let env = TestEnv::new("brokerrestart").await;
+    let _postie = env.spawn_process(&[]);
+    let mut due = BTreeMap::new();
+    for i in 0..JOBS {
+        let key = format!("br-{i}");
+        let published = chrono::Utc::now().timestamp_millis();
+        let delay = 4_000 + (i as i64 * 250); // 4 s .. 14 s
+        let mut headers = FieldTable::default();
+        headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay));
+        headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
+        env.publish_raw(job(&key, "x@example.com").to_string().as_bytes(), amqp::job_properties().with_headers(headers))
+            .await;
+        due.insert(message_id(&key), published + delay);
+    }
+    // Let the relay put them into the ladder, then take the broker away.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(env.sink.count().await, 0, "nothing is due yet");
+    let restarted = Instant::now();
+    restart_rabbitmq(Duration::from_secs(3)).await;
+    eprintln!("broker back after {:.1}s", restarted.elapsed().as_secs_f64());
+
+    let envr = &env;
+    eventually("every job after the restart", Duration::from_secs(120), move || async move {
+        (envr.sink.count().await >= JOBS).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for m in env.sink.messages(false).await {
+        seen.entry(m.message_id).or_default().push(m.received_at_ms);
+    }
+    assert_eq!(seen.len(), JOBS, "lost jobs");
+    for (id, arrivals) in &seen {
+        assert_eq!(arrivals.len(), 1, "{id} duplicated");
+        assert!(arrivals[0] >= due[id], "{id} sent {} ms early", due[id] - arrivals[0]);
+    }
+    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+}
