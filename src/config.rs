@@ -100,6 +100,9 @@ pub struct SmtpSettings {
     pub default_from: Option<String>,
     /// The right-hand side of the Message-ID derived from each job's key.
     pub message_id_domain: String,
+    /// Consecutive failures to reach the relay that open the circuit breaker
+    /// (consumption pauses until the relay answers).
+    pub breaker_threshold: u32,
 }
 
 impl Default for SmtpSettings {
@@ -110,6 +113,7 @@ impl Default for SmtpSettings {
             timeout: Duration::from_secs(20),
             default_from: None,
             message_id_domain: "postie.local".into(),
+            breaker_threshold: 5,
         }
     }
 }
@@ -156,9 +160,13 @@ pub struct WorkerSettings {
     pub max_body_bytes: usize,
     /// Name of this instance in the inbox `owner` column (default: host-pid-random).
     pub instance_id: Option<String>,
-    /// First and largest wait between tries while PostgreSQL or RabbitMQ is down.
+    /// Largest wait between tries while a dependency is down.
     #[serde(deserialize_with = "duration")]
     pub outage_backoff_max: Duration,
+    /// On SIGTERM: how long in-flight deliveries get to finish before they are
+    /// handed back to the broker unacked.
+    #[serde(deserialize_with = "duration")]
+    pub drain_timeout: Duration,
 }
 
 impl Default for WorkerSettings {
@@ -169,6 +177,7 @@ impl Default for WorkerSettings {
             max_body_bytes: 512 * 1024,
             instance_id: None,
             outage_backoff_max: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -31,15 +31,23 @@ use crate::inbox::Inbox;
 use crate::mailer::Mailer;
 use crate::relay::{self, Decision};
 use crate::topology::{self, DelayLayout, Topology, ROUTING_KEY};
-use crate::worker::{now_ms, DeadKind, Health, Outcome, Worker};
+use crate::health::Health;
+use crate::metrics::{DeadReason, Dependency, Metrics, QueueLabel, RouteLabel, StepLabel};
+use crate::worker::{now_ms, DeadKind, Outcome, Worker};
 
-/// How long in-flight deliveries get to finish after a stop is asked for.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often queue depths are polled for `/metrics`.
+const DEPTH_POLL: Duration = Duration::from_secs(10);
 
 /// Runs the service until `stop` is cancelled. Fails fast (one clear error) if a
 /// dependency is unreachable or misconfigured at start-up; after that, outages are
 /// ridden out.
 pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Result<()> {
+    let health = Health::new(Arc::new(Metrics::new()), settings.smtp.breaker_threshold);
+    let http_stop = CancellationToken::new();
+    let _http_guard = http_stop.clone().drop_guard();
+    if let Some(addr) = settings.http.listen {
+        crate::http::start(addr, health.clone(), http_stop.clone()).await?;
+    }
     let inbox = Inbox::new(&settings.database)?;
     inbox.check(&settings.database.url).await?;
     if settings.database.migrate_on_start {
@@ -62,7 +70,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         settings.worker.clone(),
         settings.smtp.default_from.clone(),
         owner.clone(),
-        Health::default(),
+        health.clone(),
         hard_stop.clone(),
     );
     let service = Service {
@@ -141,6 +149,7 @@ impl Service {
                 {
                     Ok(conn) => {
                         tracing::info!("reconnected to RabbitMQ");
+                        self.worker.health().metrics().reconnected(Dependency::rabbitmq);
                         conn
                     }
                     Err(error) => {
@@ -151,7 +160,9 @@ impl Service {
                     }
                 },
             };
-            match self.session(&conn, &stop).await {
+            let ended = self.session(&conn, &stop).await;
+            self.worker.health().set_broker_up(false);
+            match ended {
                 Ok(SessionEnd::Stopped) => {
                     let _ = conn.close(200, "postie shutting down".into()).await;
                     return;
@@ -175,6 +186,8 @@ impl Service {
         declare(&self.topology, conn).await?;
         let publish = amqp::confirm_channel(conn).await?;
         let session_stop = stop.child_token();
+        self.spawn_depth_poller(conn, session_stop.clone()).await?;
+        self.worker.health().set_broker_up(true);
         let send = self.consume_loop(
             conn,
             Role::Send,
@@ -241,10 +254,10 @@ impl Service {
         let tracker = TaskTracker::new();
 
         let end = loop {
-            if matches!(role, Role::Send) && !health.database_up() {
+            if matches!(role, Role::Send) && health.paused() {
                 tokio::select! {
                     _ = stop.cancelled() => break SessionEnd::Stopped,
-                    _ = health.wait_database_up() => tracing::info!("PostgreSQL answers again; resuming"),
+                    _ = health.wait_dependencies_up() => tracing::info!("dependencies answer again; resuming"),
                 }
             }
             let permit = tokio::select! {
@@ -273,12 +286,14 @@ impl Service {
         };
 
         if let SessionEnd::Stopped = end {
+            health.set_draining();
             // Stop taking work; prefetched but unstarted deliveries go back on close.
             let _ = channel
                 .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
                 .await;
             tracker.close();
-            if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait()).await.is_err() {
+            let drain = self.settings.worker.drain_timeout;
+            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
                 tracing::warn!("drain timeout: abandoning in-flight deliveries to redelivery");
                 self.hard_stop.cancel();
                 tracker.wait().await;
@@ -298,6 +313,10 @@ impl Service {
             outcome = tracing::field::Empty,
             redelivered = delivery.redelivered,
         );
+        let metrics = self.worker.health().metrics().clone();
+        metrics.jobs_received.inc();
+        metrics.in_flight.inc();
+        let started = std::time::Instant::now();
         async {
             let props = &delivery.properties;
             let headers = props.headers().as_ref();
@@ -309,6 +328,7 @@ impl Service {
                 }
             };
             log_outcome(&outcome);
+            count_outcome(&metrics, &outcome);
             if let Some((exchange, routing_key, headers)) = self.republish_target(&outcome, headers) {
                 if let Err(error) = self.publish_retrying(publish, &delivery, &exchange, &routing_key, headers).await {
                     tracing::warn!(%error, "could not publish the outcome; leaving the delivery unacked");
@@ -316,9 +336,11 @@ impl Service {
                 }
             }
             ack(&delivery).await;
+            metrics.processing_seconds.observe(started.elapsed().as_secs_f64());
         }
         .instrument(span)
-        .await
+        .await;
+        metrics.in_flight.dec();
     }
 
     async fn handle_relay(&self, delivery: Delivery, publish: &Channel) {
@@ -326,12 +348,16 @@ impl Service {
         let headers = props.headers().as_ref();
         let (exchange, routing_key, headers) = match relay::decide(&self.topology, headers, *props.timestamp(), now_ms()) {
             Decision::Forward { exchange, routing_key, due_ms } => {
+                let route = if routing_key == ROUTING_KEY { "now" } else { "ladder" };
+                let label = RouteLabel { route: route.into() };
+                self.worker.health().metrics().relayed.get_or_create(&label).inc();
                 let mut stamped = amqp::without(headers, &[]);
                 amqp::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
                 (exchange, routing_key, stamped)
             }
             Decision::Invalid(reason) => {
                 tracing::warn!(%reason, "dead-lettered at intake");
+                self.worker.health().metrics().dead(DeadReason::invalid);
                 let headers = dead_letter_headers(headers, DeadKind::Invalid, &reason, 0);
                 (self.topology.dead_exchange(), ROUTING_KEY.to_string(), headers)
             }
@@ -340,6 +366,40 @@ impl Service {
             Ok(()) => ack(&delivery).await,
             Err(error) => tracing::warn!(%error, "relay publish failed; leaving the intake delivery unacked"),
         }
+    }
+
+    /// Polls the depth of every queue for `/metrics` until `stop` (or until a queue
+    /// is missing, which closes the channel; the next session starts a new poller).
+    async fn spawn_depth_poller(&self, conn: &Connection, stop: CancellationToken) -> anyhow::Result<()> {
+        let channel = conn.create_channel().await?;
+        let topology = self.topology.clone();
+        let metrics = self.worker.health().metrics().clone();
+        tokio::spawn(async move {
+            'poll: loop {
+                for queue in topology.queues() {
+                    let passive = lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    };
+                    match channel.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await {
+                        Ok(q) => metrics
+                            .queue_depth
+                            .get_or_create(&QueueLabel { queue })
+                            .set(i64::from(q.message_count())),
+                        Err(error) => {
+                            tracing::debug!(%error, "queue depth poller stopped");
+                            break 'poll;
+                        }
+                    };
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(DEPTH_POLL) => {}
+                }
+            }
+            let _ = channel.close(200, "done".into()).await;
+        });
+        Ok(())
     }
 
     /// Where an outcome must be published before the ack, if anywhere.
@@ -418,6 +478,35 @@ async fn ack(delivery: &Delivery) {
         Ok(false) | Err(_) => {
             tracing::warn!("ack not delivered (channel gone); the broker will redeliver and the inbox will suppress it")
         }
+    }
+}
+
+fn count_outcome(metrics: &Metrics, outcome: &Outcome) {
+    match outcome {
+        Outcome::Sent { takeover, lateness_ms, .. } => {
+            metrics.emails_sent.inc();
+            if *takeover {
+                metrics.takeovers.inc();
+            }
+            metrics.lateness_seconds.observe(*lateness_ms as f64 / 1000.0);
+        }
+        Outcome::SentFenceLost { .. } => {
+            metrics.emails_sent.inc();
+        }
+        Outcome::Duplicate { .. } => {
+            metrics.duplicates_suppressed.inc();
+        }
+        Outcome::Deferred { .. } | Outcome::Early { .. } => {
+            metrics.deferred.inc();
+        }
+        Outcome::Retry { step, .. } => {
+            metrics.retries.get_or_create(&StepLabel { step: *step as u32 }).inc();
+        }
+        Outcome::DeadLetter { kind, .. } => metrics.dead(match kind {
+            DeadKind::Invalid => DeadReason::invalid,
+            DeadKind::Permanent => DeadReason::permanent,
+            DeadKind::Exhausted => DeadReason::retries_exhausted,
+        }),
     }
 }
 

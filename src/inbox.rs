@@ -230,6 +230,20 @@ impl Inbox {
         .await
     }
 
+    /// Gives a claim back without counting an attempt (the relay was unreachable
+    /// and the job is held until it answers).
+    pub async fn release(&self, key: &str, fence: i64, error: &str) -> Result<bool, DbError> {
+        self.complete(
+            "UPDATE postie_inbox SET status = 'retrying', updated_at = now(),
+                    owner = NULL, lease_until = NULL, last_error = $3
+              WHERE key = $1 AND fence = $2",
+            key,
+            fence,
+            error,
+        )
+        .await
+    }
+
     /// Records a dead letter after an SMTP attempt.
     pub async fn mark_dead(&self, key: &str, fence: i64, error: &str) -> Result<bool, DbError> {
         self.complete(

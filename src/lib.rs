@@ -13,6 +13,8 @@
 //! - [`worker`]: the unit of work: one delivery in, one named [`worker::Outcome`] out.
 //! - [`consumer`]: the supervised consume loop: maps outcomes to publish + ack.
 //! - [`amqp`]: connections, confirmed publishes and header helpers.
+//! - [`health`], [`metrics`], [`http`]: readiness, the SMTP circuit breaker, Prometheus
+//!   metrics and the `/metrics` `/healthz` `/readyz` endpoint.
 //! - [`commands`]: the CLI sub-commands other than `serve`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
@@ -22,9 +24,12 @@ pub mod commands;
 pub mod config;
 pub mod consumer;
 pub mod delay;
+pub mod health;
+pub mod http;
 pub mod inbox;
 pub mod job;
 pub mod mailer;
+pub mod metrics;
 pub mod relay;
 pub mod telemetry;
 pub mod topology;

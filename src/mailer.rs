@@ -17,9 +17,12 @@ use crate::job::EmailJob;
 /// Why a send failed, and whether trying again can help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SendError {
-    /// 4xx, connection or timeout: try again later.
+    /// The server answered 4xx (or the file transport failed): try again later.
     #[error("transient: {0}")]
     Transient(String),
+    /// The relay could not be reached, dropped the connection or timed out.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
     /// 5xx or a message the server can never take: dead-letter now.
     #[error("permanent: {0}")]
     Permanent(String),
@@ -128,10 +131,22 @@ impl Mailer {
         };
         match tokio::time::timeout(self.timeout, sending).await {
             Ok(result) => result,
-            Err(_) => Err(SendError::Transient(format!(
+            Err(_) => Err(SendError::Unreachable(format!(
                 "SMTP send timed out after {}",
                 humantime::format_duration(self.timeout)
             ))),
+        }
+    }
+
+    /// Asks the relay whether it answers (EHLO + NOOP on a fresh connection).
+    pub async fn probe(&self) -> bool {
+        match &*self.transport {
+            Transport::Smtp(smtp) => {
+                tokio::time::timeout(self.timeout, smtp.test_connection())
+                    .await
+                    .is_ok_and(|r| r.unwrap_or(false))
+            }
+            Transport::File(_) => true,
         }
     }
 }
@@ -140,8 +155,11 @@ fn classify(e: lettre::transport::smtp::Error) -> SendError {
     let text = error_chain(&e);
     if e.is_permanent() {
         SendError::Permanent(text)
-    } else {
+    } else if e.is_transient() {
         SendError::Transient(text)
+    } else {
+        // No SMTP reply: refused, reset, TLS, timeout, or a broken reply.
+        SendError::Unreachable(text)
     }
 }
 

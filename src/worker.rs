@@ -6,18 +6,19 @@
 //!
 //! PostgreSQL being down is never the job's fault: every database step is retried
 //! with backoff until it answers (the delivery stays unacked meanwhile), and
-//! [`Health`] tells the consumer to stop taking new work until then.
+//! [`Health`] tells the consumer to stop taking new work until then. The same goes
+//! for an unreachable SMTP relay once the circuit breaker opens: the claim is given
+//! back, the delivery held, and the job sent when the relay answers again.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::types::FieldTable;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{header_int, HEADER_ATTEMPT};
 use crate::config::WorkerSettings;
 use crate::delay::{self, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
+use crate::health::{next_backoff, Health};
 use crate::inbox::{Claim, DbError, Inbox};
 use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules};
 use crate::mailer::{Mailer, SendError};
@@ -135,41 +136,6 @@ impl Outcome {
 #[error("interrupted by shutdown while waiting for the database")]
 pub struct Interrupted;
 
-/// Whether the dependencies the worker needs are answering.
-#[derive(Clone)]
-pub struct Health {
-    database_up: Arc<watch::Sender<bool>>,
-}
-
-impl Default for Health {
-    fn default() -> Self {
-        Self {
-            database_up: Arc::new(watch::channel(true).0),
-        }
-    }
-}
-
-impl Health {
-    /// True while PostgreSQL answers.
-    pub fn database_up(&self) -> bool {
-        *self.database_up.borrow()
-    }
-
-    fn set_database_up(&self, up: bool) {
-        self.database_up.send_if_modified(|current| {
-            let changed = *current != up;
-            *current = up;
-            changed
-        });
-    }
-
-    /// Resolves once PostgreSQL answers again.
-    pub async fn wait_database_up(&self) {
-        let mut rx = self.database_up.subscribe();
-        let _ = rx.wait_for(|up| *up).await;
-    }
-}
-
 /// Now, in Unix milliseconds.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -263,33 +229,94 @@ impl Worker {
             }
         }
 
-        let claim = self
-            .db("claim", || {
-                self.inbox
-                    .claim(key.as_str(), &self.owner, self.settings.lease)
-            })
-            .await?;
-        let (fence, takeover) = match claim {
-            Claim::AlreadySent => return Ok(Outcome::Duplicate { key }),
-            Claim::Busy { remaining } => {
-                let step = self.topology.step_at_least(remaining);
-                return Ok(Outcome::Deferred { key, step });
+        loop {
+            let claim = self
+                .db("claim", || {
+                    self.inbox
+                        .claim(key.as_str(), &self.owner, self.settings.lease)
+                })
+                .await?;
+            let (fence, takeover) = match claim {
+                Claim::AlreadySent => return Ok(Outcome::Duplicate { key }),
+                Claim::Busy { remaining } => {
+                    let step = self.topology.step_at_least(remaining);
+                    return Ok(Outcome::Deferred { key, step });
+                }
+                Claim::Claimed {
+                    fence, takeover, ..
+                } => (fence, takeover),
+            };
+            if takeover {
+                tracing::warn!(key = %key, "took over an expired claim: the previous owner may have sent this email");
             }
-            Claim::Claimed {
-                fence, takeover, ..
-            } => (fence, takeover),
-        };
-        if takeover {
-            tracing::warn!(key = %key, "took over an expired claim: the previous owner may have sent this email");
+            let sent = self.send(&job).await;
+            if let Err(SendError::Unreachable(error)) = &sent {
+                if self.health.smtp_unreachable() {
+                    self.spawn_smtp_prober();
+                }
+                if !self.health.smtp_up() {
+                    // Circuit open: not the job's fault. Give the claim back, hold the
+                    // delivery, and start over when the relay answers.
+                    self.db("release", || self.inbox.release(key.as_str(), fence, error))
+                        .await?;
+                    tokio::select! {
+                        _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                        _ = self.health.wait_smtp_up() => continue,
+                    }
+                }
+            }
+            return self
+                .record(key, fence, takeover, due_ms, failed_so_far, &job, sent)
+                .await;
         }
+    }
 
-        let sent = match self.mailer.build(&job) {
-            Ok(message) => self.mailer.send(&message).await,
-            Err(e) => Err(e),
-        };
+    async fn send(&self, job: &EmailJob) -> Result<(), SendError> {
+        let message = self.mailer.build(job)?;
+        let started = std::time::Instant::now();
+        let sent = self.mailer.send(&message).await;
+        self.health
+            .metrics()
+            .smtp_send_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if !matches!(sent, Err(SendError::Unreachable(_))) {
+            self.health.smtp_reached();
+        }
+        sent
+    }
+
+    /// Asks the relay until it answers, then closes the circuit.
+    fn spawn_smtp_prober(&self) {
+        let (mailer, health) = (self.mailer.clone(), self.health.clone());
+        let max = self.settings.outage_backoff_max;
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(500);
+            loop {
+                tokio::time::sleep(backoff).await;
+                if mailer.probe().await {
+                    health.smtp_recovered();
+                    return;
+                }
+                backoff = next_backoff(backoff, max);
+            }
+        });
+    }
+
+    /// Records the result of a send and names the outcome.
+    #[allow(clippy::too_many_arguments)]
+    async fn record(
+        &self,
+        key: IdempotencyKey,
+        fence: i64,
+        takeover: bool,
+        due_ms: i64,
+        failed_so_far: u32,
+        job: &EmailJob,
+        sent: Result<(), SendError>,
+    ) -> Result<Outcome, Interrupted> {
         match sent {
             Ok(()) => {
-                let message_id = self.mailer.message_id(&job);
+                let message_id = self.mailer.message_id(job);
                 let lateness_ms = now_ms() - due_ms;
                 let kept = self
                     .db("record sent", || {
@@ -319,7 +346,7 @@ impl Worker {
                     attempts: failed_so_far + 1,
                 })
             }
-            Err(SendError::Transient(error)) => {
+            Err(SendError::Transient(error)) | Err(SendError::Unreachable(error)) => {
                 let attempt = failed_so_far + 1;
                 let steps = self.topology.retry_steps().len();
                 if attempt as usize > steps {
@@ -401,14 +428,14 @@ impl Worker {
                 }
                 Err(error) => {
                     if self.health.database_up() {
-                        tracing::error!(%error, step = what, "PostgreSQL unavailable: pausing consumption, holding in-flight deliveries");
+                        tracing::warn!(%error, step = what, "database step failed");
                     }
                     self.health.set_database_up(false);
                     tokio::select! {
                         _ = self.hard_stop.cancelled() => return Err(Interrupted),
                         _ = tokio::time::sleep(backoff) => {}
                     }
-                    backoff = (backoff * 2).min(self.settings.outage_backoff_max);
+                    backoff = next_backoff(backoff, self.settings.outage_backoff_max);
                 }
             }
         }

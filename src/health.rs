@@ -1,0 +1,198 @@
+//! What `/readyz` reports and what pauses consumption: is the broker session up and
+//! consuming, does PostgreSQL answer, is the SMTP circuit closed, are we draining.
+//!
+//! The SMTP circuit breaker lives here too: after `threshold` consecutive failures
+//! to reach the relay (connection refused, dropped, timed out — not 4xx replies,
+//! which prove the relay is up), it opens; consumption pauses instead of pushing
+//! every job through the retry ladder to the DLQ, and one prober asks the relay
+//! until it answers.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::metrics::SharedMetrics;
+
+/// Shared health state; cheap to clone.
+#[derive(Clone)]
+pub struct Health {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    database_up: watch::Sender<bool>,
+    smtp_up: watch::Sender<bool>,
+    smtp_failures: AtomicU32,
+    smtp_threshold: u32,
+    broker_up: AtomicBool,
+    draining: AtomicBool,
+    metrics: SharedMetrics,
+}
+
+impl Health {
+    /// Everything up; the breaker opens after `smtp_threshold` failures in a row.
+    pub fn new(metrics: SharedMetrics, smtp_threshold: u32) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                database_up: watch::channel(true).0,
+                smtp_up: watch::channel(true).0,
+                smtp_failures: AtomicU32::new(0),
+                smtp_threshold: smtp_threshold.max(1),
+                broker_up: AtomicBool::new(false),
+                draining: AtomicBool::new(false),
+                metrics,
+            }),
+        }
+    }
+
+    /// The metrics this health reports into.
+    pub fn metrics(&self) -> &SharedMetrics {
+        &self.inner.metrics
+    }
+
+    /// True while PostgreSQL answers.
+    pub fn database_up(&self) -> bool {
+        *self.inner.database_up.borrow()
+    }
+
+    /// Records whether PostgreSQL answered; logs and counts the transitions.
+    pub fn set_database_up(&self, up: bool) {
+        let changed = self.inner.database_up.send_if_modified(|current| {
+            let changed = *current != up;
+            *current = up;
+            changed
+        });
+        if changed {
+            if up {
+                tracing::info!("PostgreSQL answers again");
+                self.inner.metrics.reconnected(crate::metrics::Dependency::postgresql);
+            } else {
+                tracing::error!("PostgreSQL unavailable: pausing consumption, holding in-flight deliveries");
+            }
+            self.update_paused();
+        }
+    }
+
+    /// True while the SMTP circuit is closed.
+    pub fn smtp_up(&self) -> bool {
+        *self.inner.smtp_up.borrow()
+    }
+
+    /// An SMTP send reached the relay (any reply): closes the count of failures.
+    pub fn smtp_reached(&self) {
+        self.inner.smtp_failures.store(0, Ordering::Relaxed);
+    }
+
+    /// The relay could not be reached. Returns true if this opened the circuit.
+    pub fn smtp_unreachable(&self) -> bool {
+        let failures = self.inner.smtp_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures < self.inner.smtp_threshold {
+            return false;
+        }
+        let opened = self.inner.smtp_up.send_if_modified(|up| std::mem::replace(up, false));
+        if opened {
+            tracing::error!(failures, "SMTP relay unreachable: circuit open, pausing consumption");
+            self.inner.metrics.smtp_breaker_open.set(1);
+            self.update_paused();
+        }
+        opened
+    }
+
+    /// The prober reached the relay: closes the circuit.
+    pub fn smtp_recovered(&self) {
+        self.inner.smtp_failures.store(0, Ordering::Relaxed);
+        if self.inner.smtp_up.send_if_modified(|up| !std::mem::replace(up, true)) {
+            tracing::info!("SMTP relay answers again: circuit closed, resuming");
+            self.inner.metrics.smtp_breaker_open.set(0);
+            self.inner.metrics.reconnected(crate::metrics::Dependency::smtp);
+            self.update_paused();
+        }
+    }
+
+    /// Resolves once PostgreSQL answers and the SMTP circuit is closed.
+    pub async fn wait_dependencies_up(&self) {
+        let mut db = self.inner.database_up.subscribe();
+        let mut smtp = self.inner.smtp_up.subscribe();
+        loop {
+            let _ = db.wait_for(|up| *up).await;
+            let _ = smtp.wait_for(|up| *up).await;
+            if self.database_up() && self.smtp_up() {
+                return;
+            }
+        }
+    }
+
+    /// Resolves once the SMTP circuit is closed.
+    pub async fn wait_smtp_up(&self) {
+        let mut smtp = self.inner.smtp_up.subscribe();
+        let _ = smtp.wait_for(|up| *up).await;
+    }
+
+    /// True while the send consumer must not take new work.
+    pub fn paused(&self) -> bool {
+        !self.database_up() || !self.smtp_up()
+    }
+
+    fn update_paused(&self) {
+        self.inner.metrics.consumer_paused.set(i64::from(self.paused()));
+    }
+
+    /// Records whether a broker session is up with its consumers running.
+    pub fn set_broker_up(&self, up: bool) {
+        self.inner.broker_up.store(up, Ordering::Relaxed);
+    }
+
+    /// Marks the start of a drain: not ready from now on.
+    pub fn set_draining(&self) {
+        self.inner.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Reasons the instance is not ready; empty when ready.
+    pub fn not_ready(&self) -> Vec<&'static str> {
+        let mut reasons = Vec::new();
+        if self.inner.draining.load(Ordering::Relaxed) {
+            reasons.push("draining");
+        }
+        if !self.inner.broker_up.load(Ordering::Relaxed) {
+            reasons.push("broker session down");
+        }
+        if !self.database_up() {
+            reasons.push("database unreachable");
+        }
+        if !self.smtp_up() {
+            reasons.push("smtp circuit open");
+        }
+        reasons
+    }
+}
+
+/// Capped exponential backoff.
+pub fn next_backoff(current: Duration, max: Duration) -> Duration {
+    (current * 2).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_breaker_opens_after_the_threshold_and_closes_on_recovery() {
+        let health = Health::new(Arc::new(crate::metrics::Metrics::new()), 3);
+        health.set_broker_up(true);
+        assert!(!health.smtp_unreachable());
+        assert!(!health.smtp_unreachable());
+        health.smtp_reached(); // a reply in between resets the count
+        assert!(!health.smtp_unreachable());
+        assert!(!health.smtp_unreachable());
+        assert!(health.smtp_unreachable());
+        assert!(health.paused());
+        assert_eq!(health.not_ready(), ["smtp circuit open"]);
+        health.smtp_recovered();
+        assert!(!health.paused());
+        assert!(health.not_ready().is_empty());
+        health.set_draining();
+        assert_eq!(health.not_ready(), ["draining"]);
+    }
+}
