@@ -406,7 +406,11 @@ impl Service {
     fn republish_target(&self, outcome: &Outcome, original: Option<&FieldTable>) -> Option<(String, String, FieldTable)> {
         Some(match outcome {
             Outcome::Sent { .. } | Outcome::SentFenceLost { .. } | Outcome::Duplicate { .. } => return None,
-            Outcome::Deferred { step, .. } => (String::new(), self.topology.retry_queue(*step), amqp::without(original, &[])),
+            Outcome::Deferred { step, .. } => (
+                self.topology.retry_exchange(),
+                self.topology.retry_queue(*step),
+                amqp::without(original, &[]),
+            ),
             Outcome::Early { due_ms, early_ms, .. } => {
                 // Back through the delayed exchange: the relay (ladder) reads the due
                 // time; the plugin reads x-delay, set to what is left.
@@ -419,7 +423,7 @@ impl Service {
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, amqp::HEADER_ATTEMPT, i64::from(*attempt));
                 amqp::set_text(&mut headers, amqp::HEADER_LAST_ERROR, error);
-                (String::new(), self.topology.retry_queue(*step), headers)
+                (self.topology.retry_exchange(), self.topology.retry_queue(*step), headers)
             }
             Outcome::DeadLetter { kind, reason, attempts, .. } => (
                 self.topology.dead_exchange(),

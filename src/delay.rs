@@ -12,6 +12,11 @@
 //!
 //! The ladder rounds down to whole units; the worker holds the last sub-unit rest
 //! (see `HEADER_DUE_AT`) so that no email ever leaves before its due time.
+//!
+//! RabbitMQ cannot hold a TTL above 2^32-1 ms (Erlang timers), so no level's TTL
+//! exceeds it. A delay longer than one pass through the ladder can spell (77 days
+//! at the default 100 ms unit) takes several passes: the worker finds the job early,
+//! sends it back to the intake, and the relay routes what is left.
 
 use std::time::Duration;
 
@@ -27,7 +32,8 @@ pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
 pub const HEADER_DUE_AT: &str = "postie-due-at";
 /// The producers' delay header (milliseconds).
 pub const HEADER_X_DELAY: &str = "x-delay";
-/// The plugin's limit on `x-delay`: 2^32 - 1 ms (about 49.7 days).
+/// The plugin's limit on `x-delay`: 2^32 - 1 ms (about 49.7 days). Also the longest
+/// TTL RabbitMQ can hold, so the longest ladder level.
 pub const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
 /// How delays are honoured.
@@ -152,14 +158,17 @@ pub struct Ladder {
 }
 
 impl Ladder {
-    /// Enough levels to spell `max` in units of `resolution`.
+    /// Enough levels to spell `max` in units of `resolution` in one pass, but no
+    /// level whose TTL RabbitMQ cannot hold (longer delays take several passes).
     pub fn new(resolution: Duration, max: Duration) -> Self {
         let resolution_ms = resolution.as_millis().max(1) as u64;
         let max_units = (max.as_millis() as u64).div_ceil(resolution_ms).max(1);
-        let levels = 64 - max_units.leading_zeros();
+        let needed = 64 - max_units.leading_zeros();
+        let ttl_limit_units = (PLUGIN_MAX_DELAY.as_millis() as u64 / resolution_ms).max(1);
+        let allowed = 64 - ttl_limit_units.leading_zeros(); // top TTL = 2^(allowed-1) units
         Self {
             resolution_ms,
-            levels,
+            levels: needed.min(allowed),
         }
     }
 
@@ -173,7 +182,7 @@ impl Ladder {
         Duration::from_millis(self.resolution_ms)
     }
 
-    /// The longest delay the ladder can spell.
+    /// The longest delay one pass through the ladder can spell.
     pub fn max_delay(&self) -> Duration {
         Duration::from_millis(((1u64 << self.levels) - 1) * self.resolution_ms)
     }
@@ -282,10 +291,21 @@ mod tests {
     }
 
     #[test]
-    fn a_year_needs_25_levels_of_one_second() {
-        let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(365 * 86_400));
-        assert_eq!(ladder.levels(), 25);
-        assert!(ladder.max_delay() >= Duration::from_secs(365 * 86_400));
+    fn levels_cover_the_maximum_but_no_ttl_exceeds_what_rabbitmq_holds() {
+        let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(30 * 86_400));
+        assert_eq!(ladder.levels(), 22); // 2^22 s > 30 days
+        assert!(ladder.max_delay() >= Duration::from_secs(30 * 86_400));
+        for (resolution_ms, max_days) in [(100, 366), (1000, 366), (1, 10), (5000, 3650)] {
+            let ladder = Ladder::new(Duration::from_millis(resolution_ms), Duration::from_secs(max_days * 86_400));
+            let top = ladder.ttl(ladder.levels() - 1);
+            assert!(top <= PLUGIN_MAX_DELAY, "{resolution_ms} ms: top TTL {top:?}");
+            // One more level would not fit.
+            assert!(ladder.max_delay() >= Duration::from_secs(max_days * 86_400) || top * 2 > PLUGIN_MAX_DELAY);
+        }
+        // A year at 100 ms takes several passes of 26 levels (77 days each).
+        let ladder = Ladder::new(Duration::from_millis(100), Duration::from_secs(366 * 86_400));
+        assert_eq!(ladder.levels(), 26);
+        assert_eq!(ladder.route(366 * 86_400_000), ladder.route(ladder.max_delay().as_millis() as i64));
     }
 
     #[test]
@@ -332,7 +352,11 @@ mod tests {
                     prop_assert_eq!(waited.as_millis() as u64, units * resolution_ms);
                     // Never early, and the worker's rest is under one unit.
                     prop_assert!(waited.as_millis() as i64 <= remaining_ms);
-                    prop_assert!(remaining_ms - (waited.as_millis() as i64) < resolution_ms as i64);
+                    // The rest is under one unit, unless the delay needs another pass.
+                    prop_assert!(
+                        remaining_ms - (waited.as_millis() as i64) < resolution_ms as i64
+                            || waited == ladder.max_delay()
+                    );
                     prop_assert!(hops <= ladder.levels());
                     // Exactly one pattern per level matches each key.
                     for k in 0..ladder.levels() {

@@ -163,7 +163,14 @@ impl Topology {
         format!("{}.send", self.prefix)
     }
 
-    /// Retry queue for backoff step `n` (0-based).
+    /// The exchange postie republishes retries through (so that it never needs
+    /// the default exchange, and a least-privilege user suffices).
+    pub fn retry_exchange(&self) -> String {
+        format!("{}.retry", self.prefix)
+    }
+
+    /// Retry queue for backoff step `n` (0-based); also its routing key on
+    /// [`Topology::retry_exchange`].
     pub fn retry_queue(&self, n: usize) -> String {
         format!("{}.retry.{n}", self.prefix)
     }
@@ -199,6 +206,7 @@ impl Topology {
         let mut exchanges = vec![
             self.delayed_exchange(),
             self.work_exchange(),
+            self.retry_exchange(),
             self.dead_exchange(),
         ];
         if let DelayLayout::Ladder(ladder) = self.delay {
@@ -220,6 +228,7 @@ impl Topology {
         self.declare_delayed_exchange(channel).await?;
         for (name, kind) in [
             (self.work_exchange(), ExchangeKind::Direct),
+            (self.retry_exchange(), ExchangeKind::Direct),
             (self.dead_exchange(), ExchangeKind::Fanout),
         ] {
             self.declare_exchange(channel, &name, kind, FieldTable::default())
@@ -247,7 +256,9 @@ impl Topology {
                 "x-message-ttl",
                 AMQPValue::LongLongInt(step.as_millis() as i64),
             );
-            self.declare_queue(channel, &self.retry_queue(n), args)
+            let queue = self.retry_queue(n);
+            self.declare_queue(channel, &queue, args).await?;
+            self.bind(channel, &queue, &self.retry_exchange(), &queue)
                 .await?;
         }
 
@@ -601,7 +612,7 @@ mod tests {
         assert_eq!(t.send_queue(), "p.send");
         assert_eq!(t.retry_queue(1), "p.retry.1");
         assert_eq!(t.queues(), ["p.send", "p.dead", "p.retry.0", "p.retry.1"]);
-        assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.dlx"]);
+        assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.retry", "p.dlx"]);
     }
 
     #[test]

@@ -236,3 +236,27 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
     let last = final_error(&stderr);
     assert!(last.contains(&format!("exchange {prefix}.delayed already exists with another type")) && last.contains("delay.mode"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
+    // No due time stamped by the relay: the worker finds it early and sends it back
+    // through the intake, the path a delay longer than one ladder pass also takes.
+    let env = TestEnv::new("early").await;
+    let serving = env.serve(env.settings());
+    let published = now_ms();
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), AMQPValue::LongLongInt(4_000));
+    headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
+    let body = job("moved-in", "x@example.com").to_string();
+    env.publish_to_queue(&env.topology.send_queue(), body.as_bytes(), amqp::job_properties().with_headers(headers))
+        .await;
+    let envr = &env;
+    let messages = eventually("the email", Duration::from_secs(60), move || async move {
+        let m = envr.sink.messages(false).await;
+        (!m.is_empty()).then_some(m)
+    })
+    .await;
+    serving.stop().await;
+    assert_eq!(messages.len(), 1);
+    assert!(messages[0].received_at_ms >= published + 4_000, "sent {} ms early", published + 4_000 - messages[0].received_at_ms);
+}
