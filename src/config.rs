@@ -33,6 +33,8 @@ pub struct Settings {
     pub http: HttpSettings,
     /// Logging.
     pub log: LogSettings,
+    /// OpenTelemetry trace export.
+    pub otel: OtelSettings,
 }
 
 /// RabbitMQ connection and consumer settings.
@@ -245,6 +247,25 @@ impl Default for LogSettings {
         Self {
             format: LogFormat::Human,
             filter: "info,lapin=off,tokio_postgres=warn".into(),
+        }
+    }
+}
+
+/// OpenTelemetry: spans per delivery exported over OTLP/HTTP.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OtelSettings {
+    /// OTLP/HTTP traces endpoint, e.g. `http://127.0.0.1:4318/v1/traces`; unset = off.
+    pub endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for OtelSettings {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            service_name: "postie".into(),
         }
     }
 }

@@ -307,12 +307,17 @@ impl Service {
     }
 
     async fn handle_send(&self, delivery: Delivery, publish: &Channel) {
+        let attempt = amqp::header_int(delivery.properties.headers().as_ref(), amqp::HEADER_ATTEMPT).unwrap_or(0);
         let span = tracing::info_span!(
             "delivery",
             key = tracing::field::Empty,
+            attempt,
             outcome = tracing::field::Empty,
             redelivered = delivery.redelivered,
         );
+        // Continue the producer's trace, if the job carries one.
+        let parent = crate::telemetry::parent_context(delivery.properties.headers().as_ref());
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
         let metrics = self.worker.health().metrics().clone();
         metrics.jobs_received.inc();
         metrics.in_flight.inc();

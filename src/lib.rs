@@ -16,6 +16,7 @@
 //! - [`health`], [`metrics`], [`http`]: readiness, the SMTP circuit breaker, Prometheus
 //!   metrics and the `/metrics` `/healthz` `/readyz` endpoint.
 //! - [`commands`]: the CLI sub-commands other than `serve`.
+//! - [`dlq`]: `postie dlq`: list dead letters without consuming them, replay them.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 
@@ -26,6 +27,7 @@ pub mod consumer;
 pub mod delay;
 pub mod health;
 pub mod http;
+pub mod dlq;
 pub mod inbox;
 pub mod job;
 pub mod mailer;

@@ -72,10 +72,36 @@ enum Command {
     },
     /// Show inbox counts by status and queue depths.
     Status,
+    /// Inspect the dead-letter queue, or move dead letters back to be sent.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+#[derive(Subcommand)]
+enum DlqCommand {
+    /// Show dead letters (key, kind, attempts, time, reason) without consuming them.
+    List {
+        /// Show at most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Move dead letters back to the work queue, each with a fresh retry cycle.
+    Replay {
+        /// Only those whose reason or kind contains this text (case-insensitive).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only those with this idempotency key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Move at most this many.
+        #[arg(long)]
+        limit: Option<usize>,
+    },
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let settings = match Settings::load(cli.config.as_deref()) {
         Ok(settings) => settings,
@@ -84,12 +110,35 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    postie::telemetry::init(&settings.log);
-    let result = match cli.command {
+    // Before the runtime: the OTLP exporter runs a blocking client on its own thread.
+    let _telemetry = match postie::telemetry::init(&settings.log, &settings.otel) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("postie: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+    runtime.block_on(run(cli.command, settings))
+}
+
+async fn run(command: Command, settings: Settings) -> ExitCode {
+    let result = match command {
         Command::Serve => postie::consumer::serve(settings, shutdown_signal()).await,
         Command::Migrate => commands::migrate(&settings).await,
         Command::Topology { delete } => commands::topology(&settings, delete).await,
         Command::Status => commands::status(&settings).await,
+        Command::Dlq { command } => match command {
+            DlqCommand::List { limit } => postie::dlq::print_list(&settings, limit).await,
+            DlqCommand::Replay { reason, key, limit } => {
+                let filter = postie::dlq::ReplayFilter {
+                    reason_contains: reason,
+                    key,
+                    limit,
+                };
+                postie::dlq::print_replay(&settings, &filter).await
+            }
+        },
         Command::Publish {
             file,
             key,

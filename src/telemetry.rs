@@ -1,23 +1,107 @@
-//! Logging: human lines for development, JSON lines for production.
+//! Logs and traces. Logs: human lines for development, JSON lines for production,
+//! to stderr. Traces: OpenTelemetry over OTLP/HTTP when `otel.endpoint` is set; each
+//! delivery's span continues the producer's trace from the job's `traceparent`.
 
-use tracing_subscriber::EnvFilter;
+use std::collections::HashMap;
 
-use crate::config::{LogFormat, LogSettings};
+use lapin::types::FieldTable;
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
-/// Installs the global subscriber; `RUST_LOG` overrides `log.filter`. Logs go to stderr.
-pub fn init(settings: &LogSettings) {
+use crate::amqp::header_text;
+use crate::config::{LogFormat, LogSettings, OtelSettings};
+
+/// Flushes and shuts the trace exporter down when dropped (end of `main`).
+pub struct TelemetryGuard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take() {
+            let _ = provider.shutdown();
+        }
+    }
+}
+
+/// Installs the global subscriber; `RUST_LOG` overrides `log.filter`. Call it before
+/// the async runtime starts: the OTLP exporter runs on a thread of its own.
+pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryGuard> {
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&settings.filter))
+        .or_else(|_| EnvFilter::try_new(&log.filter))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match settings.format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .try_init(),
-        LogFormat::Human => builder.try_init(),
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match log.format {
+        LogFormat::Json => fmt.json().flatten_event(true).with_current_span(true).boxed(),
+        LogFormat::Human => fmt.boxed(),
     };
+    let provider = match &otel.endpoint {
+        Some(endpoint) => {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_endpoint(endpoint.clone())
+                .build()
+                .map_err(|e| anyhow::anyhow!("otel.endpoint {endpoint}: {e}"))?;
+            let resource = opentelemetry_sdk::Resource::builder()
+                .with_service_name(otel.service_name.clone())
+                .build();
+            Some(
+                SdkTracerProvider::builder()
+                    .with_batch_exporter(exporter)
+                    .with_resource(resource)
+                    .build(),
+            )
+        }
+        None => None,
+    };
+    let otel_layer = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("postie")));
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel_layer)
+        .try_init();
+    Ok(TelemetryGuard { provider })
+}
+
+/// The producer's trace context from the W3C `traceparent` / `tracestate` headers
+/// (an empty context when there are none or they are malformed).
+pub fn parent_context(headers: Option<&FieldTable>) -> opentelemetry::Context {
+    let mut carrier = HashMap::new();
+    for name in ["traceparent", "tracestate"] {
+        if let Some(value) = header_text(headers, name) {
+            carrier.insert(name.to_string(), value);
+        }
+    }
+    TraceContextPropagator::new().extract(&carrier)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::AMQPValue;
+    use opentelemetry::trace::TraceContextExt;
+
+    #[test]
+    fn reads_a_w3c_traceparent_header() {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "traceparent".into(),
+            AMQPValue::LongString("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+        );
+        let cx = parent_context(Some(&headers));
+        let span = cx.span();
+        let sc = span.span_context();
+        assert!(sc.is_valid() && sc.is_remote());
+        assert_eq!(sc.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(sc.span_id().to_string(), "00f067aa0ba902b7");
+        assert!(!parent_context(None).span().span_context().is_valid());
+    }
 }
