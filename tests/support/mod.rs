@@ -343,6 +343,11 @@ pub struct InboxRow {
     pub last_error: Option<String>,
 }
 
+/// A port nobody listens on right now (for an HTTP endpoint under test).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 /// Polls `check` every 100 ms until it returns `Some`, or panics after `timeout`.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
 where
