@@ -172,6 +172,7 @@ fn expected_exchanges(topology: &Topology) -> BTreeMap<String, (String, Value)> 
         (kind_name(&kind), field_table_json(&arguments)),
     );
     expected.insert(topology.work_exchange(), ("direct".into(), json!({})));
+    expected.insert(topology.retry_exchange(), ("direct".into(), json!({})));
     expected.insert(topology.dead_exchange(), ("fanout".into(), json!({})));
     for k in 0..ladder(topology).levels() {
         expected.insert(topology.delay_level(k), ("topic".into(), json!({})));
@@ -202,6 +203,11 @@ fn expected_bindings(topology: &Topology) -> BTreeSet<Binding> {
             ROUTING_KEY.into(),
         ),
     ]);
+    // postie republishes a retry to the retry exchange with the queue's name as key.
+    for n in 0..topology.retry_steps().len() {
+        let queue = topology.retry_queue(n);
+        expected.insert(to_queue(topology.retry_exchange(), queue.clone(), queue));
+    }
     let ladder = ladder(topology);
     for k in 0..ladder.levels() {
         let level = topology.delay_level(k);
@@ -358,7 +364,7 @@ fn every_hop_that_carries_a_job_dead_letters_at_least_once() {
 }
 
 #[test]
-fn ladder_ttls_double_per_level_and_cover_the_longest_delay() {
+fn ladder_ttls_double_per_level() {
     let defs = definitions();
     let topology = topology();
     let ladder = ladder(&topology);
@@ -373,8 +379,69 @@ fn ladder_ttls_double_per_level_and_cover_the_longest_delay() {
             "TTL of level {k}"
         );
     }
-    assert!(ladder.max_delay() >= DelaySettings::default().max);
     assert!(!queues.contains_key(&topology.delay_level(ladder.levels())));
+}
+
+#[test]
+fn no_ladder_ttl_exceeds_what_rabbitmq_can_hold() {
+    // RabbitMQ cannot hold a TTL above 2^32-1 ms; a delay longer than one pass through
+    // the ladder takes several passes instead of a taller ladder.
+    let defs = definitions();
+    let topology = topology();
+    let ladder = ladder(&topology);
+    let limit = u64::from(u32::MAX);
+    for queue in list(&defs, "queues") {
+        if let Some(ttl) = queue["arguments"]["x-message-ttl"].as_u64() {
+            assert!(
+                ttl <= limit,
+                "{} has TTL {ttl} ms > 2^32-1",
+                text(queue, "name")
+            );
+        }
+    }
+    // One more level would not fit: the ladder is as tall as it may be, or tall enough.
+    let top = ladder.ttl(ladder.levels() - 1).as_millis();
+    assert!(top * 2 > u128::from(limit) || ladder.max_delay() >= DelaySettings::default().max);
+    // With the defaults (100 ms, 366 days): 26 levels, 77 days per pass.
+    assert_eq!(
+        (
+            ladder.levels(),
+            ladder.resolution().as_millis(),
+            DelaySettings::default().max
+        ),
+        (26, 100, std::time::Duration::from_secs(366 * 86_400)),
+        "default delay settings changed: update the file and rabbitmq/README.md"
+    );
+    assert!(ladder.max_delay() < DelaySettings::default().max);
+}
+
+#[test]
+fn retries_go_through_the_retry_exchange_keyed_by_queue_name() {
+    let defs = definitions();
+    let topology = topology();
+    let exchanges = by_name(&defs, "exchanges");
+    let retry = exchanges
+        .get(&topology.retry_exchange())
+        .unwrap_or_else(|| panic!("exchange {} missing", topology.retry_exchange()));
+    assert_eq!(text(retry, "type"), "direct");
+    let from_retry: BTreeMap<&str, &str> = list(&defs, "bindings")
+        .iter()
+        .filter(|b| text(b, "source") == topology.retry_exchange())
+        .map(|b| {
+            assert_eq!(text(b, "destination_type"), "queue", "{b}");
+            (text(b, "destination"), text(b, "routing_key"))
+        })
+        .collect();
+    let expected: BTreeSet<String> = (0..topology.retry_steps().len())
+        .map(|n| topology.retry_queue(n))
+        .collect();
+    assert_eq!(
+        from_retry.keys().copied().collect::<BTreeSet<_>>(),
+        expected.iter().map(String::as_str).collect::<BTreeSet<_>>()
+    );
+    for (queue, key) in from_retry {
+        assert_eq!(queue, key, "routing key of the binding to {queue}");
+    }
 }
 
 #[test]
@@ -493,11 +560,11 @@ fn users_have_least_privilege_and_documented_placeholder_passwords() {
         })
         .collect();
     assert_eq!(list(&defs, "permissions").len(), permissions.len());
-    // postie republishes retries through the default exchange (routing key = the retry
-    // queue's name), which RabbitMQ checks as write access to `amq.default`.
+    // postie republishes retries through its own retry exchange, so it needs no write
+    // access to `amq.default` (which would let it publish into any queue by name).
     assert_eq!(
         permissions.get("postie"),
-        Some(&[r"^postie\.", r"^(postie\..*|amq\.default)$", r"^postie\."])
+        Some(&[r"^postie\.", r"^postie\.", r"^postie\."])
     );
     assert_eq!(
         permissions.get("producer"),
