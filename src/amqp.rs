@@ -8,7 +8,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use secrecy::{ExposeSecret, SecretString};
 
-use crate::config::redact_url;
+use crate::config::{is_loopback_host, redact_url};
 
 /// Header: failed attempts so far in the current retry cycle (postie's own; RabbitMQ
 /// 3.13+ drops client-set `x-*` headers, so none of ours start with `x-`).
@@ -39,13 +39,31 @@ pub enum PublishError {
 }
 
 /// Connects with a timeout; the error names the redacted URL, never the password.
+///
+/// `amqps://` is TLS with the broker's certificate verified against the system's
+/// roots. `amqp://` to a host other than this machine works, with one warning per
+/// process: brokers often run plaintext inside a private network, and the producers'
+/// side of the broker is not postie's to secure (README, "Security").
 pub async fn connect(
     url: &SecretString,
     name: &str,
     timeout: Duration,
 ) -> anyhow::Result<Connection> {
+    static PLAINTEXT_WARNED: std::sync::Once = std::sync::Once::new();
     let props = ConnectionProperties::default().with_connection_name(name.into());
     let redacted = redact_url(url.expose_secret());
+    if let Ok(parsed) = url::Url::parse(url.expose_secret()) {
+        let host = parsed.host_str().unwrap_or("");
+        if parsed.scheme() == "amqp" && !host.is_empty() && !is_loopback_host(host) {
+            PLAINTEXT_WARNED.call_once(|| {
+                tracing::warn!(
+                    "amqp.url points at {host} without TLS: the broker password and every \
+                     job cross the network unencrypted; use amqps:// unless this network \
+                     is trusted"
+                );
+            });
+        }
+    }
     match tokio::time::timeout(timeout, Connection::connect(url.expose_secret(), props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(anyhow::anyhow!(
@@ -154,6 +172,22 @@ pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
 pub fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
     headers.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
 }
+
+/// Headers the broker adds when it dead-letters a message. postie drops them when it
+/// republishes: RabbitMQ (before 3.13) reads a client-supplied `x-death` for its
+/// dead-letter cycle detection, and a job that passes the same TTL queue twice
+/// (deferred twice, a second ladder pass, a replay) would be taken for a cycle and
+/// dropped or, with at-least-once dead-lettering, stuck in that queue for good.
+pub const BROKER_DEATH_HEADERS: &[&str] = &[
+    "x-death",
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    "x-delivery-count",
+];
 
 /// A copy of `headers` without `names`.
 pub fn without(headers: Option<&FieldTable>, names: &[&str]) -> FieldTable {

@@ -205,3 +205,51 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
+
+/// Cancels `key` up to `revision` (None: the newest seen) and says what that meant.
+pub async fn cancel(settings: &Settings, key: &str, revision: Option<i32>) -> anyhow::Result<()> {
+    let key = crate::job::IdempotencyKey::parse(key).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let inbox = Inbox::new(&settings.database)?;
+    inbox.check(&settings.database.url).await?;
+    inbox.migrate().await?;
+    let cancelled = inbox.cancel(key.as_str(), revision).await?;
+    let what = match cancelled.prior_status.as_str() {
+        "sent" => "already sent: nothing to cancel".to_string(),
+        "sending" => "being sent right now: it may still go out; later deliveries are cancelled".to_string(),
+        "new" => format!("not seen yet: kept as a tombstone; a job for it up to revision {} will be skipped", cancelled.covers),
+        _ => format!("cancelled (revisions up to {})", cancelled.covers),
+    };
+    println!("{key}: {what}");
+    Ok(())
+}
+
+/// Lists and counts scheduled jobs (ladder mode).
+pub async fn pending(
+    settings: &Settings,
+    due_before: Option<&str>,
+    key: Option<&str>,
+    limit: i64,
+) -> anyhow::Result<()> {
+    let due_before_ms = due_before.map(parse_instant).transpose()?;
+    let inbox = Inbox::new(&settings.database)?;
+    inbox.check(&settings.database.url).await?;
+    let (jobs, total) = inbox.pending(due_before_ms, key, limit).await?;
+    for job in &jobs {
+        let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+            .unwrap_or_default();
+        println!("{due}  rev {:<3} {}", job.revision, job.key);
+    }
+    println!("{total} pending{}", if (jobs.len() as i64) < total { format!(" ({} shown)", jobs.len()) } else { String::new() });
+    Ok(())
+}
+
+/// An RFC 3339 time, or a duration from now (`10m`), in Unix ms.
+fn parse_instant(text: &str) -> anyhow::Result<i64> {
+    if let Ok(at) = chrono::DateTime::parse_from_rfc3339(text) {
+        return Ok(at.timestamp_millis());
+    }
+    let ahead = humantime::parse_duration(text)
+        .map_err(|_| anyhow::anyhow!("{text:?} is neither an RFC 3339 time nor a duration like 10m"))?;
+    Ok(chrono::Utc::now().timestamp_millis() + ahead.as_millis() as i64)
+}

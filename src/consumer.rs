@@ -28,11 +28,12 @@ use crate::amqp::{self, PublishError};
 use crate::config::Settings;
 use crate::delay::{HEADER_DUE_AT, HEADER_X_DELAY};
 use crate::inbox::Inbox;
+use crate::job::readable;
 use crate::mailer::Mailer;
 use crate::relay::{self, Decision};
 use crate::topology::{self, DelayLayout, Topology, ROUTING_KEY};
 use crate::health::Health;
-use crate::metrics::{DeadReason, Dependency, Metrics, QueueLabel, RouteLabel, StepLabel};
+use crate::metrics::{DeadReason, Dependency, Metrics, PolicyLabel, QueueLabel, RouteLabel, StepLabel};
 use crate::worker::{now_ms, DeadKind, Outcome, Worker};
 
 /// How often queue depths are polled for `/metrics`.
@@ -64,11 +65,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
 
     let hard_stop = CancellationToken::new();
     let worker = Worker::new(
-        inbox,
-        mailer,
-        topology.clone(),
-        settings.worker.clone(),
-        settings.smtp.default_from.clone(),
+        &settings,
+        (inbox, mailer, topology.clone()),
         owner.clone(),
         health.clone(),
         hard_stop.clone(),
@@ -353,6 +351,14 @@ impl Service {
         let headers = props.headers().as_ref();
         let (exchange, routing_key, headers) = match relay::decide(&self.topology, headers, *props.timestamp(), now_ms()) {
             Decision::Forward { exchange, routing_key, due_ms } => {
+                if self.settings.delay.track_pending {
+                    if let Some((key, revision)) = crate::job::peek_key(&delivery.data) {
+                        if self.worker.schedule(&key, revision, due_ms).await.is_err() {
+                            tracing::warn!("stopping: leaving the intake delivery unacked");
+                            return;
+                        }
+                    }
+                }
                 let route = if routing_key == ROUTING_KEY { "now" } else { "ladder" };
                 let label = RouteLabel { route: route.into() };
                 self.worker.health().metrics().relayed.get_or_create(&label).inc();
@@ -361,7 +367,7 @@ impl Service {
                 (exchange, routing_key, stamped)
             }
             Decision::Invalid(reason) => {
-                tracing::warn!(%reason, "dead-lettered at intake");
+                tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
                 self.worker.health().metrics().dead(DeadReason::invalid);
                 let headers = dead_letter_headers(headers, DeadKind::Invalid, &reason, 0);
                 (self.topology.dead_exchange(), ROUTING_KEY.to_string(), headers)
@@ -379,8 +385,15 @@ impl Service {
         let channel = conn.create_channel().await?;
         let topology = self.topology.clone();
         let metrics = self.worker.health().metrics().clone();
+        let track_pending = self.settings.delay.track_pending && matches!(topology.delay(), DelayLayout::Ladder(_));
+        let inbox = self.worker.inbox().clone();
         tokio::spawn(async move {
             'poll: loop {
+                if track_pending {
+                    if let Ok((_, total)) = inbox.pending(None, None, 0).await {
+                        metrics.pending.set(total);
+                    }
+                }
                 for queue in topology.queues() {
                     let passive = lapin::options::QueueDeclareOptions {
                         passive: true,
@@ -410,7 +423,19 @@ impl Service {
     /// Where an outcome must be published before the ack, if anywhere.
     fn republish_target(&self, outcome: &Outcome, original: Option<&FieldTable>) -> Option<(String, String, FieldTable)> {
         Some(match outcome {
-            Outcome::Sent { .. } | Outcome::SentFenceLost { .. } | Outcome::Duplicate { .. } => return None,
+            Outcome::Sent { .. }
+            | Outcome::SentFenceLost { .. }
+            | Outcome::Duplicate { .. }
+            | Outcome::Cancelled { .. }
+            | Outcome::Stale { .. }
+            | Outcome::CancelRequest { .. }
+            | Outcome::Throttled { until_ms: None, .. } => return None,
+            Outcome::Throttled { until_ms: Some(until), .. } => {
+                let mut headers = amqp::without(original, &[]);
+                amqp::set_int(&mut headers, HEADER_DUE_AT, *until);
+                amqp::set_int(&mut headers, HEADER_X_DELAY, (*until - now_ms()).max(0));
+                (self.topology.delayed_exchange(), ROUTING_KEY.to_string(), headers)
+            }
             Outcome::Deferred { step, .. } => (
                 self.topology.retry_exchange(),
                 self.topology.retry_queue(*step),
@@ -427,7 +452,7 @@ impl Service {
             Outcome::Retry { step, attempt, error, .. } => {
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, amqp::HEADER_ATTEMPT, i64::from(*attempt));
-                amqp::set_text(&mut headers, amqp::HEADER_LAST_ERROR, error);
+                amqp::set_text(&mut headers, amqp::HEADER_LAST_ERROR, &readable(error, 1_000));
                 (self.topology.retry_exchange(), self.topology.retry_queue(*step), headers)
             }
             Outcome::DeadLetter { kind, reason, attempts, .. } => (
@@ -449,6 +474,7 @@ impl Service {
         routing_key: &str,
         headers: FieldTable,
     ) -> Result<(), PublishError> {
+        let headers = amqp::without(Some(&headers), amqp::BROKER_DEATH_HEADERS);
         let properties: BasicProperties = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
         let mandatory = !(exchange == self.topology.delayed_exchange() && self.topology.delay() == DelayLayout::Plugin);
@@ -474,7 +500,7 @@ impl Service {
 /// (so that a replay starts a fresh cycle).
 fn dead_letter_headers(original: Option<&FieldTable>, kind: DeadKind, reason: &str, attempts: u32) -> FieldTable {
     let mut headers = amqp::without(original, &[amqp::HEADER_ATTEMPT]);
-    amqp::set_text(&mut headers, amqp::HEADER_DEAD_REASON, reason);
+    amqp::set_text(&mut headers, amqp::HEADER_DEAD_REASON, &readable(reason, 1_000));
     amqp::set_text(&mut headers, amqp::HEADER_DEAD_KIND, kind.as_str());
     amqp::set_text(&mut headers, amqp::HEADER_DEAD_AT, &chrono::Utc::now().to_rfc3339());
     amqp::set_int(&mut headers, amqp::HEADER_DEAD_ATTEMPTS, i64::from(attempts));
@@ -504,6 +530,17 @@ fn count_outcome(metrics: &Metrics, outcome: &Outcome) {
         }
         Outcome::Duplicate { .. } => {
             metrics.duplicates_suppressed.inc();
+        }
+        Outcome::Cancelled { .. } => {
+            metrics.cancelled.inc();
+        }
+        Outcome::Stale { .. } => {
+            metrics.stale.inc();
+        }
+        Outcome::CancelRequest { .. } => {}
+        Outcome::Throttled { until_ms, .. } => {
+            let policy = if until_ms.is_some() { "defer" } else { "drop" };
+            metrics.throttled.get_or_create(&PolicyLabel { policy: policy.into() }).inc();
         }
         Outcome::Deferred { .. } | Outcome::Early { .. } => {
             metrics.deferred.inc();
@@ -535,6 +572,22 @@ fn log_outcome(outcome: &Outcome) {
             span.record("key", key.as_str());
             tracing::info!("already sent; duplicate suppressed");
         }
+        Outcome::Cancelled { key } => {
+            span.record("key", key.as_str());
+            tracing::info!("cancelled; not sent");
+        }
+        Outcome::Stale { key } => {
+            span.record("key", key.as_str());
+            tracing::info!("a newer revision exists; skipped");
+        }
+        Outcome::CancelRequest { key, cancelled } => {
+            span.record("key", key.as_str());
+            tracing::info!(prior_status = %cancelled.prior_status, covers = cancelled.covers, "cancel recorded");
+        }
+        Outcome::Throttled { key, until_ms } => {
+            span.record("key", key.as_str());
+            tracing::info!(?until_ms, "throttled");
+        }
         Outcome::Deferred { key, step } => {
             span.record("key", key.as_str());
             tracing::info!(step, "claimed elsewhere; parked until the lease ends");
@@ -545,13 +598,13 @@ fn log_outcome(outcome: &Outcome) {
         }
         Outcome::Retry { key, step, attempt, error } => {
             span.record("key", key.as_str());
-            tracing::warn!(step, attempt, %error, "transient failure; will retry");
+            tracing::warn!(step, attempt, error = %readable(error, 1_000), "transient failure; will retry");
         }
         Outcome::DeadLetter { key, kind, reason, attempts } => {
             if let Some(key) = key {
                 span.record("key", key.as_str());
             }
-            tracing::warn!(kind = kind.as_str(), attempts, %reason, "dead-lettered");
+            tracing::warn!(kind = kind.as_str(), attempts, reason = %readable(reason, 1_000), "dead-lettered");
         }
     }
 }

@@ -115,14 +115,28 @@ pub fn published_at(
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     received_ms: i64,
-) -> i64 {
-    let claimed = header_int(headers, HEADER_PUBLISHED_AT)
-        .or_else(|| timestamp_s.map(|s| (s as i64).saturating_mul(1000).saturating_add(999)));
-    claimed.map_or(received_ms, |t| t.min(received_ms))
+) -> Result<i64, InvalidJob> {
+    let claimed = match header_int(headers, HEADER_PUBLISHED_AT) {
+        Some(ms) => Some((ms, HEADER_PUBLISHED_AT)),
+        None => timestamp_s.map(|s| {
+            let ms = i64::try_from(s).unwrap_or(i64::MAX).saturating_mul(1000);
+            (ms.saturating_add(999), "the AMQP timestamp")
+        }),
+    };
+    match claimed {
+        None => Ok(received_ms),
+        Some((ms, what)) if ms < received_ms.saturating_sub(PLAUSIBLE_PAST_MS) => Err(InvalidJob(
+            format!("{what} ({ms}) is more than ten years before the job was received"),
+        )),
+        Some((ms, _)) => Ok(ms.min(received_ms)),
+    }
 }
 
+/// How far in the past a publish time may plausibly be (ten years).
+const PLAUSIBLE_PAST_MS: i64 = 3_650 * 86_400_000;
+
 /// The due time in Unix ms: the `postie-due-at` postie stamped earlier, else
-/// published-at + `x-delay`.
+/// published-at + `x-delay`. Times that cannot be true are refused, not clamped.
 pub fn due_at(
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
@@ -130,10 +144,16 @@ pub fn due_at(
     max: Duration,
 ) -> Result<i64, InvalidJob> {
     if let Some(due) = header_int(headers, HEADER_DUE_AT) {
+        let latest = received_ms.saturating_add(max.as_millis() as i64 + 86_400_000);
+        if due < received_ms.saturating_sub(PLAUSIBLE_PAST_MS) || due > latest {
+            return Err(InvalidJob(format!(
+                "{HEADER_DUE_AT} ({due}) is not a plausible due time"
+            )));
+        }
         return Ok(due);
     }
     let delay = x_delay(headers, max)?;
-    Ok(published_at(headers, timestamp_s, received_ms).saturating_add(delay as i64))
+    Ok(published_at(headers, timestamp_s, received_ms)?.saturating_add(delay as i64))
 }
 
 /// Where the relay sends a job.
@@ -271,12 +291,24 @@ mod tests {
     #[test]
     fn published_at_prefers_the_ms_header_and_never_exceeds_receipt() {
         let h = headers(&[(HEADER_PUBLISHED_AT, AMQPValue::LongLongInt(1_000_500))]);
-        assert_eq!(published_at(Some(&h), Some(999), 2_000_000), 1_000_500);
+        assert_eq!(published_at(Some(&h), Some(999), 2_000_000), Ok(1_000_500));
         // Seconds timestamp: the latest ms of that second.
-        assert_eq!(published_at(None, Some(1000), 2_000_000), 1_000_999);
+        assert_eq!(published_at(None, Some(1000), 2_000_000), Ok(1_000_999));
         // A producer clock ahead of ours: receipt wins.
-        assert_eq!(published_at(None, Some(5000), 2_000_000), 2_000_000);
-        assert_eq!(published_at(None, None, 42), 42);
+        assert_eq!(published_at(None, Some(5000), 2_000_000), Ok(2_000_000));
+        assert_eq!(published_at(None, None, 42), Ok(42));
+        // Garbage is refused, and nothing overflows.
+        let h = headers(&[(HEADER_PUBLISHED_AT, AMQPValue::LongLongInt(i64::MIN))]);
+        assert!(published_at(Some(&h), None, 2_000_000).is_err());
+        assert_eq!(published_at(None, Some(u64::MAX), 2_000_000), Ok(2_000_000));
+    }
+
+    #[test]
+    fn an_implausible_stamped_due_time_is_refused() {
+        for due in [i64::MIN, i64::MAX, -9_000_000_000_000_000] {
+            let h = headers(&[(HEADER_DUE_AT, AMQPValue::LongLongInt(due))]);
+            assert!(due_at(Some(&h), None, 1_800_000_000_000, DAY).is_err(), "{due}");
+        }
     }
 
     #[test]

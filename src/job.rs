@@ -86,6 +86,89 @@ pub struct EmailJob {
     pub html: Option<String>,
     /// Extra headers the producer asked for, names checked against the reserved list.
     pub headers: Vec<(String, String)>,
+    /// Reschedule revision (default 0): a newer revision of the key supersedes this one.
+    pub revision: i32,
+}
+
+impl EmailJob {
+    /// The recipient the throttle counts against: `user_id`, else the first
+    /// recipient's address, lower-cased.
+    pub fn throttle_recipient(&self) -> String {
+        match &self.user_id {
+            Some(user) => format!("user:{user}"),
+            None => self
+                .to
+                .iter()
+                .chain(&self.cc)
+                .chain(&self.bcc)
+                .next()
+                .map(|m| format!("addr:{}", m.email.to_string().to_lowercase()))
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// A cancel request: `{"cancel": "KEY", "revision": N}` (revision optional: the
+/// newest seen). Published like a job, without `x-delay`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    /// The idempotency key to cancel.
+    pub cancel: String,
+    /// The highest revision the cancel covers.
+    #[serde(default)]
+    pub revision: Option<i32>,
+}
+
+/// What a message on the contract exchange asks for.
+#[derive(Debug, Clone)]
+pub enum Request {
+    /// Send an email.
+    Job(Box<EmailJob>),
+    /// Cancel a key.
+    Cancel {
+        /// The key.
+        key: IdempotencyKey,
+        /// Covered revision (None: the newest seen).
+        revision: Option<i32>,
+    },
+}
+
+/// The key and revision of a job body, without validating the rest (the relay
+/// records scheduled jobs; the worker validates). `None` for cancels and bodies
+/// with no usable key.
+pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if value.get("cancel").is_some() {
+        return None;
+    }
+    let key = match (value["key"].as_str(), value["order_id"].as_str(), value["type"].as_str()) {
+        (Some(key), _, _) => key.to_string(),
+        (None, Some(order_id), Some(kind)) => format!("{order_id}:{kind}"),
+        _ => return None,
+    };
+    let revision = value["revision"].as_i64().unwrap_or(0).clamp(0, i32::MAX as i64) as i32;
+    Some((IdempotencyKey::parse(&key).ok()?, revision))
+}
+
+impl Request {
+    /// Parses a job or a cancel request.
+    pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
+            if value.get("cancel").is_some() {
+                let cancel: CancelRequest = serde_json::from_value(value)
+                    .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
+                if cancel.revision.is_some_and(|r| r < 0) {
+                    return invalid("cancel revision must not be negative");
+                }
+                return Ok(Self::Cancel {
+                    key: IdempotencyKey::parse(&cancel.cancel)?,
+                    revision: cancel.revision,
+                });
+            }
+        }
+        EmailJob::parse(body, rules).map(|job| Self::Job(Box::new(job)))
+    }
 }
 
 /// The JSON body as producers send it (version 1). Unknown fields are rejected so
@@ -120,6 +203,8 @@ struct RawJob {
     html: Option<String>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    #[serde(default)]
+    revision: Option<i32>,
 }
 
 /// What the contract allows around the body.
@@ -163,7 +248,7 @@ const RESERVED_HEADERS: &[&str] = &[
 ];
 
 impl EmailJob {
-    /// Parses and validates one message body.
+    /// Parses and validates one job body.
     pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         if body.is_empty() {
             return invalid("empty body");
@@ -186,8 +271,9 @@ impl EmailJob {
             return invalid("body is not a JSON object");
         }
         let raw: RawJob = serde_json::from_str(text).map_err(|e| {
-            // serde_json's message names the field and position but never echoes values.
-            InvalidJob(format!("body is not a valid job: {e}"))
+            // serde_json's message can quote the producer's field names and values:
+            // keep it short and free of line breaks, since it ends up in a header.
+            InvalidJob(format!("body is not a valid job: {}", readable(&e.to_string(), 300)))
         })?;
         Self::from_raw(raw, rules)
     }
@@ -200,6 +286,10 @@ impl EmailJob {
         }
         if let Some(order_id) = &raw.order_id {
             check_token("order_id", order_id)?;
+        }
+        let revision = raw.revision.unwrap_or(0);
+        if revision < 0 {
+            return invalid("\"revision\" must not be negative");
         }
         if let Some(kind) = &raw.kind {
             check_token("type", kind)?;
@@ -271,6 +361,7 @@ impl EmailJob {
             text: raw.text,
             html: raw.html,
             headers,
+            revision,
         })
     }
 }
@@ -326,7 +417,11 @@ fn check_header_name(name: &str) -> Result<(), InvalidJob> {
             name.chars().take(80).collect::<String>()
         ));
     }
-    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+    let lower = name.to_ascii_lowercase();
+    if RESERVED_HEADERS.contains(&lower.as_str())
+        || lower.starts_with("content-")
+        || lower.starts_with("resent-")
+    {
         return invalid(format!("header {name:?} is set by postie, not by the job"));
     }
     Ok(())
@@ -352,6 +447,25 @@ fn parse_mailbox(field: &str, raw: &str) -> Result<Mailbox, InvalidJob> {
 
 fn parse_mailboxes(field: &str, raw: &[String]) -> Result<Vec<Mailbox>, InvalidJob> {
     raw.iter().map(|r| parse_mailbox(field, r)).collect()
+}
+
+/// `text` made safe for a log line and an AMQP header: control characters and line
+/// separators escaped, and at most `max` bytes (cut on a character boundary).
+pub fn readable(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max));
+    for c in text.chars() {
+        let piece = if is_line_breaking(c) || c == '\u{85}' {
+            format!("\\u{{{:04x}}}", c as u32)
+        } else {
+            c.to_string()
+        };
+        if out.len() + piece.len() > max.saturating_sub(3) {
+            out.push('…');
+            break;
+        }
+        out.push_str(&piece);
+    }
+    out
 }
 
 /// At most 80 characters of an offending value for a reason line.
@@ -506,6 +620,45 @@ mod tests {
             .unwrap_err()
             .0
             .contains("not a valid job"));
+    }
+
+    #[test]
+    fn cancel_requests_are_told_apart_from_jobs() {
+        let cancel = Request::parse(br#"{"cancel": "order-1:x", "revision": 2}"#, &RULES).unwrap();
+        assert!(matches!(cancel, Request::Cancel { ref key, revision: Some(2) } if key.as_str() == "order-1:x"));
+        assert!(Request::parse(br#"{"cancel": "k", "extra": 1}"#, &RULES).is_err());
+        assert!(Request::parse(br#"{"cancel": "k", "revision": -1}"#, &RULES).is_err());
+        let job = Request::parse(base().to_string().as_bytes(), &RULES).unwrap();
+        assert!(matches!(job, Request::Job(ref j) if j.revision == 0));
+    }
+
+    #[test]
+    fn throttle_recipient_is_the_user_else_the_first_address() {
+        let mut v = base();
+        v["to"] = serde_json::json!(["Alice <Alice@Example.com>"]);
+        assert_eq!(parse(v.clone()).unwrap().throttle_recipient(), "addr:alice@example.com");
+        v["user_id"] = "u-7".into();
+        assert_eq!(parse(v).unwrap().throttle_recipient(), "user:u-7");
+    }
+
+    #[test]
+    fn reasons_are_short_and_single_line() {
+        assert_eq!(readable("a\r\nb\u{2028}", 100), "a\\u{000d}\\u{000a}b\\u{2028}");
+        let long = readable(&"z".repeat(10_000), 300);
+        assert!(long.len() <= 300 && long.ends_with('…'));
+        let mut v = base();
+        v[format!("x\rBcc: {}", "z".repeat(300_000))] = 1.into();
+        let reason = parse(v).unwrap_err().0;
+        assert!(reason.len() < 400 && !reason.contains('\r'), "{}", reason.len());
+    }
+
+    #[test]
+    fn content_and_resent_headers_are_reserved() {
+        for name in ["Content-Length", "content-foo", "Resent-Anything"] {
+            let mut v = base();
+            v["headers"] = serde_json::json!({ name: "1" });
+            assert!(parse(v).unwrap_err().0.contains("set by postie"), "{name}");
+        }
     }
 
     #[test]

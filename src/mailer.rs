@@ -7,11 +7,14 @@ use std::time::Duration;
 
 use lettre::message::header::{HeaderName, HeaderValue};
 use lettre::message::{MultiPart, SinglePart};
+use lettre::transport::smtp::authentication::Credentials;
+use lettre::transport::smtp::client::{Tls, TlsParameters};
+use lettre::transport::smtp::extension::ClientId;
 use lettre::transport::smtp::PoolConfig;
 use lettre::{AsyncFileTransport, AsyncSmtpTransport, AsyncTransport, Message, Tokio1Executor};
 use secrecy::ExposeSecret;
 
-use crate::config::{redact_url, SmtpSettings};
+use crate::config::{is_loopback_host, smtp_endpoint, SmtpSecurity, SmtpSettings};
 use crate::job::EmailJob;
 
 /// Why a send failed, and whether trying again can help.
@@ -43,23 +46,65 @@ pub struct Mailer {
 
 impl Mailer {
     /// Builds the transport named by `smtp.url` (no connection is made yet).
+    ///
+    /// `smtp://` to a host other than this machine requires STARTTLS unless the URL
+    /// says `tls=none` or `tls=opportunistic` (see [`smtp_endpoint`]); certificates
+    /// are verified against the system's roots.
     pub fn new(settings: &SmtpSettings) -> anyhow::Result<Self> {
         let raw = settings.url.expose_secret();
-        let transport = if let Some(dir) = raw.strip_prefix("file://") {
-            let dir = PathBuf::from(dir);
-            std::fs::create_dir_all(&dir).map_err(|e| {
-                anyhow::anyhow!("smtp.url: cannot create directory {}: {e}", dir.display())
-            })?;
-            Transport::File(AsyncFileTransport::<Tokio1Executor>::new(dir))
-        } else {
-            let builder = AsyncSmtpTransport::<Tokio1Executor>::from_url(raw)
-                .map_err(|e| anyhow::anyhow!("smtp.url {} is not usable: {e}", redact_url(raw)))?;
-            Transport::Smtp(
-                builder
+        let transport = match smtp_endpoint(raw)? {
+            None => {
+                let dir = PathBuf::from(raw.trim_start_matches("file://"));
+                std::fs::create_dir_all(&dir).map_err(|e| {
+                    anyhow::anyhow!("smtp.url: cannot create directory {}: {e}", dir.display())
+                })?;
+                Transport::File(AsyncFileTransport::<Tokio1Executor>::new(dir))
+            }
+            Some(endpoint) => {
+                let host = endpoint.host.as_str();
+                let params = || {
+                    TlsParameters::new(host.to_string()).map_err(|e| {
+                        anyhow::anyhow!("smtp.url: TLS towards {host} is not usable: {e}")
+                    })
+                };
+                let tls = match endpoint.security {
+                    SmtpSecurity::Plaintext => Tls::None,
+                    SmtpSecurity::StartTlsRequired => Tls::Required(params()?),
+                    SmtpSecurity::StartTlsOpportunistic => Tls::Opportunistic(params()?),
+                    SmtpSecurity::ImplicitTls => Tls::Wrapper(params()?),
+                };
+                let weak = match endpoint.security {
+                    SmtpSecurity::Plaintext => Some("without TLS (tls=none)"),
+                    SmtpSecurity::StartTlsOpportunistic => {
+                        Some("with STARTTLS only if offered (tls=opportunistic)")
+                    }
+                    _ => None,
+                };
+                if let Some(how) = weak.filter(|_| !is_loopback_host(host)) {
+                    tracing::warn!(
+                        "smtp.url sends to {host} {how}: emails{} can be read on the way; \
+                         drop tls= to require STARTTLS",
+                        if endpoint.credentials.is_some() {
+                            " and the password"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(host)
+                    .port(endpoint.port)
+                    .tls(tls)
                     .timeout(Some(settings.timeout))
-                    .pool_config(PoolConfig::new().max_size(settings.pool_size))
-                    .build(),
-            )
+                    .pool_config(PoolConfig::new().max_size(settings.pool_size));
+                if let Some(name) = endpoint.hello_name {
+                    builder = builder.hello_name(ClientId::Domain(name));
+                }
+                if let Some((user, password)) = endpoint.credentials {
+                    builder = builder
+                        .credentials(Credentials::new(user, password.expose_secret().to_owned()));
+                }
+                Transport::Smtp(builder.build())
+            }
         };
         Ok(Self {
             transport: std::sync::Arc::new(transport),
@@ -152,8 +197,15 @@ impl Mailer {
 }
 
 fn classify(e: lettre::transport::smtp::Error) -> SendError {
-    let text = error_chain(&e);
-    if e.is_permanent() {
+    // The server's reply text goes into headers, logs and the inbox: one short line.
+    let text = crate::job::readable(&error_chain(&e), 1_000);
+    // lettre's client errors are either about this message (non-ASCII envelope or
+    // body the server cannot take) or about the relay's set-up (no STARTTLS, no usable
+    // AUTH). The first kind can never succeed; the second is the relay's fault, not
+    // the job's, and must pause consumption rather than dead-letter every job.
+    let about_the_message =
+        e.is_client() && (text.contains("SMTPUTF8") || text.contains("8BITMIME"));
+    if e.is_permanent() || about_the_message {
         SendError::Permanent(text)
     } else if e.is_transient() {
         SendError::Transient(text)

@@ -72,6 +72,26 @@ enum Command {
     },
     /// Show inbox counts by status and queue depths.
     Status,
+    /// Cancel a key at once (a tombstone if no job for it was seen yet).
+    Cancel {
+        /// The idempotency key.
+        key: String,
+        /// Cancel revisions up to this one (default: the newest seen).
+        #[arg(long)]
+        revision: Option<i32>,
+    },
+    /// List and count scheduled jobs by due time (ladder mode).
+    Pending {
+        /// Only jobs due before this time (RFC 3339, or a duration from now like 10m).
+        #[arg(long)]
+        due_before: Option<String>,
+        /// Only this key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
     /// Inspect the dead-letter queue, or move dead letters back to be sent.
     Dlq {
         #[command(subcommand)]
@@ -128,6 +148,10 @@ async fn run(command: Command, settings: Settings) -> ExitCode {
         Command::Migrate => commands::migrate(&settings).await,
         Command::Topology { delete } => commands::topology(&settings, delete).await,
         Command::Status => commands::status(&settings).await,
+        Command::Cancel { key, revision } => commands::cancel(&settings, &key, revision).await,
+        Command::Pending { due_before, key, limit } => {
+            commands::pending(&settings, due_before.as_deref(), key.as_deref(), limit).await
+        }
         Command::Dlq { command } => match command {
             DlqCommand::List { limit } => postie::dlq::print_list(&settings, limit).await,
             DlqCommand::Replay { reason, key, limit } => {

@@ -70,6 +70,13 @@ pub struct RouteLabel {
     pub route: String,
 }
 
+/// A throttle policy.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabel {
+    /// `drop` or `defer`.
+    pub policy: String,
+}
+
 /// Every metric postie exports.
 pub struct Metrics {
     registry: Registry,
@@ -107,6 +114,14 @@ pub struct Metrics {
     pub reconnects: Family<DependencyLabel, Counter>,
     /// 1 while the SMTP circuit breaker is open.
     pub smtp_breaker_open: Gauge,
+    /// Jobs over their type's throttle, by policy.
+    pub throttled: Family<PolicyLabel, Counter>,
+    /// Jobs skipped because a cancel covers them.
+    pub cancelled: Counter,
+    /// Jobs skipped because a newer revision exists.
+    pub stale: Counter,
+    /// Ladder mode: jobs scheduled and not yet sent or cancelled (polled).
+    pub pending: Gauge,
 }
 
 impl Default for Metrics {
@@ -138,6 +153,10 @@ impl Metrics {
             queue_depth: Family::default(),
             reconnects: Family::default(),
             smtp_breaker_open: Gauge::default(),
+            throttled: Family::default(),
+            cancelled: Counter::default(),
+            stale: Counter::default(),
+            pending: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("jobs_received", "Deliveries taken from the send queue", m.jobs_received.clone());
@@ -157,6 +176,10 @@ impl Metrics {
         registry.register("queue_depth", "Ready messages per queue (polled)", m.queue_depth.clone());
         registry.register("reconnects", "Reconnections, by dependency", m.reconnects.clone());
         registry.register("smtp_circuit_open", "1 while the SMTP circuit breaker is open", m.smtp_breaker_open.clone());
+        registry.register("throttled", "Jobs over their type's throttle, by policy", m.throttled.clone());
+        registry.register("cancelled", "Jobs skipped because a cancel covers them", m.cancelled.clone());
+        registry.register("stale", "Jobs skipped because a newer revision exists", m.stale.clone());
+        registry.register("pending", "Ladder mode: scheduled jobs not yet sent or cancelled (polled)", m.pending.clone());
         Self { registry, ..m }
     }
 

@@ -37,7 +37,7 @@ pub fn decide(
         Err(invalid) => return Decision::Invalid(invalid.0),
     };
     let route = match topology.delay() {
-        DelayLayout::Ladder(ladder) => ladder.route(due_ms - now_ms),
+        DelayLayout::Ladder(ladder) => ladder.route(due_ms.saturating_sub(now_ms)),
         DelayLayout::Plugin => Route::Now,
     };
     match (route, topology.ladder_entry()) {

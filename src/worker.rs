@@ -10,17 +10,19 @@
 //! for an unreachable SMTP relay once the circuit breaker opens: the claim is given
 //! back, the delivery held, and the job sent when the relay answers again.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{header_int, HEADER_ATTEMPT};
-use crate::config::WorkerSettings;
+use crate::config::{Settings, ThrottlePolicy, ThrottleRule, WorkerSettings};
 use crate::delay::{self, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
 use crate::health::{next_backoff, Health};
-use crate::inbox::{Claim, DbError, Inbox};
-use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules};
+use crate::inbox::{Cancelled, Claim, DbError, Inbox, Throttle};
+use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
 use crate::mailer::{Mailer, SendError};
 use crate::topology::{DelayLayout, Topology};
 
@@ -83,6 +85,30 @@ pub enum Outcome {
         /// The job's key.
         key: IdempotencyKey,
     },
+    /// A cancel covers this job's revision: acked without sending.
+    Cancelled {
+        /// The job's key.
+        key: IdempotencyKey,
+    },
+    /// A newer revision of the key exists: acked without sending.
+    Stale {
+        /// The job's key.
+        key: IdempotencyKey,
+    },
+    /// A cancel request was recorded.
+    CancelRequest {
+        /// The key cancelled.
+        key: IdempotencyKey,
+        /// What the inbox said.
+        cancelled: Cancelled,
+    },
+    /// Over its type's throttle: dropped (`until_ms` None) or deferred until then.
+    Throttled {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Deferred until (Unix ms), or None when dropped.
+        until_ms: Option<i64>,
+    },
     /// Another instance holds a live claim: park the job in retry queue `step`,
     /// which is at least the remaining lease away, without counting an attempt.
     Deferred {
@@ -123,11 +149,23 @@ impl Outcome {
             Self::Early { .. } => "early",
             Self::SentFenceLost { .. } => "sent_fence_lost",
             Self::Duplicate { .. } => "duplicate",
+            Self::Cancelled { .. } => "cancelled",
+            Self::Stale { .. } => "stale",
+            Self::CancelRequest { .. } => "cancel_request",
+            Self::Throttled { .. } => "throttled",
             Self::Deferred { .. } => "deferred",
             Self::Retry { .. } => "retry",
             Self::DeadLetter { .. } => "dead_letter",
         }
     }
+}
+
+/// Why a unit of work stopped short of an outcome.
+enum Stop {
+    /// Shutting down: leave the delivery unacked.
+    Interrupted,
+    /// PostgreSQL refused a statement for what this job carried: dead-letter it.
+    Refused(DbError),
 }
 
 /// The worker stopped waiting for PostgreSQL because the process is shutting down;
@@ -149,6 +187,7 @@ pub struct Worker {
     topology: Topology,
     settings: WorkerSettings,
     default_from: Option<String>,
+    throttles: Arc<BTreeMap<String, ThrottleRule>>,
     owner: String,
     health: Health,
     hard_stop: CancellationToken,
@@ -156,27 +195,38 @@ pub struct Worker {
 
 impl Worker {
     /// Assembles a worker. `hard_stop` ends waits for the database (drain timeout).
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
-        inbox: Inbox,
-        mailer: Mailer,
-        topology: Topology,
-        settings: WorkerSettings,
-        default_from: Option<String>,
+        settings: &Settings,
+        parts: (Inbox, Mailer, Topology),
         owner: String,
         health: Health,
         hard_stop: CancellationToken,
     ) -> Self {
+        let (inbox, mailer, topology) = parts;
         Self {
             inbox,
             mailer,
             topology,
-            settings,
-            default_from,
+            settings: settings.worker.clone(),
+            default_from: settings.smtp.default_from.clone(),
+            throttles: Arc::new(settings.throttle.clone()),
             owner,
             health,
             hard_stop,
         }
+    }
+
+    /// Ladder mode: records a job the relay scheduled, riding out a database outage.
+    pub async fn schedule(&self, key: &IdempotencyKey, revision: i32, due_ms: i64) -> Result<(), Interrupted> {
+        match self.db("schedule", || self.inbox.schedule(key.as_str(), revision, due_ms)).await {
+            Ok(()) | Err(Stop::Refused(_)) => Ok(()), // refused: not listed as pending, still relayed
+            Err(Stop::Interrupted) => Err(Interrupted),
+        }
+    }
+
+    /// The inbox (for the pending gauge).
+    pub fn inbox(&self) -> &Inbox {
+        &self.inbox
     }
 
     /// The dependency health this worker reports into.
@@ -191,11 +241,36 @@ impl Worker {
         headers: Option<&FieldTable>,
         timestamp_s: Option<u64>,
     ) -> Result<Outcome, Interrupted> {
+        match self.process_steps(body, headers, timestamp_s).await {
+            Ok(outcome) => Ok(outcome),
+            Err(Stop::Interrupted) => Err(Interrupted),
+            Err(Stop::Refused(error)) => Ok(Outcome::DeadLetter {
+                key: crate::job::peek_key(body).map(|(key, _)| key),
+                kind: DeadKind::Invalid,
+                reason: format!("the database refused this job: {error}"),
+                attempts: 0,
+            }),
+        }
+    }
+
+    async fn process_steps(
+        &self,
+        body: &[u8],
+        headers: Option<&FieldTable>,
+        timestamp_s: Option<u64>,
+    ) -> Result<Outcome, Stop> {
+        // Our own counter, but a producer can set any header: keep it in range.
         let failed_so_far = header_int(headers, HEADER_ATTEMPT)
             .unwrap_or(0)
-            .clamp(0, u32::MAX as i64) as u32;
+            .clamp(0, 1_000) as u32;
         let job = match self.parse(body) {
-            Ok(job) => job,
+            Ok(Request::Job(job)) => job,
+            Ok(Request::Cancel { key, revision }) => {
+                let cancelled = self
+                    .db("cancel", || self.inbox.cancel(key.as_str(), revision))
+                    .await?;
+                return Ok(Outcome::CancelRequest { key, cancelled });
+            }
             Err(InvalidJob(reason)) => {
                 return Ok(Outcome::DeadLetter {
                     key: None,
@@ -217,14 +292,14 @@ impl Worker {
                 })
             }
         };
-        let early_ms = due_ms - now_ms();
+        let early_ms = due_ms.saturating_sub(now_ms());
         if early_ms > 0 {
             if early_ms as u128 > self.hold_limit().as_millis() {
                 return Ok(Outcome::Early { key, due_ms, early_ms });
             }
             // Never early: wait out the last sub-unit rest of the ladder.
             tokio::select! {
-                _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                 _ = tokio::time::sleep(Duration::from_millis(early_ms as u64)) => {}
             }
         }
@@ -233,11 +308,13 @@ impl Worker {
             let claim = self
                 .db("claim", || {
                     self.inbox
-                        .claim(key.as_str(), &self.owner, self.settings.lease)
+                        .claim(key.as_str(), &self.owner, self.settings.lease, job.revision)
                 })
                 .await?;
             let (fence, takeover) = match claim {
                 Claim::AlreadySent => return Ok(Outcome::Duplicate { key }),
+                Claim::Cancelled => return Ok(Outcome::Cancelled { key }),
+                Claim::Stale => return Ok(Outcome::Stale { key }),
                 Claim::Busy { remaining } => {
                     let step = self.topology.step_at_least(remaining);
                     return Ok(Outcome::Deferred { key, step });
@@ -248,6 +325,9 @@ impl Worker {
             };
             if takeover {
                 tracing::warn!(key = %key, "took over an expired claim: the previous owner may have sent this email");
+            }
+            if let Some(outcome) = self.throttle(&job, fence, due_ms).await? {
+                return Ok(outcome);
             }
             let sent = self.send(&job).await;
             if let Err(SendError::Unreachable(error)) = &sent {
@@ -260,7 +340,7 @@ impl Worker {
                     self.db("release", || self.inbox.release(key.as_str(), fence, error))
                         .await?;
                     tokio::select! {
-                        _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                        _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                         _ = self.health.wait_smtp_up() => continue,
                     }
                 }
@@ -269,6 +349,37 @@ impl Worker {
                 .record(key, fence, takeover, due_ms, failed_so_far, &job, sent)
                 .await;
         }
+    }
+
+    /// Applies the job type's throttle, if any, under the claim: `None` to go on.
+    async fn throttle(&self, job: &EmailJob, fence: i64, due_ms: i64) -> Result<Option<Outcome>, Stop> {
+        let Some(rule) = job.kind.as_ref().and_then(|kind| self.throttles.get(kind)) else {
+            return Ok(None);
+        };
+        let kind = job.kind.as_deref().unwrap_or_default();
+        let recipient = job.throttle_recipient();
+        let verdict = self
+            .db("throttle", || self.inbox.throttle(kind, &recipient, rule.limit, rule.window))
+            .await?;
+        let Throttle::Limited { next_ms } = verdict else {
+            return Ok(None);
+        };
+        let key = job.key.clone();
+        Ok(Some(match rule.policy {
+            ThrottlePolicy::Drop => {
+                self.db("record throttled", || self.inbox.mark_throttled(key.as_str(), fence))
+                    .await?;
+                Outcome::Throttled { key, until_ms: None }
+            }
+            ThrottlePolicy::Defer => {
+                self.db("defer", || self.inbox.unclaim(key.as_str(), fence, "throttled (defer policy)"))
+                    .await?;
+                Outcome::Throttled {
+                    key,
+                    until_ms: Some(next_ms.max(due_ms)),
+                }
+            }
+        }))
     }
 
     async fn send(&self, job: &EmailJob) -> Result<(), SendError> {
@@ -313,7 +424,7 @@ impl Worker {
         failed_so_far: u32,
         job: &EmailJob,
         sent: Result<(), SendError>,
-    ) -> Result<Outcome, Interrupted> {
+    ) -> Result<Outcome, Stop> {
         match sent {
             Ok(()) => {
                 let message_id = self.mailer.message_id(job);
@@ -403,8 +514,8 @@ impl Worker {
         }
     }
 
-    fn parse(&self, body: &[u8]) -> Result<EmailJob, InvalidJob> {
-        EmailJob::parse(
+    fn parse(&self, body: &[u8]) -> Result<Request, InvalidJob> {
+        Request::parse(
             body,
             &ParseRules {
                 max_body_bytes: self.settings.max_body_bytes,
@@ -414,7 +525,7 @@ impl Worker {
     }
 
     /// Runs one database step until PostgreSQL answers, with capped backoff.
-    async fn db<T, F, Fut>(&self, what: &str, mut step: F) -> Result<T, Interrupted>
+    async fn db<T, F, Fut>(&self, what: &str, mut step: F) -> Result<T, Stop>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, DbError>>,
@@ -426,13 +537,17 @@ impl Worker {
                     self.health.set_database_up(true);
                     return Ok(value);
                 }
+                Err(error) if !error.is_outage() => {
+                    tracing::error!(%error, step = what, "the database refused a statement for this job");
+                    return Err(Stop::Refused(error));
+                }
                 Err(error) => {
                     if self.health.database_up() {
                         tracing::warn!(%error, step = what, "database step failed");
                     }
                     self.health.set_database_up(false);
                     tokio::select! {
-                        _ = self.hard_stop.cancelled() => return Err(Interrupted),
+                        _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = next_backoff(backoff, self.settings.outage_backoff_max);

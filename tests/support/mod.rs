@@ -42,8 +42,8 @@ pub struct TestEnv {
     pub sink: SmtpSink,
     /// Names of the broker objects.
     pub topology: Topology,
-    conn: Connection,
-    channel: Channel,
+    /// The test's own connection and confirm channel, rebuilt after a broker restart.
+    amqp: tokio::sync::Mutex<(Connection, Channel)>,
 }
 
 impl TestEnv {
@@ -61,7 +61,20 @@ impl TestEnv {
             .expect("RabbitMQ for tests");
         let channel = amqp::confirm_channel(&conn).await.unwrap();
         topology.declare(&conn.create_channel().await.unwrap()).await.unwrap();
-        Self { prefix, db_name, sink, topology, conn, channel }
+        Self { prefix, db_name, sink, topology, amqp: tokio::sync::Mutex::new((conn, channel)) }
+    }
+
+    /// The confirm channel (and its connection), reconnecting if the broker restarted.
+    async fn amqp(&self) -> tokio::sync::MappedMutexGuard<'_, (Connection, Channel)> {
+        let mut guard = self.amqp.lock().await;
+        if !guard.0.status().connected() || !guard.1.status().connected() {
+            let conn = amqp::connect(&SecretString::from(amqp_url()), "postie-test", Duration::from_secs(10))
+                .await
+                .expect("RabbitMQ for tests");
+            let channel = amqp::confirm_channel(&conn).await.unwrap();
+            *guard = (conn, channel);
+        }
+        tokio::sync::MutexGuard::map(guard, |g| g)
     }
 
     /// Settings for a postie in this world: short retry steps and lease.
@@ -118,7 +131,8 @@ impl TestEnv {
 
     /// Publishes raw bytes with the given properties to the contract exchange.
     pub async fn publish_raw(&self, body: &[u8], properties: BasicProperties) {
-        amqp::publish_confirmed(&self.channel, &self.topology.delayed_exchange(), ROUTING_KEY, true, body, properties)
+        let amqp = self.amqp().await;
+        amqp::publish_confirmed(&amqp.1, &self.topology.delayed_exchange(), ROUTING_KEY, true, body, properties)
             .await
             .expect("confirmed publish");
     }
@@ -132,9 +146,10 @@ impl TestEnv {
     /// Like [`TestEnv::publish_many`], each body with its own properties.
     pub async fn publish_many_with(&self, jobs: &[(serde_json::Value, BasicProperties)]) {
         let mut confirms = Vec::with_capacity(jobs.len());
+        let amqp = self.amqp().await;
         for (body, properties) in jobs {
-            let confirm = self
-                .channel
+            let confirm = amqp
+                .1
                 .basic_publish(
                     self.topology.delayed_exchange().as_str().into(),
                     ROUTING_KEY.into(),
@@ -155,14 +170,15 @@ impl TestEnv {
 
     /// Publishes raw bytes straight to a queue (emulates an operator's move).
     pub async fn publish_to_queue(&self, queue: &str, body: &[u8], properties: BasicProperties) {
-        amqp::publish_confirmed(&self.channel, "", queue, true, body, properties)
+        let amqp = self.amqp().await;
+        amqp::publish_confirmed(&amqp.1, "", queue, true, body, properties)
             .await
             .expect("confirmed publish");
     }
 
     /// Ready messages in a queue.
     pub async fn depth(&self, queue: &str) -> u32 {
-        let channel = self.conn.create_channel().await.unwrap();
+        let channel = self.amqp().await.0.create_channel().await.unwrap();
         let options = QueueDeclareOptions { passive: true, ..Default::default() };
         channel
             .queue_declare(queue.into(), options, FieldTable::default())
@@ -173,7 +189,7 @@ impl TestEnv {
 
     /// Takes every message out of the dead-letter queue.
     pub async fn take_dead_letters(&self) -> Vec<DeadLetter> {
-        let channel = self.conn.create_channel().await.unwrap();
+        let channel = self.amqp().await.0.create_channel().await.unwrap();
         let mut out = Vec::new();
         while let Some(msg) = channel
             .basic_get(self.topology.dead_queue().as_str().into(), BasicGetOptions::default())

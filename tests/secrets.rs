@@ -1,0 +1,528 @@
+//! No password, and no connection URL with its credentials, ever reaches postie's
+//! output: a real `postie serve` process with distinctive passwords in all three URLs
+//! (its own RabbitMQ user, its own PostgreSQL role, an SMTP relay that demands AUTH),
+//! logging at debug (lapin too), driven through sends, an SMTP 4xx and a 5xx, a
+//! malformed job and a duplicate; then `postie status` and `postie publish` with the
+//! same environment, and both again with wrong passwords and an unreachable database.
+
+mod support;
+
+use std::collections::HashSet;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::{amqp_url, eventually, job, pg_base, TestEnv};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+
+/// A RabbitMQ user of the test's own, allowed only on the test's prefix; deleted on drop.
+struct BrokerUser {
+    name: String,
+}
+
+impl BrokerUser {
+    fn create(name: &str, password: &str, prefix: &str, vhost: &str) -> Self {
+        rabbitmqctl(&["add_user", name, password]);
+        let user = Self {
+            name: name.to_string(),
+        };
+        let only_ours = format!("^{}\\.", prefix.replace('.', "\\."));
+        rabbitmqctl(&[
+            "set_permissions",
+            "-p",
+            vhost,
+            name,
+            &only_ours,
+            &only_ours,
+            &only_ours,
+        ]);
+        user
+    }
+}
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_user", &self.name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {}: {}",
+        args[0],
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A PostgreSQL login role with a password; dropped on drop (after the test database,
+/// which it owns, is gone: declare it before the `TestEnv`).
+struct DbRole {
+    name: String,
+}
+
+impl DbRole {
+    async fn create(name: &str, password: &str) -> Self {
+        admin_sql(&format!("CREATE ROLE {name} LOGIN PASSWORD '{password}'")).await;
+        Self {
+            name: name.to_string(),
+        }
+    }
+}
+
+impl Drop for DbRole {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args([
+                &format!("{}/postgres", pg_base()),
+                "-qAtc",
+                &format!("DROP ROLE IF EXISTS {}", self.name),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+async fn admin_sql(sql: &str) {
+    admin_sql_in("postgres", sql).await;
+}
+
+async fn admin_sql_in(db: &str, sql: &str) {
+    let (client, connection) =
+        tokio_postgres::connect(&format!("{}/{db}", pg_base()), tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL for tests");
+    tokio::spawn(connection);
+    client
+        .batch_execute(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// What the AUTH relay saw.
+#[derive(Default)]
+struct RelayLog {
+    /// Decoded (user, password) of every AUTH.
+    logins: Vec<(String, String)>,
+    /// Recipients of every accepted message.
+    delivered: Vec<String>,
+    /// Recipients already refused once with 451.
+    deferred: HashSet<String>,
+}
+
+/// A minimal SMTP relay that demands AUTH (PLAIN or LOGIN, any password, recorded),
+/// answers 451 once to recipients containing `tempfail` and 550 always to those
+/// containing `permfail`. (`postie-smtp-sink` offers no AUTH, and lettre refuses to
+/// send with credentials to a server that offers none.)
+struct AuthRelay {
+    port: u16,
+    log: Arc<Mutex<RelayLog>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AuthRelay {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let log = Arc::new(Mutex::new(RelayLog::default()));
+        let shared = log.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(relay_session(stream, shared.clone()));
+            }
+        });
+        Self { port, log, task }
+    }
+}
+
+impl Drop for AuthRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay_session(
+    stream: tokio::net::TcpStream,
+    log: Arc<Mutex<RelayLog>>,
+) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read).lines();
+    write.write_all(b"220 auth-relay ready\r\n").await?;
+    let (mut authed, mut rcpts) = (false, Vec::<String>::new());
+    while let Some(line) = lines.next_line().await? {
+        let upper = line.to_ascii_uppercase();
+        let reply: String = if upper.starts_with("EHLO") {
+            "250-auth-relay\r\n250-AUTH PLAIN LOGIN\r\n250 8BITMIME".into()
+        } else if upper.starts_with("HELO") || upper.starts_with("NOOP") {
+            "250 ok".into()
+        } else if upper.starts_with("AUTH PLAIN") {
+            let initial = line.split_whitespace().nth(2).map(str::to_string);
+            let encoded = match initial {
+                Some(encoded) => encoded,
+                None => {
+                    write.write_all(b"334 \r\n").await?;
+                    lines.next_line().await?.unwrap_or_default()
+                }
+            };
+            let decoded = base64_decode(&encoded);
+            let mut parts = decoded
+                .split(|b| *b == 0)
+                .skip(1)
+                .map(|p| String::from_utf8_lossy(p).into_owned());
+            let login = (
+                parts.next().unwrap_or_default(),
+                parts.next().unwrap_or_default(),
+            );
+            log.lock().unwrap().logins.push(login);
+            authed = true;
+            "235 2.7.0 authenticated".into()
+        } else if upper.starts_with("AUTH LOGIN") {
+            write.write_all(b"334 VXNlcm5hbWU6\r\n").await?;
+            let user = base64_decode(&lines.next_line().await?.unwrap_or_default());
+            write.write_all(b"334 UGFzc3dvcmQ6\r\n").await?;
+            let password = base64_decode(&lines.next_line().await?.unwrap_or_default());
+            let login = (
+                String::from_utf8_lossy(&user).into_owned(),
+                String::from_utf8_lossy(&password).into_owned(),
+            );
+            log.lock().unwrap().logins.push(login);
+            authed = true;
+            "235 2.7.0 authenticated".into()
+        } else if upper.starts_with("MAIL FROM") {
+            rcpts.clear();
+            if authed {
+                "250 ok"
+            } else {
+                "530 5.7.0 authentication required"
+            }
+            .into()
+        } else if upper.starts_with("RCPT TO") {
+            let rcpt = line[8..].trim().trim_matches(['<', '>']).to_string();
+            if rcpt.contains("permfail") {
+                "550 5.1.1 no such user".into()
+            } else if rcpt.contains("tempfail") && log.lock().unwrap().deferred.insert(rcpt.clone())
+            {
+                "451 4.3.0 try again later".into()
+            } else {
+                rcpts.push(rcpt);
+                "250 ok".into()
+            }
+        } else if upper.starts_with("DATA") {
+            if rcpts.is_empty() {
+                "554 5.5.1 no valid recipients".into()
+            } else {
+                write.write_all(b"354 go ahead\r\n").await?;
+                while let Some(data) = lines.next_line().await? {
+                    if data == "." {
+                        break;
+                    }
+                }
+                log.lock().unwrap().delivered.append(&mut rcpts);
+                "250 2.0.0 queued".into()
+            }
+        } else if upper.starts_with("RSET") {
+            rcpts.clear();
+            "250 ok".into()
+        } else if upper.starts_with("QUIT") {
+            write.write_all(b"221 bye\r\n").await?;
+            return Ok(());
+        } else {
+            "502 5.5.2 not implemented".into()
+        };
+        write.write_all(format!("{reply}\r\n").as_bytes()).await?;
+    }
+    Ok(())
+}
+
+fn base64_decode(text: &str) -> Vec<u8> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let (mut out, mut buffer, mut bits) = (Vec::new(), 0u32, 0);
+    for value in text
+        .trim()
+        .bytes()
+        .filter_map(|c| ALPHABET.iter().position(|&a| a == c))
+    {
+        buffer = (buffer << 6) | value as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((buffer >> bits) as u8);
+        }
+    }
+    out
+}
+
+/// `postie ARGS` with exactly `env` (plus PATH): (exit code, stdout + stderr).
+fn run_postie(args: &[&str], env: &[(String, String)]) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn postie");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("postie {args:?} did not exit within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// Replaces (or adds) `key` in an environment list.
+fn with(env: &[(String, String)], key: &str, value: &str) -> Vec<(String, String)> {
+    let mut env: Vec<_> = env.iter().filter(|(k, _)| k != key).cloned().collect();
+    env.push((key.to_string(), value.to_string()));
+    env
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_password_or_credentialed_url_reaches_the_output() {
+    let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let rmq_user = format!("postie-sec-{id}");
+    let rmq_password = format!("Rmq-Pw-{id}-x7");
+    let pg_role = format!("postie_sec_{id}");
+    let pg_password = format!("Pg-Pw-{id}-q3");
+    let smtp_user = format!("mailer-{id}");
+    let smtp_password = format!("Smtp-Pw-{id}-z9");
+    let wrong_password = format!("Wrong-Pw-{id}-k1");
+
+    // Dropped last to first: the process, the test's world (its database too), the
+    // broker user, then the role that owned the database.
+    let role = DbRole::create(&pg_role, &pg_password).await;
+    let env = TestEnv::new("secrets").await;
+    admin_sql(&format!(
+        "ALTER DATABASE {} OWNER TO {}",
+        env.db_name, role.name
+    ))
+    .await;
+    admin_sql_in(
+        &env.db_name,
+        &format!("GRANT ALL ON SCHEMA public TO {}", role.name),
+    )
+    .await;
+    let broker = url::Url::parse(&amqp_url()).unwrap();
+    let vhost = match broker.path().trim_start_matches('/') {
+        "" | "%2f" | "%2F" => "/".to_string(),
+        other => other.replace("%2f", "/").replace("%2F", "/"),
+    };
+    let _broker_user = BrokerUser::create(&rmq_user, &rmq_password, &env.prefix, &vhost);
+    let relay = AuthRelay::start().await;
+
+    let broker_at = |user: &str, password: &str| {
+        let mut url = broker.clone();
+        url.set_username(user).unwrap();
+        url.set_password(Some(password)).unwrap();
+        url.to_string()
+    };
+    let pg = url::Url::parse(&pg_base()).unwrap();
+    let pg_at = |host: &str, port: u16| {
+        format!(
+            "postgres://{pg_role}:{pg_password}@{host}:{port}/{}",
+            env.db_name
+        )
+    };
+    let amqp_url = broker_at(&rmq_user, &rmq_password);
+    let database_url = pg_at(pg.host_str().unwrap(), pg.port().unwrap_or(5432));
+    let smtp_url = format!(
+        "smtp://{smtp_user}:{smtp_password}@127.0.0.1:{}",
+        relay.port
+    );
+    let noisy = [
+        ("RUST_LOG", "debug,lapin=debug"),
+        ("POSTIE__AMQP__URL", amqp_url.as_str()),
+        ("POSTIE__DATABASE__URL", database_url.as_str()),
+        ("POSTIE__SMTP__URL", smtp_url.as_str()),
+    ];
+    let mut process = env.spawn_process(&noisy);
+    let mut cli_env = env.env_vars();
+    for (k, v) in noisy {
+        cli_env = with(&cli_env, k, v);
+    }
+
+    env.publish(&job("sec-ok", "ok@example.com")).await;
+    env.publish(&job("sec-tempfail", "tempfail@example.com"))
+        .await;
+    env.publish(&job("sec-permfail", "permfail@example.com"))
+        .await;
+    env.publish_raw(b"{ this is not json", postie::amqp::job_properties())
+        .await;
+    let envr = &env;
+    eventually(
+        "the first send",
+        Duration::from_secs(60),
+        move || async move {
+            envr.inbox_row("sec-ok")
+                .await
+                .filter(|r| r.status == "sent")
+                .map(|_| ())
+        },
+    )
+    .await;
+    env.publish(&job("sec-ok", "ok@example.com")).await; // a duplicate
+
+    let (code, published) = run_postie(
+        &[
+            "publish",
+            "--key",
+            "sec-cli",
+            "--to",
+            "cli@example.com",
+            "--from",
+            "Shop <noreply@shop.example>",
+            "--subject",
+            "from the CLI",
+            "--text",
+            "hello",
+        ],
+        &cli_env,
+    );
+    assert_eq!(code, Some(0), "{published}");
+
+    let log = relay.log.clone();
+    eventually(
+        "sent, retried and dead-lettered",
+        Duration::from_secs(90),
+        move || {
+            let log = log.clone();
+            async move {
+                let mut delivered = log.lock().unwrap().delivered.clone();
+                delivered.sort();
+                let dead = envr.depth(&envr.topology.dead_queue()).await;
+                let dup = envr
+                    .inbox_row("sec-ok")
+                    .await
+                    .is_some_and(|r| r.duplicates == 1);
+                (delivered == ["cli@example.com", "ok@example.com", "tempfail@example.com"]
+                    && dead == 2
+                    && dup)
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    // The credentials in the URL work: the relay demanded them and got them, decoded.
+    let logins = relay.log.lock().unwrap().logins.clone();
+    assert!(!logins.is_empty());
+    assert!(
+        logins
+            .iter()
+            .all(|l| *l == (smtp_user.clone(), smtp_password.clone())),
+        "{logins:?}"
+    );
+
+    let (code, status) = run_postie(&["status"], &cli_env);
+    assert_eq!(code, Some(0), "{status}");
+    assert!(status.contains("inbox:"), "{status}");
+
+    // Error paths print URLs: a wrong broker password, and a database that is not there.
+    let wrong_broker = with(
+        &cli_env,
+        "POSTIE__AMQP__URL",
+        &broker_at(&rmq_user, &wrong_password),
+    );
+    let (code, refused_broker) = run_postie(
+        &[
+            "publish",
+            "--key",
+            "sec-no",
+            "--to",
+            "x@example.com",
+            "--from",
+            "s@example.com",
+            "--subject",
+            "s",
+            "--text",
+            "t",
+        ],
+        &wrong_broker,
+    );
+    assert_ne!(code, Some(0), "{refused_broker}");
+    assert!(
+        refused_broker.contains("cannot connect to RabbitMQ at"),
+        "{refused_broker}"
+    );
+    let closed_port = support::free_port();
+    let no_database = with(
+        &cli_env,
+        "POSTIE__DATABASE__URL",
+        &pg_at("127.0.0.1", closed_port),
+    );
+    let (code, refused_database) = run_postie(&["status"], &no_database);
+    assert_ne!(code, Some(0), "{refused_database}");
+    assert!(
+        refused_database.contains("cannot connect to PostgreSQL at"),
+        "{refused_database}"
+    );
+    let bad_smtp = with(
+        &cli_env,
+        "POSTIE__SMTP__URL",
+        &format!("smtp://{smtp_user}:{smtp_password}@relay.example.com?tls=sometimes"),
+    );
+    let (code, bad_smtp) = run_postie(&["serve"], &bad_smtp);
+    assert_ne!(code, Some(0), "{bad_smtp}");
+    assert!(bad_smtp.contains("tls=sometimes"), "{bad_smtp}");
+
+    let status_code = process.terminate(Duration::from_secs(60));
+    assert!(
+        status_code.is_some_and(|s| s.success()),
+        "serve did not stop cleanly: {status_code:?}"
+    );
+    let served = process.log();
+    // The run was as noisy as intended, so the checks below are not vacuous.
+    assert!(served.contains("postie serving"), "{served}");
+    assert!(served.contains("lapin"), "no lapin debug output");
+    assert!(served.contains("DEBUG"), "no debug output");
+
+    let secrets = [&rmq_password, &pg_password, &smtp_password, &wrong_password];
+    let userinfos = [
+        format!("{rmq_user}:{rmq_password}@"),
+        format!("{rmq_user}:{wrong_password}@"),
+        format!("{pg_role}:{pg_password}@"),
+        format!("{smtp_user}:{smtp_password}@"),
+    ];
+    for (what, text) in [
+        ("serve", &served),
+        ("publish", &published),
+        ("status", &status),
+        ("publish with a wrong broker password", &refused_broker),
+        ("status without a database", &refused_database),
+        ("serve with a bad smtp.url", &bad_smtp),
+    ] {
+        for secret in secrets {
+            if let Some(at) = text.find(secret.as_str()) {
+                let line = text[..at].rsplit('\n').next().unwrap_or("");
+                panic!("{what} printed a password, in the line starting {line:?}");
+            }
+        }
+        for userinfo in &userinfos {
+            assert!(
+                !text.contains(userinfo.as_str()),
+                "{what} printed credentials {userinfo:?}"
+            );
+        }
+    }
+    drop(process);
+}
