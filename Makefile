@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test demo fmt lint check ci bench-delay
+.PHONY: help build test demo fmt lint check ci bench-delay chaos
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
@@ -29,3 +29,6 @@ ci: ## what CI runs: start services if needed, then the tests
 
 bench-delay: ## ladder lateness for 10,000 jobs over 0-60 s, broker memory with 100,000 pending
 	$(CARGO) test --release --locked --test bench_delay -- --ignored --nocapture delay_bench_full
+
+chaos: ## fault-injection run: 10,000 jobs, 20 faults of each kind (POSTIE_CHAOS_SEED repeats a run)
+	$(CARGO) test --locked --test chaos -- --ignored --nocapture chaos_full
