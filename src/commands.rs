@@ -215,8 +215,13 @@ pub async fn cancel(settings: &Settings, key: &str, revision: Option<i32>) -> an
     let cancelled = inbox.cancel(key.as_str(), revision).await?;
     let what = match cancelled.prior_status.as_str() {
         "sent" => "already sent: nothing to cancel".to_string(),
-        "sending" => "being sent right now: it may still go out; later deliveries are cancelled".to_string(),
-        "new" => format!("not seen yet: kept as a tombstone; a job for it up to revision {} will be skipped", cancelled.covers),
+        "sending" => {
+            "being sent right now: it may still go out; later deliveries are cancelled".to_string()
+        }
+        "new" => format!(
+            "not seen yet: kept as a tombstone; a job for it up to revision {} will be skipped",
+            cancelled.covers
+        ),
         _ => format!("cancelled (revisions up to {})", cancelled.covers),
     };
     println!("{key}: {what}");
@@ -240,7 +245,14 @@ pub async fn pending(
             .unwrap_or_default();
         println!("{due}  rev {:<3} {}", job.revision, job.key);
     }
-    println!("{total} pending{}", if (jobs.len() as i64) < total { format!(" ({} shown)", jobs.len()) } else { String::new() });
+    println!(
+        "{total} pending{}",
+        if (jobs.len() as i64) < total {
+            format!(" ({} shown)", jobs.len())
+        } else {
+            String::new()
+        }
+    );
     Ok(())
 }
 
@@ -249,7 +261,8 @@ fn parse_instant(text: &str) -> anyhow::Result<i64> {
     if let Ok(at) = chrono::DateTime::parse_from_rfc3339(text) {
         return Ok(at.timestamp_millis());
     }
-    let ahead = humantime::parse_duration(text)
-        .map_err(|_| anyhow::anyhow!("{text:?} is neither an RFC 3339 time nor a duration like 10m"))?;
+    let ahead = humantime::parse_duration(text).map_err(|_| {
+        anyhow::anyhow!("{text:?} is neither an RFC 3339 time nor a duration like 10m")
+    })?;
     Ok(chrono::Utc::now().timestamp_millis() + ahead.as_millis() as i64)
 }

@@ -814,10 +814,11 @@ fn optional_addr<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, 
     if text.trim().is_empty() {
         return Ok(None);
     }
-    text.trim()
-        .parse()
-        .map(Some)
-        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not an address like 127.0.0.1:9090: {e}")))
+    text.trim().parse().map(Some).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "{text:?} is not an address like 127.0.0.1:9090: {e}"
+        ))
+    })
 }
 
 fn durations<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
@@ -881,7 +882,9 @@ mod tests {
             ("POSTIE__AMQP__PREFECH", "5", "prefech"),
         ] {
             let env = [(key.to_string(), value.to_string())].into_iter().collect();
-            let err = Settings::load_from(None, Some(env)).unwrap_err().to_string();
+            let err = Settings::load_from(None, Some(env))
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(expected), "{key}: {err}");
         }
     }
@@ -898,7 +901,10 @@ mod tests {
         .collect();
         let s = Settings::load_from(None, Some(env)).unwrap();
         let rule = &s.throttle["order_confirmation"];
-        assert_eq!((rule.limit, rule.window, rule.policy), (2, Duration::from_secs(3600), ThrottlePolicy::Defer));
+        assert_eq!(
+            (rule.limit, rule.window, rule.policy),
+            (2, Duration::from_secs(3600), ThrottlePolicy::Defer)
+        );
     }
 
     #[test]

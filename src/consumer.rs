@@ -27,13 +27,15 @@ use tracing::Instrument;
 use crate::amqp::{self, PublishError};
 use crate::config::Settings;
 use crate::delay::{HEADER_DUE_AT, HEADER_X_DELAY};
+use crate::health::Health;
 use crate::inbox::Inbox;
 use crate::job::readable;
 use crate::mailer::Mailer;
+use crate::metrics::{
+    DeadReason, Dependency, Metrics, PolicyLabel, QueueLabel, RouteLabel, StepLabel,
+};
 use crate::relay::{self, Decision};
 use crate::topology::{self, DelayLayout, Topology, ROUTING_KEY};
-use crate::health::Health;
-use crate::metrics::{DeadReason, Dependency, Metrics, PolicyLabel, QueueLabel, RouteLabel, StepLabel};
 use crate::worker::{now_ms, DeadKind, Outcome, Worker};
 
 /// How often queue depths are polled for `/metrics`.
@@ -99,7 +101,11 @@ pub async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
     )
     .await?;
     if mode != settings.delay.mode {
-        tracing::info!(configured = settings.delay.mode.as_str(), chosen = mode.as_str(), "delay mode probed");
+        tracing::info!(
+            configured = settings.delay.mode.as_str(),
+            chosen = mode.as_str(),
+            "delay mode probed"
+        );
     }
     Ok(Topology::new(&settings.topology, &settings.delay, mode))
 }
@@ -147,7 +153,10 @@ impl Service {
                 {
                     Ok(conn) => {
                         tracing::info!("reconnected to RabbitMQ");
-                        self.worker.health().metrics().reconnected(Dependency::rabbitmq);
+                        self.worker
+                            .health()
+                            .metrics()
+                            .reconnected(Dependency::rabbitmq);
                         conn
                     }
                     Err(error) => {
@@ -180,7 +189,11 @@ impl Service {
 
     /// One connection's worth of work: every role's consume loop, until one is lost
     /// or a stop is asked for.
-    async fn session(&self, conn: &Connection, stop: &CancellationToken) -> anyhow::Result<SessionEnd> {
+    async fn session(
+        &self,
+        conn: &Connection,
+        stop: &CancellationToken,
+    ) -> anyhow::Result<SessionEnd> {
         declare(&self.topology, conn).await?;
         let publish = amqp::confirm_channel(conn).await?;
         let session_stop = stop.child_token();
@@ -267,7 +280,9 @@ impl Service {
                 next = deliveries.next() => next,
             };
             match next {
-                None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
+                None => {
+                    break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}"))
+                }
                 Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
                 Some(Ok(delivery)) => {
                     let this = self.clone();
@@ -305,7 +320,9 @@ impl Service {
     }
 
     async fn handle_send(&self, delivery: Delivery, publish: &Channel) {
-        let attempt = amqp::header_int(delivery.properties.headers().as_ref(), amqp::HEADER_ATTEMPT).unwrap_or(0);
+        let attempt =
+            amqp::header_int(delivery.properties.headers().as_ref(), amqp::HEADER_ATTEMPT)
+                .unwrap_or(0);
         let span = tracing::info_span!(
             "delivery",
             key = tracing::field::Empty,
@@ -349,43 +366,73 @@ impl Service {
     async fn handle_relay(&self, delivery: Delivery, publish: &Channel) {
         let props = &delivery.properties;
         let headers = props.headers().as_ref();
-        let (exchange, routing_key, headers) = match relay::decide(&self.topology, headers, *props.timestamp(), now_ms()) {
-            Decision::Forward { exchange, routing_key, due_ms } => {
-                if self.settings.delay.track_pending {
-                    if let Some((key, revision)) = crate::job::peek_key(&delivery.data) {
-                        if self.worker.schedule(&key, revision, due_ms).await.is_err() {
-                            tracing::warn!("stopping: leaving the intake delivery unacked");
-                            return;
+        let (exchange, routing_key, headers) =
+            match relay::decide(&self.topology, headers, *props.timestamp(), now_ms()) {
+                Decision::Forward {
+                    exchange,
+                    routing_key,
+                    due_ms,
+                } => {
+                    if self.settings.delay.track_pending {
+                        if let Some((key, revision)) = crate::job::peek_key(&delivery.data) {
+                            if self.worker.schedule(&key, revision, due_ms).await.is_err() {
+                                tracing::warn!("stopping: leaving the intake delivery unacked");
+                                return;
+                            }
                         }
                     }
+                    let route = if routing_key == ROUTING_KEY {
+                        "now"
+                    } else {
+                        "ladder"
+                    };
+                    let label = RouteLabel {
+                        route: route.into(),
+                    };
+                    self.worker
+                        .health()
+                        .metrics()
+                        .relayed
+                        .get_or_create(&label)
+                        .inc();
+                    let mut stamped = amqp::without(headers, &[]);
+                    amqp::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
+                    (exchange, routing_key, stamped)
                 }
-                let route = if routing_key == ROUTING_KEY { "now" } else { "ladder" };
-                let label = RouteLabel { route: route.into() };
-                self.worker.health().metrics().relayed.get_or_create(&label).inc();
-                let mut stamped = amqp::without(headers, &[]);
-                amqp::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
-                (exchange, routing_key, stamped)
-            }
-            Decision::Invalid(reason) => {
-                tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
-                self.worker.health().metrics().dead(DeadReason::invalid);
-                let headers = dead_letter_headers(headers, DeadKind::Invalid, &reason, 0);
-                (self.topology.dead_exchange(), ROUTING_KEY.to_string(), headers)
-            }
-        };
-        match self.publish_retrying(publish, &delivery, &exchange, &routing_key, headers).await {
+                Decision::Invalid(reason) => {
+                    tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
+                    self.worker.health().metrics().dead(DeadReason::invalid);
+                    let headers = dead_letter_headers(headers, DeadKind::Invalid, &reason, 0);
+                    (
+                        self.topology.dead_exchange(),
+                        ROUTING_KEY.to_string(),
+                        headers,
+                    )
+                }
+            };
+        match self
+            .publish_retrying(publish, &delivery, &exchange, &routing_key, headers)
+            .await
+        {
             Ok(()) => ack(&delivery).await,
-            Err(error) => tracing::warn!(%error, "relay publish failed; leaving the intake delivery unacked"),
+            Err(error) => {
+                tracing::warn!(%error, "relay publish failed; leaving the intake delivery unacked")
+            }
         }
     }
 
     /// Polls the depth of every queue for `/metrics` until `stop` (or until a queue
     /// is missing, which closes the channel; the next session starts a new poller).
-    async fn spawn_depth_poller(&self, conn: &Connection, stop: CancellationToken) -> anyhow::Result<()> {
+    async fn spawn_depth_poller(
+        &self,
+        conn: &Connection,
+        stop: CancellationToken,
+    ) -> anyhow::Result<()> {
         let channel = conn.create_channel().await?;
         let topology = self.topology.clone();
         let metrics = self.worker.health().metrics().clone();
-        let track_pending = self.settings.delay.track_pending && matches!(topology.delay(), DelayLayout::Ladder(_));
+        let track_pending =
+            self.settings.delay.track_pending && matches!(topology.delay(), DelayLayout::Ladder(_));
         let inbox = self.worker.inbox().clone();
         tokio::spawn(async move {
             'poll: loop {
@@ -399,7 +446,10 @@ impl Service {
                         passive: true,
                         ..Default::default()
                     };
-                    match channel.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await {
+                    match channel
+                        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                        .await
+                    {
                         Ok(q) => metrics
                             .queue_depth
                             .get_or_create(&QueueLabel { queue })
@@ -421,7 +471,11 @@ impl Service {
     }
 
     /// Where an outcome must be published before the ack, if anywhere.
-    fn republish_target(&self, outcome: &Outcome, original: Option<&FieldTable>) -> Option<(String, String, FieldTable)> {
+    fn republish_target(
+        &self,
+        outcome: &Outcome,
+        original: Option<&FieldTable>,
+    ) -> Option<(String, String, FieldTable)> {
         Some(match outcome {
             Outcome::Sent { .. }
             | Outcome::SentFenceLost { .. }
@@ -430,32 +484,63 @@ impl Service {
             | Outcome::Stale { .. }
             | Outcome::CancelRequest { .. }
             | Outcome::Throttled { until_ms: None, .. } => return None,
-            Outcome::Throttled { until_ms: Some(until), .. } => {
+            Outcome::Throttled {
+                until_ms: Some(until),
+                ..
+            } => {
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, HEADER_DUE_AT, *until);
                 amqp::set_int(&mut headers, HEADER_X_DELAY, (*until - now_ms()).max(0));
-                (self.topology.delayed_exchange(), ROUTING_KEY.to_string(), headers)
+                (
+                    self.topology.delayed_exchange(),
+                    ROUTING_KEY.to_string(),
+                    headers,
+                )
             }
             Outcome::Deferred { step, .. } => (
                 self.topology.retry_exchange(),
                 self.topology.retry_queue(*step),
                 amqp::without(original, &[]),
             ),
-            Outcome::Early { due_ms, early_ms, .. } => {
+            Outcome::Early {
+                due_ms, early_ms, ..
+            } => {
                 // Back through the delayed exchange: the relay (ladder) reads the due
                 // time; the plugin reads x-delay, set to what is left.
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, HEADER_DUE_AT, *due_ms);
                 amqp::set_int(&mut headers, HEADER_X_DELAY, *early_ms);
-                (self.topology.delayed_exchange(), ROUTING_KEY.to_string(), headers)
+                (
+                    self.topology.delayed_exchange(),
+                    ROUTING_KEY.to_string(),
+                    headers,
+                )
             }
-            Outcome::Retry { step, attempt, error, .. } => {
+            Outcome::Retry {
+                step,
+                attempt,
+                error,
+                ..
+            } => {
                 let mut headers = amqp::without(original, &[]);
                 amqp::set_int(&mut headers, amqp::HEADER_ATTEMPT, i64::from(*attempt));
-                amqp::set_text(&mut headers, amqp::HEADER_LAST_ERROR, &readable(error, 1_000));
-                (self.topology.retry_exchange(), self.topology.retry_queue(*step), headers)
+                amqp::set_text(
+                    &mut headers,
+                    amqp::HEADER_LAST_ERROR,
+                    &readable(error, 1_000),
+                );
+                (
+                    self.topology.retry_exchange(),
+                    self.topology.retry_queue(*step),
+                    headers,
+                )
             }
-            Outcome::DeadLetter { kind, reason, attempts, .. } => (
+            Outcome::DeadLetter {
+                kind,
+                reason,
+                attempts,
+                ..
+            } => (
                 self.topology.dead_exchange(),
                 ROUTING_KEY.to_string(),
                 dead_letter_headers(original, *kind, reason, *attempts),
@@ -475,12 +560,26 @@ impl Service {
         headers: FieldTable,
     ) -> Result<(), PublishError> {
         let headers = amqp::without(Some(&headers), amqp::BROKER_DEATH_HEADERS);
-        let properties: BasicProperties = delivery.properties.clone().with_delivery_mode(2).with_headers(headers);
+        let properties: BasicProperties = delivery
+            .properties
+            .clone()
+            .with_delivery_mode(2)
+            .with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
-        let mandatory = !(exchange == self.topology.delayed_exchange() && self.topology.delay() == DelayLayout::Plugin);
+        let mandatory = !(exchange == self.topology.delayed_exchange()
+            && self.topology.delay() == DelayLayout::Plugin);
         let mut backoff = Duration::from_millis(100);
         loop {
-            match amqp::publish_confirmed(publish, exchange, routing_key, mandatory, &delivery.data, properties.clone()).await {
+            match amqp::publish_confirmed(
+                publish,
+                exchange,
+                routing_key,
+                mandatory,
+                &delivery.data,
+                properties.clone(),
+            )
+            .await
+            {
                 Ok(()) => return Ok(()),
                 Err(PublishError::Broker(e)) => return Err(PublishError::Broker(e)),
                 Err(error) => {
@@ -498,12 +597,29 @@ impl Service {
 
 /// Headers of a dead letter: the original ones, the reason, and no retry counter
 /// (so that a replay starts a fresh cycle).
-fn dead_letter_headers(original: Option<&FieldTable>, kind: DeadKind, reason: &str, attempts: u32) -> FieldTable {
+fn dead_letter_headers(
+    original: Option<&FieldTable>,
+    kind: DeadKind,
+    reason: &str,
+    attempts: u32,
+) -> FieldTable {
     let mut headers = amqp::without(original, &[amqp::HEADER_ATTEMPT]);
-    amqp::set_text(&mut headers, amqp::HEADER_DEAD_REASON, &readable(reason, 1_000));
+    amqp::set_text(
+        &mut headers,
+        amqp::HEADER_DEAD_REASON,
+        &readable(reason, 1_000),
+    );
     amqp::set_text(&mut headers, amqp::HEADER_DEAD_KIND, kind.as_str());
-    amqp::set_text(&mut headers, amqp::HEADER_DEAD_AT, &chrono::Utc::now().to_rfc3339());
-    amqp::set_int(&mut headers, amqp::HEADER_DEAD_ATTEMPTS, i64::from(attempts));
+    amqp::set_text(
+        &mut headers,
+        amqp::HEADER_DEAD_AT,
+        &chrono::Utc::now().to_rfc3339(),
+    );
+    amqp::set_int(
+        &mut headers,
+        amqp::HEADER_DEAD_ATTEMPTS,
+        i64::from(attempts),
+    );
     headers
 }
 
@@ -518,12 +634,18 @@ async fn ack(delivery: &Delivery) {
 
 fn count_outcome(metrics: &Metrics, outcome: &Outcome) {
     match outcome {
-        Outcome::Sent { takeover, lateness_ms, .. } => {
+        Outcome::Sent {
+            takeover,
+            lateness_ms,
+            ..
+        } => {
             metrics.emails_sent.inc();
             if *takeover {
                 metrics.takeovers.inc();
             }
-            metrics.lateness_seconds.observe(*lateness_ms as f64 / 1000.0);
+            metrics
+                .lateness_seconds
+                .observe(*lateness_ms as f64 / 1000.0);
         }
         Outcome::SentFenceLost { .. } => {
             metrics.emails_sent.inc();
@@ -540,13 +662,21 @@ fn count_outcome(metrics: &Metrics, outcome: &Outcome) {
         Outcome::CancelRequest { .. } => {}
         Outcome::Throttled { until_ms, .. } => {
             let policy = if until_ms.is_some() { "defer" } else { "drop" };
-            metrics.throttled.get_or_create(&PolicyLabel { policy: policy.into() }).inc();
+            metrics
+                .throttled
+                .get_or_create(&PolicyLabel {
+                    policy: policy.into(),
+                })
+                .inc();
         }
         Outcome::Deferred { .. } | Outcome::Early { .. } => {
             metrics.deferred.inc();
         }
         Outcome::Retry { step, .. } => {
-            metrics.retries.get_or_create(&StepLabel { step: *step as u32 }).inc();
+            metrics
+                .retries
+                .get_or_create(&StepLabel { step: *step as u32 })
+                .inc();
         }
         Outcome::DeadLetter { kind, .. } => metrics.dead(match kind {
             DeadKind::Invalid => DeadReason::invalid,
@@ -560,7 +690,11 @@ fn log_outcome(outcome: &Outcome) {
     let span = tracing::Span::current();
     span.record("outcome", outcome.label());
     match outcome {
-        Outcome::Sent { key, takeover, lateness_ms } => {
+        Outcome::Sent {
+            key,
+            takeover,
+            lateness_ms,
+        } => {
             span.record("key", key.as_str());
             tracing::info!(takeover, lateness_ms, "sent");
         }
@@ -596,11 +730,21 @@ fn log_outcome(outcome: &Outcome) {
             span.record("key", key.as_str());
             tracing::warn!(early_ms, "arrived before its due time; sent back to wait");
         }
-        Outcome::Retry { key, step, attempt, error } => {
+        Outcome::Retry {
+            key,
+            step,
+            attempt,
+            error,
+        } => {
             span.record("key", key.as_str());
             tracing::warn!(step, attempt, error = %readable(error, 1_000), "transient failure; will retry");
         }
-        Outcome::DeadLetter { key, kind, reason, attempts } => {
+        Outcome::DeadLetter {
+            key,
+            kind,
+            reason,
+            attempts,
+        } => {
             if let Some(key) = key {
                 span.record("key", key.as_str());
             }

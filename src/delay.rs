@@ -69,14 +69,13 @@ pub fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, Inval
     };
     let ms: i64 = match value {
         AMQPValue::Void => 0,
-        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => {
-            header_int(headers, HEADER_X_DELAY).ok_or_else(|| {
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => header_int(headers, HEADER_X_DELAY)
+            .ok_or_else(|| {
                 InvalidJob(format!(
                     "x-delay {} is not an integer number of milliseconds",
                     describe(value)
                 ))
-            })?
-        }
+            })?,
         other => header_int(headers, HEADER_X_DELAY).ok_or_else(|| {
             InvalidJob(format!(
                 "x-delay {} is not an integer number of milliseconds",
@@ -215,7 +214,8 @@ impl Ladder {
     /// The route for a job due in `remaining_ms` (rounded down to whole units; the
     /// worker waits out the rest).
     pub fn route(&self, remaining_ms: i64) -> Route {
-        let units = (remaining_ms.max(0) as u64 / self.resolution_ms).min((1u64 << self.levels) - 1);
+        let units =
+            (remaining_ms.max(0) as u64 / self.resolution_ms).min((1u64 << self.levels) - 1);
         if units == 0 {
             return Route::Now;
         }
@@ -277,10 +277,16 @@ mod tests {
     #[test]
     fn x_delay_refuses_garbage_floats_and_too_large() {
         for (value, expected) in [
-            (AMQPValue::LongString(LongString::from("soon")), "not an integer"),
+            (
+                AMQPValue::LongString(LongString::from("soon")),
+                "not an integer",
+            ),
             (AMQPValue::Double(1.5), "not an integer"),
             (AMQPValue::Boolean(true), "not an integer"),
-            (AMQPValue::LongLongInt(DAY.as_millis() as i64 + 1), "over the maximum"),
+            (
+                AMQPValue::LongLongInt(DAY.as_millis() as i64 + 1),
+                "over the maximum",
+            ),
         ] {
             let h = headers(&[("x-delay", value)]);
             let err = x_delay(Some(&h), DAY).unwrap_err();
@@ -307,7 +313,10 @@ mod tests {
     fn an_implausible_stamped_due_time_is_refused() {
         for due in [i64::MIN, i64::MAX, -9_000_000_000_000_000] {
             let h = headers(&[(HEADER_DUE_AT, AMQPValue::LongLongInt(due))]);
-            assert!(due_at(Some(&h), None, 1_800_000_000_000, DAY).is_err(), "{due}");
+            assert!(
+                due_at(Some(&h), None, 1_800_000_000_000, DAY).is_err(),
+                "{due}"
+            );
         }
     }
 
@@ -328,16 +337,31 @@ mod tests {
         assert_eq!(ladder.levels(), 22); // 2^22 s > 30 days
         assert!(ladder.max_delay() >= Duration::from_secs(30 * 86_400));
         for (resolution_ms, max_days) in [(100, 366), (1000, 366), (1, 10), (5000, 3650)] {
-            let ladder = Ladder::new(Duration::from_millis(resolution_ms), Duration::from_secs(max_days * 86_400));
+            let ladder = Ladder::new(
+                Duration::from_millis(resolution_ms),
+                Duration::from_secs(max_days * 86_400),
+            );
             let top = ladder.ttl(ladder.levels() - 1);
-            assert!(top <= PLUGIN_MAX_DELAY, "{resolution_ms} ms: top TTL {top:?}");
+            assert!(
+                top <= PLUGIN_MAX_DELAY,
+                "{resolution_ms} ms: top TTL {top:?}"
+            );
             // One more level would not fit.
-            assert!(ladder.max_delay() >= Duration::from_secs(max_days * 86_400) || top * 2 > PLUGIN_MAX_DELAY);
+            assert!(
+                ladder.max_delay() >= Duration::from_secs(max_days * 86_400)
+                    || top * 2 > PLUGIN_MAX_DELAY
+            );
         }
         // A year at 100 ms takes several passes of 26 levels (77 days each).
-        let ladder = Ladder::new(Duration::from_millis(100), Duration::from_secs(366 * 86_400));
+        let ladder = Ladder::new(
+            Duration::from_millis(100),
+            Duration::from_secs(366 * 86_400),
+        );
         assert_eq!(ladder.levels(), 26);
-        assert_eq!(ladder.route(366 * 86_400_000), ladder.route(ladder.max_delay().as_millis() as i64));
+        assert_eq!(
+            ladder.route(366 * 86_400_000),
+            ladder.route(ladder.max_delay().as_millis() as i64)
+        );
     }
 
     #[test]
@@ -350,7 +374,10 @@ mod tests {
         assert_eq!(ladder.route(999), Route::Now);
         assert_eq!(
             ladder.route(5_400),
-            Route::Ladder { units: 5, routing_key: "1.0.1.email".into() }
+            Route::Ladder {
+                units: 5,
+                routing_key: "1.0.1.email".into()
+            }
         );
     }
 

@@ -67,9 +67,13 @@ impl Health {
         if changed {
             if up {
                 tracing::info!("PostgreSQL answers again");
-                self.inner.metrics.reconnected(crate::metrics::Dependency::postgresql);
+                self.inner
+                    .metrics
+                    .reconnected(crate::metrics::Dependency::postgresql);
             } else {
-                tracing::error!("PostgreSQL unavailable: pausing consumption, holding in-flight deliveries");
+                tracing::error!(
+                    "PostgreSQL unavailable: pausing consumption, holding in-flight deliveries"
+                );
             }
             self.update_paused();
         }
@@ -91,9 +95,15 @@ impl Health {
         if failures < self.inner.smtp_threshold {
             return false;
         }
-        let opened = self.inner.smtp_up.send_if_modified(|up| std::mem::replace(up, false));
+        let opened = self
+            .inner
+            .smtp_up
+            .send_if_modified(|up| std::mem::replace(up, false));
         if opened {
-            tracing::error!(failures, "SMTP relay unreachable: circuit open, pausing consumption");
+            tracing::error!(
+                failures,
+                "SMTP relay unreachable: circuit open, pausing consumption"
+            );
             self.inner.metrics.smtp_breaker_open.set(1);
             self.update_paused();
         }
@@ -103,10 +113,16 @@ impl Health {
     /// The prober reached the relay: closes the circuit.
     pub fn smtp_recovered(&self) {
         self.inner.smtp_failures.store(0, Ordering::Relaxed);
-        if self.inner.smtp_up.send_if_modified(|up| !std::mem::replace(up, true)) {
+        if self
+            .inner
+            .smtp_up
+            .send_if_modified(|up| !std::mem::replace(up, true))
+        {
             tracing::info!("SMTP relay answers again: circuit closed, resuming");
             self.inner.metrics.smtp_breaker_open.set(0);
-            self.inner.metrics.reconnected(crate::metrics::Dependency::smtp);
+            self.inner
+                .metrics
+                .reconnected(crate::metrics::Dependency::smtp);
             self.update_paused();
         }
     }
@@ -136,7 +152,10 @@ impl Health {
     }
 
     fn update_paused(&self) {
-        self.inner.metrics.consumer_paused.set(i64::from(self.paused()));
+        self.inner
+            .metrics
+            .consumer_paused
+            .set(i64::from(self.paused()));
     }
 
     /// Records whether a broker session is up with its consumers running.

@@ -16,7 +16,11 @@ use crate::health::Health;
 
 /// Binds `addr` (failing start-up with a clear line if it cannot) and serves until
 /// `stop` is cancelled. Returns the bound address (useful with port 0).
-pub async fn start(addr: SocketAddr, health: Health, stop: CancellationToken) -> anyhow::Result<SocketAddr> {
+pub async fn start(
+    addr: SocketAddr,
+    health: Health,
+    stop: CancellationToken,
+) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for HTTP on {addr} (http.listen): {e}"))?;
@@ -40,7 +44,10 @@ pub async fn start(addr: SocketAddr, health: Health, stop: CancellationToken) ->
 
 async fn metrics(State(health): State<Arc<Health>>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         health.metrics().render(),
     )
 }
@@ -50,6 +57,9 @@ async fn readyz(State(health): State<Arc<Health>>) -> impl IntoResponse {
     if reasons.is_empty() {
         (StatusCode::OK, "ready\n".to_string())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", reasons.join(", ")))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", reasons.join(", ")),
+        )
     }
 }

@@ -446,7 +446,9 @@ impl Inbox {
                     AND s > clock_timestamp() - $3 * interval '1 millisecond'",
             )
             .await?;
-        let row = client.query_one(&next, &[&kind, &recipient, &window_ms]).await?;
+        let row = client
+            .query_one(&next, &[&kind, &recipient, &window_ms])
+            .await?;
         let next_ms: Option<i64> = row.get(0);
         Ok(Throttle::Limited {
             next_ms: next_ms.unwrap_or_else(|| chrono::Utc::now().timestamp_millis()),

@@ -142,12 +142,19 @@ pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
     if value.get("cancel").is_some() {
         return None;
     }
-    let key = match (value["key"].as_str(), value["order_id"].as_str(), value["type"].as_str()) {
+    let key = match (
+        value["key"].as_str(),
+        value["order_id"].as_str(),
+        value["type"].as_str(),
+    ) {
         (Some(key), _, _) => key.to_string(),
         (None, Some(order_id), Some(kind)) => format!("{order_id}:{kind}"),
         _ => return None,
     };
-    let revision = value["revision"].as_i64().unwrap_or(0).clamp(0, i32::MAX as i64) as i32;
+    let revision = value["revision"]
+        .as_i64()
+        .unwrap_or(0)
+        .clamp(0, i32::MAX as i64) as i32;
     Some((IdempotencyKey::parse(&key).ok()?, revision))
 }
 
@@ -273,7 +280,10 @@ impl EmailJob {
         let raw: RawJob = serde_json::from_str(text).map_err(|e| {
             // serde_json's message can quote the producer's field names and values:
             // keep it short and free of line breaks, since it ends up in a header.
-            InvalidJob(format!("body is not a valid job: {}", readable(&e.to_string(), 300)))
+            InvalidJob(format!(
+                "body is not a valid job: {}",
+                readable(&e.to_string(), 300)
+            ))
         })?;
         Self::from_raw(raw, rules)
     }
@@ -625,7 +635,9 @@ mod tests {
     #[test]
     fn cancel_requests_are_told_apart_from_jobs() {
         let cancel = Request::parse(br#"{"cancel": "order-1:x", "revision": 2}"#, &RULES).unwrap();
-        assert!(matches!(cancel, Request::Cancel { ref key, revision: Some(2) } if key.as_str() == "order-1:x"));
+        assert!(
+            matches!(cancel, Request::Cancel { ref key, revision: Some(2) } if key.as_str() == "order-1:x")
+        );
         assert!(Request::parse(br#"{"cancel": "k", "extra": 1}"#, &RULES).is_err());
         assert!(Request::parse(br#"{"cancel": "k", "revision": -1}"#, &RULES).is_err());
         let job = Request::parse(base().to_string().as_bytes(), &RULES).unwrap();
@@ -636,20 +648,30 @@ mod tests {
     fn throttle_recipient_is_the_user_else_the_first_address() {
         let mut v = base();
         v["to"] = serde_json::json!(["Alice <Alice@Example.com>"]);
-        assert_eq!(parse(v.clone()).unwrap().throttle_recipient(), "addr:alice@example.com");
+        assert_eq!(
+            parse(v.clone()).unwrap().throttle_recipient(),
+            "addr:alice@example.com"
+        );
         v["user_id"] = "u-7".into();
         assert_eq!(parse(v).unwrap().throttle_recipient(), "user:u-7");
     }
 
     #[test]
     fn reasons_are_short_and_single_line() {
-        assert_eq!(readable("a\r\nb\u{2028}", 100), "a\\u{000d}\\u{000a}b\\u{2028}");
+        assert_eq!(
+            readable("a\r\nb\u{2028}", 100),
+            "a\\u{000d}\\u{000a}b\\u{2028}"
+        );
         let long = readable(&"z".repeat(10_000), 300);
         assert!(long.len() <= 300 && long.ends_with('…'));
         let mut v = base();
         v[format!("x\rBcc: {}", "z".repeat(300_000))] = 1.into();
         let reason = parse(v).unwrap_err().0;
-        assert!(reason.len() < 400 && !reason.contains('\r'), "{}", reason.len());
+        assert!(
+            reason.len() < 400 && !reason.contains('\r'),
+            "{}",
+            reason.len()
+        );
     }
 
     #[test]

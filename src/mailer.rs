@@ -186,11 +186,9 @@ impl Mailer {
     /// Asks the relay whether it answers (EHLO + NOOP on a fresh connection).
     pub async fn probe(&self) -> bool {
         match &*self.transport {
-            Transport::Smtp(smtp) => {
-                tokio::time::timeout(self.timeout, smtp.test_connection())
-                    .await
-                    .is_ok_and(|r| r.unwrap_or(false))
-            }
+            Transport::Smtp(smtp) => tokio::time::timeout(self.timeout, smtp.test_connection())
+                .await
+                .is_ok_and(|r| r.unwrap_or(false)),
             Transport::File(_) => true,
         }
     }

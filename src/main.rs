@@ -149,9 +149,11 @@ async fn run(command: Command, settings: Settings) -> ExitCode {
         Command::Topology { delete } => commands::topology(&settings, delete).await,
         Command::Status => commands::status(&settings).await,
         Command::Cancel { key, revision } => commands::cancel(&settings, &key, revision).await,
-        Command::Pending { due_before, key, limit } => {
-            commands::pending(&settings, due_before.as_deref(), key.as_deref(), limit).await
-        }
+        Command::Pending {
+            due_before,
+            key,
+            limit,
+        } => commands::pending(&settings, due_before.as_deref(), key.as_deref(), limit).await,
         Command::Dlq { command } => match command {
             DlqCommand::List { limit } => postie::dlq::print_list(&settings, limit).await,
             DlqCommand::Replay { reason, key, limit } => {

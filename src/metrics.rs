@@ -159,27 +159,111 @@ impl Metrics {
             pending: Gauge::default(),
             registry: Registry::default(),
         };
-        registry.register("jobs_received", "Deliveries taken from the send queue", m.jobs_received.clone());
-        registry.register("emails_sent", "Emails accepted by the SMTP server and recorded as sent", m.emails_sent.clone());
-        registry.register("duplicates_suppressed", "Deliveries of an already-sent key, acked without sending", m.duplicates_suppressed.clone());
-        registry.register("deferred", "Jobs parked because another instance held a live claim", m.deferred.clone());
-        registry.register("lease_takeovers", "Expired claims taken over (the old owner may have sent)", m.takeovers.clone());
-        registry.register("retries", "Transient failures sent to a retry queue, by step", m.retries.clone());
-        registry.register("dead_lettered", "Jobs dead-lettered, by reason", m.dead_lettered.clone());
-        registry.register("invalid_jobs", "Jobs refused as invalid", m.invalid_jobs.clone());
-        registry.register("relayed", "Ladder mode: jobs relayed from intake, by route", m.relayed.clone());
-        registry.register("smtp_send_duration_seconds", "One SMTP send", m.smtp_send_seconds.clone());
-        registry.register("processing_duration_seconds", "One delivery from receipt to ack", m.processing_seconds.clone());
-        registry.register("delivery_lateness_seconds", "Sent minus due", m.lateness_seconds.clone());
-        registry.register("in_flight", "Deliveries being processed now", m.in_flight.clone());
-        registry.register("consumer_paused", "1 while consumption is paused for an outage", m.consumer_paused.clone());
-        registry.register("queue_depth", "Ready messages per queue (polled)", m.queue_depth.clone());
-        registry.register("reconnects", "Reconnections, by dependency", m.reconnects.clone());
-        registry.register("smtp_circuit_open", "1 while the SMTP circuit breaker is open", m.smtp_breaker_open.clone());
-        registry.register("throttled", "Jobs over their type's throttle, by policy", m.throttled.clone());
-        registry.register("cancelled", "Jobs skipped because a cancel covers them", m.cancelled.clone());
-        registry.register("stale", "Jobs skipped because a newer revision exists", m.stale.clone());
-        registry.register("pending", "Ladder mode: scheduled jobs not yet sent or cancelled (polled)", m.pending.clone());
+        registry.register(
+            "jobs_received",
+            "Deliveries taken from the send queue",
+            m.jobs_received.clone(),
+        );
+        registry.register(
+            "emails_sent",
+            "Emails accepted by the SMTP server and recorded as sent",
+            m.emails_sent.clone(),
+        );
+        registry.register(
+            "duplicates_suppressed",
+            "Deliveries of an already-sent key, acked without sending",
+            m.duplicates_suppressed.clone(),
+        );
+        registry.register(
+            "deferred",
+            "Jobs parked because another instance held a live claim",
+            m.deferred.clone(),
+        );
+        registry.register(
+            "lease_takeovers",
+            "Expired claims taken over (the old owner may have sent)",
+            m.takeovers.clone(),
+        );
+        registry.register(
+            "retries",
+            "Transient failures sent to a retry queue, by step",
+            m.retries.clone(),
+        );
+        registry.register(
+            "dead_lettered",
+            "Jobs dead-lettered, by reason",
+            m.dead_lettered.clone(),
+        );
+        registry.register(
+            "invalid_jobs",
+            "Jobs refused as invalid",
+            m.invalid_jobs.clone(),
+        );
+        registry.register(
+            "relayed",
+            "Ladder mode: jobs relayed from intake, by route",
+            m.relayed.clone(),
+        );
+        registry.register(
+            "smtp_send_duration_seconds",
+            "One SMTP send",
+            m.smtp_send_seconds.clone(),
+        );
+        registry.register(
+            "processing_duration_seconds",
+            "One delivery from receipt to ack",
+            m.processing_seconds.clone(),
+        );
+        registry.register(
+            "delivery_lateness_seconds",
+            "Sent minus due",
+            m.lateness_seconds.clone(),
+        );
+        registry.register(
+            "in_flight",
+            "Deliveries being processed now",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "consumer_paused",
+            "1 while consumption is paused for an outage",
+            m.consumer_paused.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Ready messages per queue (polled)",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "reconnects",
+            "Reconnections, by dependency",
+            m.reconnects.clone(),
+        );
+        registry.register(
+            "smtp_circuit_open",
+            "1 while the SMTP circuit breaker is open",
+            m.smtp_breaker_open.clone(),
+        );
+        registry.register(
+            "throttled",
+            "Jobs over their type's throttle, by policy",
+            m.throttled.clone(),
+        );
+        registry.register(
+            "cancelled",
+            "Jobs skipped because a cancel covers them",
+            m.cancelled.clone(),
+        );
+        registry.register(
+            "stale",
+            "Jobs skipped because a newer revision exists",
+            m.stale.clone(),
+        );
+        registry.register(
+            "pending",
+            "Ladder mode: scheduled jobs not yet sent or cancelled (polled)",
+            m.pending.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -188,12 +272,16 @@ impl Metrics {
         if reason == DeadReason::invalid {
             self.invalid_jobs.inc();
         }
-        self.dead_lettered.get_or_create(&ReasonLabel { reason }).inc();
+        self.dead_lettered
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     /// Counts a reconnection.
     pub fn reconnected(&self, dependency: Dependency) {
-        self.reconnects.get_or_create(&DependencyLabel { dependency }).inc();
+        self.reconnects
+            .get_or_create(&DependencyLabel { dependency })
+            .inc();
     }
 
     /// The text exposition format.
@@ -220,9 +308,18 @@ mod tests {
         m.retries.get_or_create(&StepLabel { step: 2 }).inc();
         let text = m.render();
         assert!(text.contains("postie_emails_sent_total 1"), "{text}");
-        assert!(text.contains("postie_dead_lettered_total{reason=\"invalid\"} 1"), "{text}");
+        assert!(
+            text.contains("postie_dead_lettered_total{reason=\"invalid\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("postie_invalid_jobs_total 1"), "{text}");
-        assert!(text.contains("postie_retries_total{step=\"2\"} 1"), "{text}");
-        assert!(text.contains("# TYPE postie_delivery_lateness_seconds histogram"), "{text}");
+        assert!(
+            text.contains("postie_retries_total{step=\"2\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE postie_delivery_lateness_seconds histogram"),
+            "{text}"
+        );
     }
 }

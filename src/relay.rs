@@ -86,7 +86,10 @@ mod tests {
         // Published at 10.000 s (ms header), received at 12.000 s, delay 5 s → due 15 s,
         // 3 s left → 3 units.
         let mut h = x_delay(5_000);
-        h.insert(delay::HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(10_000));
+        h.insert(
+            delay::HEADER_PUBLISHED_AT.into(),
+            AMQPValue::LongLongInt(10_000),
+        );
         assert_eq!(
             decide(&ladder(), Some(&h), None, 12_000),
             Decision::Forward {
@@ -110,9 +113,13 @@ mod tests {
     #[test]
     fn too_long_or_garbage_delays_are_invalid() {
         let too_long = x_delay(61_000);
-        assert!(matches!(decide(&ladder(), Some(&too_long), None, 0), Decision::Invalid(r) if r.contains("over the maximum")));
+        assert!(
+            matches!(decide(&ladder(), Some(&too_long), None, 0), Decision::Invalid(r) if r.contains("over the maximum"))
+        );
         let mut garbage = FieldTable::default();
         garbage.insert("x-delay".into(), AMQPValue::LongString("tomorrow".into()));
-        assert!(matches!(decide(&ladder(), Some(&garbage), None, 0), Decision::Invalid(r) if r.contains("not an integer")));
+        assert!(
+            matches!(decide(&ladder(), Some(&garbage), None, 0), Decision::Invalid(r) if r.contains("not an integer"))
+        );
     }
 }

@@ -38,7 +38,11 @@ pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryG
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match log.format {
-        LogFormat::Json => fmt.json().flatten_event(true).with_current_span(true).boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .boxed(),
         LogFormat::Human => fmt.boxed(),
     };
     let provider = match &otel.endpoint {
@@ -100,7 +104,10 @@ mod tests {
         let span = cx.span();
         let sc = span.span_context();
         assert!(sc.is_valid() && sc.is_remote());
-        assert_eq!(sc.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
         assert_eq!(sc.span_id().to_string(), "00f067aa0ba902b7");
         assert!(!parent_context(None).span().span_context().is_valid());
     }

@@ -244,8 +244,13 @@ impl Topology {
         );
         self.declare_queue(channel, &self.send_queue(), send_args)
             .await?;
-        self.bind(channel, &self.send_queue(), &self.work_exchange(), ROUTING_KEY)
-            .await?;
+        self.bind(
+            channel,
+            &self.send_queue(),
+            &self.work_exchange(),
+            ROUTING_KEY,
+        )
+        .await?;
 
         for (n, step) in self.retry_steps.iter().enumerate() {
             let mut args = quorum_args();
@@ -264,13 +269,23 @@ impl Topology {
 
         self.declare_queue(channel, &self.dead_queue(), quorum_args())
             .await?;
-        self.bind(channel, &self.dead_queue(), &self.dead_exchange(), ROUTING_KEY)
-            .await?;
+        self.bind(
+            channel,
+            &self.dead_queue(),
+            &self.dead_exchange(),
+            ROUTING_KEY,
+        )
+        .await?;
 
         match self.delay {
             DelayLayout::Plugin => {
-                self.bind(channel, &self.send_queue(), &self.delayed_exchange(), ROUTING_KEY)
-                    .await
+                self.bind(
+                    channel,
+                    &self.send_queue(),
+                    &self.delayed_exchange(),
+                    ROUTING_KEY,
+                )
+                .await
             }
             DelayLayout::Ladder(ladder) => self.declare_ladder(channel, ladder).await,
         }
@@ -311,8 +326,13 @@ impl Topology {
         );
         self.declare_queue(channel, &self.intake_queue(), intake_args)
             .await?;
-        self.bind(channel, &self.intake_queue(), &self.delayed_exchange(), ROUTING_KEY)
-            .await?;
+        self.bind(
+            channel,
+            &self.intake_queue(),
+            &self.delayed_exchange(),
+            ROUTING_KEY,
+        )
+        .await?;
 
         for k in 0..ladder.levels() {
             let name = self.delay_level(k);
@@ -484,7 +504,12 @@ pub async fn resolve_mode(
         ..Default::default()
     };
     let exists = channel
-        .exchange_declare(delayed.as_str().into(), ExchangeKind::Direct, passive, FieldTable::default())
+        .exchange_declare(
+            delayed.as_str().into(),
+            ExchangeKind::Direct,
+            passive,
+            FieldTable::default(),
+        )
         .await
         .is_ok();
     if exists {
@@ -495,11 +520,20 @@ pub async fn resolve_mode(
             ..Default::default()
         };
         let is_direct = channel
-            .exchange_declare(delayed.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
+            .exchange_declare(
+                delayed.as_str().into(),
+                ExchangeKind::Direct,
+                durable,
+                FieldTable::default(),
+            )
             .await
             .is_ok();
         let _ = conn.close(200, "probed".into()).await;
-        return Ok(if is_direct { DelayMode::Ladder } else { DelayMode::Plugin });
+        return Ok(if is_direct {
+            DelayMode::Ladder
+        } else {
+            DelayMode::Plugin
+        });
     }
     let _ = conn.close(200, "probed".into()).await;
     Ok(if probe_plugin(amqp_url, timeout).await? {
@@ -511,7 +545,10 @@ pub async fn resolve_mode(
 
 /// True if the broker knows the `x-delayed-message` exchange type. Declares and
 /// deletes a throwaway exchange on a throwaway connection.
-pub async fn probe_plugin(amqp_url: &secrecy::SecretString, timeout: Duration) -> anyhow::Result<bool> {
+pub async fn probe_plugin(
+    amqp_url: &secrecy::SecretString,
+    timeout: Duration,
+) -> anyhow::Result<bool> {
     let conn = crate::amqp::connect(amqp_url, "postie-probe", timeout).await?;
     let channel = conn.create_channel().await?;
     let name = format!("postie.probe.{}", uuid::Uuid::new_v4().simple());
@@ -582,13 +619,20 @@ mod tests {
             "COMMAND_INVALID - unknown exchange type 'x-delayed-message'".into(),
         )));
         let text = classify("exchange p.delayed".into(), missing).to_string();
-        assert!(text.contains("rabbitmq_delayed_message_exchange") && text.contains("delay.mode = ladder"), "{text}");
+        assert!(
+            text.contains("rabbitmq_delayed_message_exchange")
+                && text.contains("delay.mode = ladder"),
+            "{text}"
+        );
         let mismatch = lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
             AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
             "PRECONDITION_FAILED - inequivalent arg 'type'".into(),
         )));
         let text = classify("queue p.retry.0".into(), mismatch).to_string();
-        assert!(text.contains("p.retry.0") && text.contains("different settings"), "{text}");
+        assert!(
+            text.contains("p.retry.0") && text.contains("different settings"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -598,7 +642,14 @@ mod tests {
             max: Duration::from_secs(7),
             ..DelaySettings::default()
         };
-        let t = Topology::new(&TopologySettings { prefix: "p".into(), ..Default::default() }, &delay, DelayMode::Ladder);
+        let t = Topology::new(
+            &TopologySettings {
+                prefix: "p".into(),
+                ..Default::default()
+            },
+            &delay,
+            DelayMode::Ladder,
+        );
         assert!(t.queues().contains(&"p.intake".to_string()));
         assert!(t.queues().contains(&"p.delay.2".to_string()));
         assert!(!t.queues().contains(&"p.delay.3".to_string()));

@@ -217,8 +217,18 @@ impl Worker {
     }
 
     /// Ladder mode: records a job the relay scheduled, riding out a database outage.
-    pub async fn schedule(&self, key: &IdempotencyKey, revision: i32, due_ms: i64) -> Result<(), Interrupted> {
-        match self.db("schedule", || self.inbox.schedule(key.as_str(), revision, due_ms)).await {
+    pub async fn schedule(
+        &self,
+        key: &IdempotencyKey,
+        revision: i32,
+        due_ms: i64,
+    ) -> Result<(), Interrupted> {
+        match self
+            .db("schedule", || {
+                self.inbox.schedule(key.as_str(), revision, due_ms)
+            })
+            .await
+        {
             Ok(()) | Err(Stop::Refused(_)) => Ok(()), // refused: not listed as pending, still relayed
             Err(Stop::Interrupted) => Err(Interrupted),
         }
@@ -295,7 +305,11 @@ impl Worker {
         let early_ms = due_ms.saturating_sub(now_ms());
         if early_ms > 0 {
             if early_ms as u128 > self.hold_limit().as_millis() {
-                return Ok(Outcome::Early { key, due_ms, early_ms });
+                return Ok(Outcome::Early {
+                    key,
+                    due_ms,
+                    early_ms,
+                });
             }
             // Never early: wait out the last sub-unit rest of the ladder.
             tokio::select! {
@@ -352,14 +366,22 @@ impl Worker {
     }
 
     /// Applies the job type's throttle, if any, under the claim: `None` to go on.
-    async fn throttle(&self, job: &EmailJob, fence: i64, due_ms: i64) -> Result<Option<Outcome>, Stop> {
+    async fn throttle(
+        &self,
+        job: &EmailJob,
+        fence: i64,
+        due_ms: i64,
+    ) -> Result<Option<Outcome>, Stop> {
         let Some(rule) = job.kind.as_ref().and_then(|kind| self.throttles.get(kind)) else {
             return Ok(None);
         };
         let kind = job.kind.as_deref().unwrap_or_default();
         let recipient = job.throttle_recipient();
         let verdict = self
-            .db("throttle", || self.inbox.throttle(kind, &recipient, rule.limit, rule.window))
+            .db("throttle", || {
+                self.inbox
+                    .throttle(kind, &recipient, rule.limit, rule.window)
+            })
             .await?;
         let Throttle::Limited { next_ms } = verdict else {
             return Ok(None);
@@ -367,13 +389,21 @@ impl Worker {
         let key = job.key.clone();
         Ok(Some(match rule.policy {
             ThrottlePolicy::Drop => {
-                self.db("record throttled", || self.inbox.mark_throttled(key.as_str(), fence))
-                    .await?;
-                Outcome::Throttled { key, until_ms: None }
+                self.db("record throttled", || {
+                    self.inbox.mark_throttled(key.as_str(), fence)
+                })
+                .await?;
+                Outcome::Throttled {
+                    key,
+                    until_ms: None,
+                }
             }
             ThrottlePolicy::Defer => {
-                self.db("defer", || self.inbox.unclaim(key.as_str(), fence, "throttled (defer policy)"))
-                    .await?;
+                self.db("defer", || {
+                    self.inbox
+                        .unclaim(key.as_str(), fence, "throttled (defer policy)")
+                })
+                .await?;
                 Outcome::Throttled {
                     key,
                     until_ms: Some(next_ms.max(due_ms)),
@@ -488,7 +518,11 @@ impl Worker {
 
     /// The due time in Unix ms. The ladder stamps `postie-due-at`; the plugin has
     /// already waited, so without a publish time there, the job is due now.
-    fn due_ms(&self, headers: Option<&FieldTable>, timestamp_s: Option<u64>) -> Result<i64, InvalidJob> {
+    fn due_ms(
+        &self,
+        headers: Option<&FieldTable>,
+        timestamp_s: Option<u64>,
+    ) -> Result<i64, InvalidJob> {
         let now = now_ms();
         let max = self.topology.max_delay();
         match self.topology.delay() {
