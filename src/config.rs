@@ -139,7 +139,8 @@ pub struct SmtpSettings {
     pub url: SecretString,
     /// Pooled SMTP connections.
     pub pool_size: u32,
-    /// The whole send of one email must finish within this; keep it well inside the lease.
+    /// Longest wait for the relay on any one SMTP step (connect, each command and
+    /// reply). A send takes a handful of steps, so keep the lease several times longer.
     #[serde(deserialize_with = "duration")]
     pub timeout: Duration,
     /// `From` for jobs that carry none.

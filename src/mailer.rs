@@ -3,7 +3,6 @@
 //! permanent.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use lettre::message::header::{HeaderName, HeaderValue};
 use lettre::message::{MultiPart, SinglePart};
@@ -40,7 +39,6 @@ enum Transport {
 #[derive(Clone)]
 pub struct Mailer {
     transport: std::sync::Arc<Transport>,
-    timeout: Duration,
     message_id_domain: String,
 }
 
@@ -108,7 +106,6 @@ impl Mailer {
         };
         Ok(Self {
             transport: std::sync::Arc::new(transport),
-            timeout: settings.timeout,
             message_id_domain: settings.message_id_domain.clone(),
         })
     }
@@ -158,37 +155,32 @@ impl Mailer {
         Ok(message)
     }
 
-    /// Sends one email within the configured timeout.
+    /// Sends one email. `smtp.timeout` bounds every SMTP command (lettre's own
+    /// timeout), never the send as a whole from outside: cancelling a send would
+    /// hand its connection back to lettre's pool mid-transaction, and the next email
+    /// on that connection would read the previous one's late replies, so a reply meant
+    /// for another command could be taken for "250 accepted" (found by the chaos
+    /// harness as emails recorded sent that the server never took).
     pub async fn send(&self, message: &Message) -> Result<(), SendError> {
-        let sending = async {
-            match &*self.transport {
-                Transport::Smtp(smtp) => smtp
-                    .send(message.clone())
-                    .await
-                    .map(|_| ())
-                    .map_err(classify),
-                Transport::File(file) => file
-                    .send(message.clone())
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| SendError::Transient(format!("writing .eml file: {e}"))),
-            }
-        };
-        match tokio::time::timeout(self.timeout, sending).await {
-            Ok(result) => result,
-            Err(_) => Err(SendError::Unreachable(format!(
-                "SMTP send timed out after {}",
-                humantime::format_duration(self.timeout)
-            ))),
+        match &*self.transport {
+            Transport::Smtp(smtp) => smtp
+                .send(message.clone())
+                .await
+                .map(|_| ())
+                .map_err(classify),
+            Transport::File(file) => file
+                .send(message.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| SendError::Transient(format!("writing .eml file: {e}"))),
         }
     }
 
-    /// Asks the relay whether it answers (EHLO + NOOP on a fresh connection).
+    /// Asks the relay whether it answers (EHLO + NOOP; bounded by lettre's timeout,
+    /// for the same reason as [`Mailer::send`]).
     pub async fn probe(&self) -> bool {
         match &*self.transport {
-            Transport::Smtp(smtp) => tokio::time::timeout(self.timeout, smtp.test_connection())
-                .await
-                .is_ok_and(|r| r.unwrap_or(false)),
+            Transport::Smtp(smtp) => smtp.test_connection().await.unwrap_or(false),
             Transport::File(_) => true,
         }
     }

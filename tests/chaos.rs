@@ -340,7 +340,10 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
         if got == 0 && !is_dead {
             match row.map(|r| r.0.as_str()) {
                 Some("sending") | Some("retrying") | None => pending += 1,
-                _ => lost.push(key.clone()),
+                Some(status) => {
+                    let (_, attempts, takeovers) = row.cloned().unwrap_or_default();
+                    lost.push(format!("{key} (inbox: {status}, {attempts} attempts, {takeovers} takeovers)"));
+                }
             }
         }
         if planned.doomed && !is_dead {
