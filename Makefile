@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test demo fmt lint check ci bench-delay chaos
+.PHONY: help build test demo fmt lint check ci bench bench-delay chaos
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
@@ -26,6 +26,9 @@ check: lint test ## what CI checks
 
 ci: ## what CI runs: start services if needed, then the tests
 	bash .ci/run
+
+bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)
+	$(CARGO) test --release --locked --test bench -- --ignored --nocapture bench_full
 
 bench-delay: ## ladder lateness for 10,000 jobs over 0-60 s, broker memory with 100,000 pending
 	$(CARGO) test --release --locked --test bench_delay -- --ignored --nocapture delay_bench_full

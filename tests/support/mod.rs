@@ -2,6 +2,7 @@
 //! its own SMTP sink process, and deletes all three when it ends (also on panic).
 #![allow(dead_code, unreachable_pub)]
 
+pub mod bench;
 pub mod proxy;
 pub mod sink;
 

@@ -27,6 +27,15 @@ pub struct SinkMessage {
     pub raw: Option<String>,
 }
 
+/// The sink's counters (`GET /stats`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct SinkStats {
+    /// Messages recorded.
+    pub accepted: u64,
+    /// SMTP connections accepted.
+    pub connections: u64,
+}
+
 /// A running sink process, killed on drop.
 pub struct SmtpSink {
     child: Child,
@@ -47,7 +56,9 @@ impl SmtpSink {
         let stdout = child.stdout.take().unwrap();
         let line = tokio::task::spawn_blocking(move || {
             let mut line = String::new();
-            std::io::BufReader::new(stdout).read_line(&mut line).map(|_| line)
+            std::io::BufReader::new(stdout)
+                .read_line(&mut line)
+                .map(|_| line)
         })
         .await
         .unwrap()
@@ -91,6 +102,19 @@ impl SmtpSink {
     /// Number of messages received.
     pub async fn count(&self) -> usize {
         self.messages(false).await.len()
+    }
+
+    /// The counters: cheap to poll, unlike [`SmtpSink::messages`] (which sends
+    /// every message's metadata).
+    pub async fn stats(&self) -> SinkStats {
+        self.http
+            .get(format!("http://{}/stats", self.control))
+            .send()
+            .await
+            .expect("sink control")
+            .json()
+            .await
+            .expect("sink stats JSON")
     }
 
     /// Replaces the fault rules (see the sink's module docs for the format).

@@ -1,0 +1,853 @@
+//! Throughput benchmark: how many emails/s `postie serve` sends end to end (1 and 3
+//! processes), the ceiling of each leg measured alone at postie's default concurrency
+//! (broker, database, SMTP, and the test sink itself), the fair bound those legs
+//! allow when they share the machine, CPU per email and peak RSS, and ladder lateness
+//! with broker memory for 10^3 to 10^5 pending delayed jobs.
+//!
+//! `make bench` runs the full size (N = 20,000 per run, POSTIE_BENCH_N; pending up to
+//! 100,000, POSTIE_BENCH_PENDING_MAX), prints Markdown tables and writes
+//! target/bench/bench.json and target/bench/bench.md. The smoke version below runs
+//! with the tests, so the harness cannot rot; it checks sanity, never timings.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::Channel;
+use postie::amqp;
+use postie::config::Settings;
+use postie::inbox::{Claim, Inbox};
+use postie::job::{EmailJob, ParseRules};
+use postie::mailer::Mailer;
+use postie::topology::{DelayLayout, ROUTING_KEY};
+use support::bench::{
+    broker_connection, broker_memory, clock_ticks, cpu_seconds, env_usize, management_api,
+    message_id, peak_rss_kib, publish_bodies, publish_delayed, round3, CpuSnapshot, CpuUse,
+    Lateness, Who,
+};
+use support::{job, PostieProcess, TestEnv};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::OwnedReadHalf;
+
+/// Short-delay jobs whose lateness is measured next to each pending backlog.
+const SHORT_JOBS: usize = 200;
+/// Their delays are spread over 0 to this, ms.
+const SHORT_SPREAD_MS: i64 = 5_000;
+/// The backlog's delay: far enough that none of it fires during a run.
+const PENDING_DELAY_MS: i64 = 9 * 60 * 1000;
+/// The management API refreshes node statistics every 5 s.
+const STATS_REFRESH: Duration = Duration::from_secs(6);
+
+/// postie's defaults, which every leg is measured at.
+struct Defaults {
+    concurrency: usize,
+    prefetch: u16,
+    db_pool: usize,
+    smtp_pool: u32,
+    relay_concurrency: u16,
+}
+
+impl Defaults {
+    fn read() -> Self {
+        let s = Settings::default();
+        Self {
+            concurrency: s.worker.concurrency,
+            prefetch: s.amqp.prefetch,
+            db_pool: s.database.pool_size,
+            smtp_pool: s.smtp.pool_size,
+            relay_concurrency: s.delay.relay_concurrency,
+        }
+    }
+}
+
+/// One timed run of `n` emails.
+struct Measured {
+    label: String,
+    n: usize,
+    cpu: CpuUse,
+}
+
+impl Measured {
+    fn new(label: impl Into<String>, n: usize, before: &CpuSnapshot) -> Self {
+        let after = CpuSnapshot::take();
+        Self {
+            label: label.into(),
+            n,
+            cpu: before.until(&after, n),
+        }
+    }
+
+    fn rate(&self) -> f64 {
+        self.n as f64 / self.cpu.wall_s
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut value = self.cpu.json();
+        value["label"] = self.label.clone().into();
+        value["n"] = self.n.into();
+        value["per_s"] = round3(self.rate()).into();
+        value
+    }
+}
+
+/// Where the end-to-end jobs are pre-published.
+#[derive(Clone, Copy)]
+enum Entry {
+    /// `<p>.work` → `<p>.send`: the path the leg ceilings model.
+    Send,
+    /// `<p>.delayed` → intake relay → `<p>.send`: the producers' path.
+    Delayed,
+}
+
+/// One end-to-end run.
+struct EndToEnd {
+    instances: usize,
+    entry: Entry,
+    run: Measured,
+    postie_cpu_s: Vec<f64>,
+    peak_rss_kib: Vec<u64>,
+    lost: usize,
+    duplicates: usize,
+}
+
+impl EndToEnd {
+    fn label(&self) -> String {
+        let path = match self.entry {
+            Entry::Send => "send queue → SMTP",
+            Entry::Delayed => "postie.delayed → relay → SMTP",
+        };
+        let s = if self.instances == 1 { "" } else { "es" };
+        format!("{} process{s}, {path}", self.instances)
+    }
+}
+
+/// One pending-backlog size in ladder mode.
+struct Backlog {
+    pending: usize,
+    parked_s: f64,
+    mem_before: u64,
+    mem_pending: u64,
+    lateness: Lateness,
+}
+
+struct Report {
+    n: usize,
+    defaults: Defaults,
+    versions: String,
+    broker_publish: Measured,
+    broker: Measured,
+    database: Measured,
+    smtp: Measured,
+    sink: Measured,
+    runs: Vec<EndToEnd>,
+    backlogs: Vec<Backlog>,
+}
+
+impl Report {
+    /// 1 / (1/C_broker + 1/C_db + 1/C_smtp): the legs take turns on shared cores.
+    fn fair_bound(&self) -> f64 {
+        1.0 / (1.0 / self.broker.rate() + 1.0 / self.database.rate() + 1.0 / self.smtp.rate())
+    }
+}
+
+fn bodies(n: usize, prefix: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
+    (0..n).map(move |i| {
+        job(&format!("{prefix}-{i}"), "bench@example.com")
+            .to_string()
+            .into_bytes()
+    })
+}
+
+fn parse_job(body: &[u8], settings: &Settings) -> EmailJob {
+    let rules = ParseRules {
+        max_body_bytes: settings.worker.max_body_bytes,
+        default_from: None,
+    };
+    EmailJob::parse(body, &rules).expect("a valid job")
+}
+
+/// Runs `work(i)` for every i below `n` on `concurrency` tasks.
+async fn run_concurrently<F, Fut>(n: usize, concurrency: usize, work: F)
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (next, work) = (next.clone(), work.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    work(i).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("benchmark task");
+    }
+}
+
+/// Ready messages in each queue, summed, on one channel.
+async fn depth(channel: &Channel, queues: &[String]) -> u64 {
+    let mut total = 0;
+    for queue in queues {
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = channel
+            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .await
+            .expect("queue exists");
+        total += u64::from(declared.message_count());
+    }
+    total
+}
+
+/// Broker ceiling: a consumer that only acks, prefetch as postie's, on a scratch
+/// quorum queue holding `n` persistent jobs. Also times the confirmed publish.
+async fn broker_leg(n: usize, prefetch: u16) -> (Measured, Measured) {
+    let env = TestEnv::new("benchbroker").await;
+    let conn = broker_connection("postie-bench").await;
+    let queue = format!("{}.bench.broker", env.prefix);
+    let admin = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    admin
+        .queue_declare(queue.as_str().into(), durable, args)
+        .await
+        .unwrap();
+
+    let publisher = amqp::confirm_channel(&conn).await.unwrap();
+    let before = CpuSnapshot::take();
+    publish_bodies(&publisher, "", &queue, bodies(n, "broker")).await;
+    let published = Measured::new("broker: confirmed publish (1,000 in flight)", n, &before);
+
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let before = CpuSnapshot::take();
+    let mut deliveries = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "postie-bench".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for _ in 0..n {
+        let delivery = tokio::time::timeout(Duration::from_secs(60), deliveries.next())
+            .await
+            .expect("a delivery within 60 s")
+            .expect("consumer open")
+            .expect("delivery");
+        assert!(delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .unwrap());
+    }
+    let consumed = Measured::new(
+        format!("broker: consume + ack (prefetch {prefetch})"),
+        n,
+        &before,
+    );
+    let _ = channel.close(200, "done".into()).await;
+    admin
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "done".into()).await;
+    (published, consumed)
+}
+
+/// Database ceiling: postie's claim, then its `sent` completion, for `n` keys.
+async fn database_leg(n: usize, concurrency: usize) -> Measured {
+    let env = TestEnv::new("benchdb").await;
+    let settings = env.settings();
+    let inbox = Inbox::new(&settings.database).unwrap();
+    inbox.migrate().await.unwrap();
+    let lease = settings.worker.lease;
+    let before = CpuSnapshot::take();
+    run_concurrently(n, concurrency, move |i| {
+        let inbox = inbox.clone();
+        async move {
+            let key = format!("db-{i}");
+            let Claim::Claimed { fence, .. } = inbox.claim(&key, "bench", lease, 0).await.unwrap()
+            else {
+                panic!("{key} was not claimable");
+            };
+            let due = chrono::Utc::now().timestamp_millis();
+            assert!(inbox
+                .mark_sent(&key, fence, &message_id(&key), due)
+                .await
+                .unwrap());
+        }
+    })
+    .await;
+    Measured::new(
+        format!("database: claim + mark_sent ({concurrency} tasks)"),
+        n,
+        &before,
+    )
+}
+
+/// SMTP ceiling: parse, build and send through postie's mailer (lettre's pool).
+async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
+    let env = TestEnv::new("benchsmtp").await;
+    let settings = Arc::new(env.settings());
+    let mailer = Mailer::new(&settings.smtp).unwrap();
+    let before = CpuSnapshot::take();
+    run_concurrently(n, concurrency, move |i| {
+        let (mailer, settings) = (mailer.clone(), settings.clone());
+        async move {
+            let body = job(&format!("smtp-{i}"), "bench@example.com").to_string();
+            let message = mailer
+                .build(&parse_job(body.as_bytes(), &settings))
+                .unwrap();
+            mailer.send(&message).await.expect("the sink accepts");
+        }
+    })
+    .await;
+    let leg = Measured::new(
+        format!("SMTP: lettre pool → sink ({concurrency} tasks)"),
+        n,
+        &before,
+    );
+    assert_eq!(env.sink.stats().await.accepted as usize, n);
+    leg
+}
+
+/// Reads one (possibly multi-line) SMTP reply and checks its code.
+async fn expect_reply(reader: &mut BufReader<OwnedReadHalf>, code: &str) {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.expect("sink reply");
+        assert!(
+            line.starts_with(code),
+            "expected {code}, the sink said {line:?}"
+        );
+        if line.as_bytes().get(3) != Some(&b'-') {
+            return;
+        }
+    }
+}
+
+/// The sink's own ceiling: raw SMTP without lettre on `concurrency` connections,
+/// MAIL/RCPT/DATA pipelined, then the body once the 354 is in.
+async fn sink_leg(n: usize, concurrency: usize) -> Measured {
+    let env = TestEnv::new("benchsink").await;
+    let settings = env.settings();
+    let mailer = Mailer::new(&settings.smtp).unwrap();
+    let body = job("sink-0", "bench@example.com").to_string();
+    let email = mailer
+        .build(&parse_job(body.as_bytes(), &settings))
+        .unwrap();
+    let mut data = String::from_utf8(email.formatted())
+        .unwrap()
+        .replace("\r\n.", "\r\n..");
+    if !data.ends_with("\r\n") {
+        data.push_str("\r\n");
+    }
+    data.push_str(".\r\n");
+    let data = Arc::new(data);
+    let addr = env.sink.smtp_addr().to_string();
+    let before = CpuSnapshot::take();
+    let connections: Vec<_> = (0..concurrency)
+        .map(|c| {
+            let count = n / concurrency + usize::from(c < n % concurrency);
+            let (addr, data) = (addr.clone(), data.clone());
+            tokio::spawn(async move {
+                let stream = tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("sink SMTP");
+                stream.set_nodelay(true).unwrap();
+                let (read, mut write) = stream.into_split();
+                let mut reader = BufReader::new(read);
+                expect_reply(&mut reader, "220").await;
+                write.write_all(b"EHLO bench.example\r\n").await.unwrap();
+                expect_reply(&mut reader, "250").await;
+                let envelope =
+                    b"MAIL FROM:<noreply@shop.example>\r\nRCPT TO:<bench@example.com>\r\nDATA\r\n";
+                for _ in 0..count {
+                    write.write_all(envelope).await.unwrap();
+                    for code in ["250", "250", "354"] {
+                        expect_reply(&mut reader, code).await;
+                    }
+                    write.write_all(data.as_bytes()).await.unwrap();
+                    expect_reply(&mut reader, "250").await;
+                }
+                write.write_all(b"QUIT\r\n").await.unwrap();
+                expect_reply(&mut reader, "221").await;
+            })
+        })
+        .collect();
+    for connection in connections {
+        connection.await.expect("raw SMTP client");
+    }
+    let leg = Measured::new(
+        format!("sink alone: raw pipelined SMTP ({concurrency} connections)"),
+        n,
+        &before,
+    );
+    assert_eq!(env.sink.stats().await.accepted as usize, n);
+    leg
+}
+
+/// `n` jobs pre-published to `entry`, then drained by `instances` postie processes:
+/// timed from their start until the sink has accepted `n` emails.
+async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
+    let env = TestEnv::new("bench").await;
+    let conn = broker_connection("postie-bench").await;
+    let (exchange, queue) = match entry {
+        Entry::Send => (env.topology.work_exchange(), env.topology.send_queue()),
+        Entry::Delayed => (env.topology.delayed_exchange(), env.topology.intake_queue()),
+    };
+    let publisher = amqp::confirm_channel(&conn).await.unwrap();
+    publish_bodies(&publisher, &exchange, ROUTING_KEY, bodies(n, "e2e")).await;
+    let probe = conn.create_channel().await.unwrap();
+    assert_eq!(
+        depth(&probe, &[queue]).await as usize,
+        n,
+        "every job is queued"
+    );
+
+    let before = CpuSnapshot::take();
+    let started = Instant::now();
+    let extra = extra_postie_env();
+    let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut processes: Vec<PostieProcess> =
+        (0..instances).map(|_| env.spawn_process(&extra)).collect();
+    let timeout = Duration::from_secs(120 + n as u64 / 10);
+    loop {
+        let accepted = env.sink.stats().await.accepted as usize;
+        if accepted >= n {
+            break;
+        }
+        for process in &mut processes {
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("postie exited early ({status}):\n{}", process.log());
+            }
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "{accepted} of {n} emails after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Read postie's own accounting before the processes go away.
+    let pids: Vec<u32> = processes.iter().map(|p| p.child.id()).collect();
+    let postie_cpu_s = pids.iter().map(|&pid| cpu_seconds(pid)).collect();
+    let peak_rss_kib = pids.iter().map(|&pid| peak_rss_kib(pid)).collect();
+    let run = Measured::new("", n, &before);
+    drop(processes);
+
+    let mut ids = BTreeSet::new();
+    let mut duplicates = 0;
+    for m in env.sink.messages(false).await {
+        duplicates += usize::from(!ids.insert(m.message_id));
+    }
+    let lost = (0..n)
+        .filter(|i| !ids.contains(&message_id(&format!("e2e-{i}"))))
+        .count();
+    let _ = conn.close(200, "done".into()).await;
+    let mut result = EndToEnd {
+        instances,
+        entry,
+        run,
+        postie_cpu_s,
+        peak_rss_kib,
+        lost,
+        duplicates,
+    };
+    result.run.label = result.label();
+    result
+}
+
+/// Extra settings for the benchmarked postie processes, from POSTIE_BENCH_POSTIE_ENV
+/// (`KEY=VALUE,KEY=VALUE`), e.g. `POSTIE__DELAY__TRACK_PENDING=false` to measure what
+/// pending visibility costs.
+fn extra_postie_env() -> Vec<(String, String)> {
+    std::env::var("POSTIE_BENCH_POSTIE_ENV")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// Ladder mode with `pending` jobs parked for 9 minutes: broker memory before and
+/// with them, then the lateness of [`SHORT_JOBS`] jobs due within 5 s.
+async fn backlog(pending: usize) -> Backlog {
+    let env = TestEnv::new("benchladder").await;
+    let mut postie = env.spawn_process(&[]);
+    let conn = broker_connection("postie-bench").await;
+    let probe = conn.create_channel().await.unwrap();
+    let DelayLayout::Ladder(ladder) = env.topology.delay() else {
+        panic!("the tests run in ladder mode");
+    };
+    let levels: Vec<String> = (0..ladder.levels())
+        .map(|k| env.topology.delay_level(k))
+        .collect();
+    let intake = [env.topology.intake_queue()];
+
+    tokio::time::sleep(STATS_REFRESH).await;
+    let mem_before = broker_memory().await;
+    let started = Instant::now();
+    publish_delayed(&env, "pend", std::iter::repeat_n(PENDING_DELAY_MS, pending)).await;
+    loop {
+        if depth(&probe, &intake).await == 0 && depth(&probe, &levels).await >= pending as u64 {
+            break;
+        }
+        if let Ok(Some(status)) = postie.child.try_wait() {
+            panic!("postie exited early ({status}):\n{}", postie.log());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(480),
+            "the relay did not park {pending} jobs in 8 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let parked_s = started.elapsed().as_secs_f64();
+    tokio::time::sleep(STATS_REFRESH).await;
+    let mem_pending = broker_memory().await;
+
+    let step = SHORT_SPREAD_MS / (SHORT_JOBS as i64 - 1);
+    let due = publish_delayed(&env, "short", (0..SHORT_JOBS as i64).map(|i| i * step)).await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (env.sink.stats().await.accepted as usize) < SHORT_JOBS && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let lateness = Lateness::measure(&due, &env.sink.messages(false).await);
+    let _ = conn.close(200, "done".into()).await;
+    Backlog {
+        pending,
+        parked_s,
+        mem_before,
+        mem_pending,
+        lateness,
+    }
+}
+
+/// 10^3, 10^4, 10^5 while at most `max` (or `max` alone when below 10^3).
+fn backlog_sizes(max: usize) -> Vec<usize> {
+    let sizes: Vec<usize> = [1_000, 10_000, 100_000]
+        .into_iter()
+        .filter(|&p| p <= max)
+        .collect();
+    if sizes.is_empty() {
+        vec![max]
+    } else {
+        sizes
+    }
+}
+
+async fn versions() -> String {
+    let env_db = support::pg_base();
+    let (client, connection) =
+        tokio_postgres::connect(&format!("{env_db}/postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL");
+    tokio::spawn(connection);
+    let show = |name: &'static str| {
+        let client = &client;
+        async move {
+            let row = client
+                .query_one(&format!("SHOW {name}"), &[])
+                .await
+                .unwrap();
+            row.get::<_, String>(0)
+        }
+    };
+    let pg = show("server_version").await;
+    let sync = show("synchronous_commit").await;
+    let overview = management_api("overview").await;
+    let rabbit = overview["rabbitmq_version"]
+        .as_str()
+        .unwrap_or("?")
+        .to_string();
+    format!("RabbitMQ {rabbit}, PostgreSQL {pg} (synchronous_commit = {sync})")
+}
+
+async fn run(n: usize, pending_max: usize) -> Report {
+    let defaults = Defaults::read();
+    let versions = versions().await;
+    let (broker_publish, broker) = broker_leg(n, defaults.prefetch).await;
+    let database = database_leg(n, defaults.concurrency).await;
+    let smtp = smtp_leg(n, defaults.concurrency).await;
+    let sink = sink_leg(n, defaults.concurrency).await;
+    let mut runs = Vec::new();
+    for entry in [Entry::Send, Entry::Delayed] {
+        for instances in [1, 3] {
+            runs.push(end_to_end(n, instances, entry).await);
+        }
+    }
+    let mut backlogs = Vec::new();
+    for pending in backlog_sizes(pending_max) {
+        backlogs.push(backlog(pending).await);
+    }
+    Report {
+        n,
+        defaults,
+        versions,
+        broker_publish,
+        broker,
+        database,
+        smtp,
+        sink,
+        runs,
+        backlogs,
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn markdown(r: &Report) -> String {
+    let d = &r.defaults;
+    let bound = r.fair_bound();
+    let mut md = String::new();
+    let w = &mut md;
+    let _ = writeln!(w, "### postie throughput, N = {} emails per run", r.n);
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "postie defaults: worker.concurrency = {}, amqp.prefetch = {}, database.pool_size = {}, \
+         smtp.pool_size = {}, delay.relay_concurrency = {}. Durable: persistent messages, quorum \
+         queues. {}. {} cores, CLK_TCK = {}.",
+        d.concurrency,
+        d.prefetch,
+        d.db_pool,
+        d.smtp_pool,
+        d.relay_concurrency,
+        r.versions,
+        std::thread::available_parallelism().map_or(0, |p| p.get()),
+        clock_ticks(),
+    );
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ fair bound | postie CPU/email | postie peak RSS | lost | duplicates |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    for e in &r.runs {
+        let rss: Vec<String> = e
+            .peak_rss_kib
+            .iter()
+            .map(|k| format!("{:.0}", *k as f64 / 1024.0))
+            .collect();
+        let cpu_s: f64 = e.postie_cpu_s.iter().sum();
+        let _ = writeln!(
+            w,
+            "| {} | {:.0} | {:.1} s | {:.2} | {:.3} ms | {} MiB | {} | {} |",
+            e.run.label,
+            e.run.rate(),
+            e.run.cpu.wall_s,
+            e.run.rate() / bound,
+            cpu_s * 1000.0 / e.run.n as f64,
+            rss.join(" / "),
+            e.lost,
+            e.duplicates,
+        );
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| leg, alone | emails/s |");
+    let _ = writeln!(w, "|---|---:|");
+    for leg in [&r.broker, &r.database, &r.smtp] {
+        let _ = writeln!(w, "| {} | {:.0} |", leg.label, leg.rate());
+    }
+    let _ = writeln!(
+        w,
+        "| **fair bound** 1 / (1/C_broker + 1/C_db + 1/C_smtp) | **{bound:.0}** |"
+    );
+    for leg in [&r.sink, &r.broker_publish] {
+        let _ = writeln!(
+            w,
+            "| {} (not in the bound) | {:.0} |",
+            leg.label,
+            leg.rate()
+        );
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "CPU ms per email, by process (from /proc; `other` = the rest of the machine's busy time):"
+    );
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| measurement | postie | postgres | rabbitmq | sink | harness | other | all | machine busy |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let all = [&r.broker, &r.database, &r.smtp, &r.sink, &r.broker_publish]
+        .into_iter()
+        .chain(r.runs.iter().map(|e| &e.run));
+    for m in all {
+        let c = &m.cpu;
+        let by: Vec<String> = Who::ALL
+            .iter()
+            .map(|&who| format!("{:.3}", c.of(who)))
+            .collect();
+        let _ = writeln!(
+            w,
+            "| {} | {} | {:.3} | {:.3} | {:.0} % |",
+            m.label,
+            by.join(" | "),
+            c.other_ms_per_email,
+            c.busy_ms_per_email,
+            c.machine_busy * 100.0,
+        );
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "Ladder mode, one postie process: P jobs parked for 9 min, then {SHORT_JOBS} jobs due in 0–{} s \
+         (lateness = sink arrival − due):",
+        SHORT_SPREAD_MS / 1000
+    );
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| pending P | parked in | broker mem before | with P pending | per pending job | lateness p50 | p99 | max | early | lost | duplicates |");
+    let _ = writeln!(
+        w,
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for b in &r.backlogs {
+        let l = &b.lateness;
+        let per_job = (b.mem_pending as f64 - b.mem_before as f64) / b.pending as f64;
+        let _ = writeln!(
+            w,
+            "| {} | {:.1} s | {:.1} MiB | {:.1} MiB | {:.0} B | {} ms | {} ms | {} ms | {} | {} | {} |",
+            b.pending,
+            b.parked_s,
+            mib(b.mem_before),
+            mib(b.mem_pending),
+            per_job,
+            l.p50_ms,
+            l.p99_ms,
+            l.max_ms,
+            l.early,
+            l.lost,
+            l.duplicates,
+        );
+    }
+    md
+}
+
+fn json(r: &Report) -> serde_json::Value {
+    let d = &r.defaults;
+    let bound = r.fair_bound();
+    let runs: Vec<_> = r
+        .runs
+        .iter()
+        .map(|e| {
+            let mut v = e.run.json();
+            v["instances"] = e.instances.into();
+            v["ratio_to_fair_bound"] = round3(e.run.rate() / bound).into();
+            v["postie_cpu_s"] = e
+                .postie_cpu_s
+                .iter()
+                .map(|s| round3(*s))
+                .collect::<Vec<_>>()
+                .into();
+            v["postie_peak_rss_kib"] = e.peak_rss_kib.clone().into();
+            v["lost"] = e.lost.into();
+            v["duplicates"] = e.duplicates.into();
+            v
+        })
+        .collect();
+    let backlogs: Vec<_> = r
+        .backlogs
+        .iter()
+        .map(|b| {
+            let l = &b.lateness;
+            serde_json::json!({
+                "pending": b.pending, "parked_s": round3(b.parked_s),
+                "broker_mem_used_bytes": {"before": b.mem_before, "pending": b.mem_pending},
+                "short_jobs": l.jobs, "short_spread_ms": SHORT_SPREAD_MS,
+                "lateness_ms": {"p50": l.p50_ms, "p99": l.p99_ms, "max": l.max_ms},
+                "early": l.early, "lost": l.lost, "duplicates": l.duplicates,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "n": r.n,
+        "defaults": {
+            "worker.concurrency": d.concurrency, "amqp.prefetch": d.prefetch,
+            "database.pool_size": d.db_pool, "smtp.pool_size": d.smtp_pool,
+            "delay.relay_concurrency": d.relay_concurrency,
+        },
+        "versions": r.versions,
+        "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),
+        "legs": {
+            "broker": r.broker.json(), "database": r.database.json(), "smtp": r.smtp.json(),
+            "sink": r.sink.json(), "broker_publish": r.broker_publish.json(),
+        },
+        "fair_bound_per_s": round3(bound),
+        "end_to_end": runs,
+        "ladder": backlogs,
+    })
+}
+
+/// Sanity only: everything sent once, nothing early. No timing thresholds.
+fn assert_sane(r: &Report) {
+    for e in &r.runs {
+        assert_eq!((e.lost, e.duplicates), (0, 0), "{}", e.run.label);
+        assert!(e.run.rate() / r.fair_bound() > 0.0, "{}", e.run.label);
+    }
+    for b in &r.backlogs {
+        let l = &b.lateness;
+        assert_eq!(
+            (l.early, l.lost, l.duplicates),
+            (0, 0, 0),
+            "{} pending",
+            b.pending
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_smoke() {
+    let report = run(300, 1_000).await;
+    println!("{}", markdown(&report));
+    assert_sane(&report);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: make bench"]
+async fn bench_full() {
+    let report = run(
+        env_usize("POSTIE_BENCH_N", 20_000),
+        env_usize("POSTIE_BENCH_PENDING_MAX", 100_000),
+    )
+    .await;
+    let md = markdown(&report);
+    println!("{md}");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench");
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(format!("{dir}/bench.md"), &md).unwrap();
+    let json = serde_json::to_string_pretty(&json(&report)).unwrap();
+    std::fs::write(format!("{dir}/bench.json"), json).unwrap();
+    assert_sane(&report);
+}
