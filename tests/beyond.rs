@@ -10,15 +10,10 @@ use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::config::{Settings, ThrottlePolicy, ThrottleRule};
 use postie::delay::HEADER_PUBLISHED_AT;
-use postie::job::IdempotencyKey;
 use serde_json::json;
-use support::{eventually, job, TestEnv};
+use support::{eventually, job, message_id, TestEnv};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn message_id(key: &str) -> String {
-    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
-}
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -48,29 +43,7 @@ fn with_throttle(mut settings: Settings, kind: &str, limit: u32, window: Duratio
 
 /// Runs a `postie` sub-command against this test's world; returns stdout.
 fn postie(env: &TestEnv, args: &[&str]) -> String {
-    try_postie(env, args).unwrap_or_else(|e| panic!("postie {args:?}: {e}"))
-}
-
-fn try_postie(env: &TestEnv, args: &[&str]) -> Result<String, String> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_postie"))
-        .args(args)
-        .envs(env.env_vars())
-        .output()
-        .unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8(out.stdout).unwrap())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-}
-
-/// Emails received per key (by Message-ID) with their arrival times.
-async fn arrivals(env: &TestEnv) -> BTreeMap<String, Vec<i64>> {
-    let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for m in env.sink.messages(false).await {
-        out.entry(m.message_id).or_default().push(m.received_at_ms);
-    }
-    out
+    env.postie(args).unwrap_or_else(|e| panic!("postie {args:?}: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +95,7 @@ async fn throttle_defer_sends_all_one_window_apart_never_early() {
     .await;
     a.stop().await;
     b.stop().await;
-    let got = arrivals(&env).await;
+    let got = env.arrivals().await;
     assert_eq!(got.len(), JOBS);
     let mut times: Vec<i64> = got.values().map(|t| {
         assert_eq!(t.len(), 1, "duplicate");
@@ -167,7 +140,7 @@ async fn cancel_before_due_after_send_and_before_the_job_exists() {
 
     tokio::time::sleep(Duration::from_secs(6)).await; // past c-before-due's due time
     serving.stop().await;
-    let got = arrivals(&env).await;
+    let got = env.arrivals().await;
     assert_eq!(got.keys().cloned().collect::<Vec<_>>(), vec![message_id("c-after-send")], "only the uncancelled job is sent");
     assert_eq!(env.inbox_row("c-before-due").await.unwrap().status, "cancelled");
     assert_eq!(env.inbox_row("c-tombstone").await.unwrap().status, "cancelled");
@@ -200,7 +173,7 @@ async fn reschedule_earlier_and_later_by_revision() {
     .await;
     tokio::time::sleep(Duration::from_millis((due_old - now_ms()).max(0) as u64 + 2_000)).await; // past the old due times
     serving.stop().await;
-    let got = arrivals(&env).await;
+    let got = env.arrivals().await;
     let earlier = &got[&message_id("r-earlier")];
     let later_at = &got[&message_id("r-later")];
     assert_eq!((earlier.len(), later_at.len(), got.len()), (1, 1, 2), "{got:?}");
@@ -219,7 +192,7 @@ async fn pending_agrees_with_what_is_sent() {
     }
     let envr = &env;
     let listed = eventually("6 pending", WAIT, move || async move {
-        let out = try_postie(envr, &["pending"]).ok()?; // fails until serve has migrated
+        let out = envr.postie(&["pending"]).ok()?; // fails until serve has migrated
         out.contains("6 pending").then_some(out)
     })
     .await;
@@ -239,7 +212,7 @@ async fn pending_agrees_with_what_is_sent() {
     eventually("the four sent", WAIT, move || async move { (envr.sink.count().await >= 4).then_some(()) }).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     serving.stop().await;
-    let sent: Vec<String> = arrivals(&env).await.keys().cloned().collect();
+    let sent: Vec<String> = env.arrivals().await.keys().cloned().collect();
     let mut expected: Vec<String> = ["p-0", "p-2", "p-3", "p-5"].iter().map(|k| message_id(k)).collect();
     expected.sort();
     assert_eq!(sent, expected);

@@ -8,15 +8,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use postie::amqp::HEADER_ATTEMPT;
-use postie::job::IdempotencyKey;
 use serde_json::json;
-use support::{eventually, job, proxy::Proxy, TestEnv};
+use support::{TestEnv, eventually, job, message_id, proxy::Proxy};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn message_id(key: &str) -> String {
-    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_contract_job_is_sent_once_with_its_headers_and_acked() {

@@ -9,14 +9,10 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::delay::{DelayMode, HEADER_PUBLISHED_AT};
-use postie::job::IdempotencyKey;
 use postie::topology::{probe_plugin, resolve_mode};
 use secrecy::SecretString;
-use support::{amqp_url, eventually, job, TestEnv};
+use support::{TestEnv, amqp_url, eventually, job, message_id};
 
-fn message_id(key: &str) -> String {
-    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
-}
 
 /// The one line `postie` prints when it gives up.
 fn final_error(stderr: &str) -> &str {

@@ -12,15 +12,11 @@ use std::time::{Duration, Instant};
 use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::delay::HEADER_PUBLISHED_AT;
-use postie::job::IdempotencyKey;
-use support::{eventually, job, TestEnv};
+use support::{TestEnv, eventually, job, message_id};
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-fn message_id(key: &str) -> String {
-    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
-}
 
 fn rabbitmqctl(args: &[&str]) {
     let status = Command::new("rabbitmqctl").args(args).status().expect("rabbitmqctl");

@@ -6,25 +6,11 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use postie::job::IdempotencyKey;
 use serde_json::json;
-use support::{eventually, job, TestEnv};
-
-fn message_id(key: &str) -> String {
-    IdempotencyKey::parse(key).unwrap().message_id("postie.local")
-}
-
-/// Emails received per Message-ID.
-async fn received_by_id(env: &TestEnv) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for m in env.sink.messages(false).await {
-        *counts.entry(m.message_id).or_insert(0) += 1;
-    }
-    counts
-}
+use support::{eventually, job, message_id, TestEnv};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_send_exactly_one_email_per_key() {
@@ -61,7 +47,7 @@ async fn three_instances_send_exactly_one_email_per_key() {
     })
     .await;
 
-    let received = received_by_id(&env).await;
+    let received = env.emails_per_id().await;
     let expected: BTreeSet<String> = keys.iter().map(|k| message_id(k)).collect();
     let got: BTreeSet<String> = received.keys().cloned().collect();
     assert_eq!(got, expected, "lost or unexpected emails");
@@ -108,7 +94,7 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
     env.sink.clear_faults().await;
 
     eventually("every job sent", Duration::from_secs(120), move || async move {
-        (received_by_id(envr).await.len() >= JOBS).then_some(())
+        (envr.emails_per_id().await.len() >= JOBS).then_some(())
     })
     .await;
     let takeover_time = killed_at.elapsed();
@@ -127,7 +113,7 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
         .collect();
     assert!(takeovers >= 1, "the victim held no claim when killed");
 
-    let received = received_by_id(&env).await;
+    let received = env.emails_per_id().await;
     let expected: BTreeSet<String> = keys.iter().map(|k| message_id(k)).collect();
     assert_eq!(received.keys().cloned().collect::<BTreeSet<_>>(), expected, "lost emails");
     // The only duplicate allowed: killed between the SMTP 250 and the `sent` commit,

@@ -10,7 +10,7 @@ mod support;
 use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::{amqp_url, eventually, job, pg_base, TestEnv};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -262,33 +262,10 @@ fn base64_decode(text: &str) -> Vec<u8> {
     out
 }
 
-/// `postie ARGS` with exactly `env` (plus PATH): (exit code, stdout + stderr).
+/// `postie ARGS` with exactly `env`: (exit code, stdout + stderr).
 fn run_postie(args: &[&str], env: &[(String, String)]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn postie");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("postie {args:?} did not exit within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
+    let run = support::run_postie(args, env);
+    (run.code, format!("{}{}", run.stdout, run.stderr))
 }
 
 /// Replaces (or adds) `key` in an environment list.

@@ -16,32 +16,10 @@ use postie::mailer::Mailer;
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_base, TestEnv};
 
-/// `postie ARGS` with exactly `env` (plus PATH), waited for with a deadline.
+/// `postie ARGS` with exactly `env`: (exit code, stdout, stderr).
 fn run_postie(args: &[&str], env: &[(String, String)]) -> (Option<i32>, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn postie");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("postie {args:?} did not exit within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let run = support::run_postie(args, env);
+    (run.code, run.stdout, run.stderr)
 }
 
 fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {

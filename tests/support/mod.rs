@@ -229,6 +229,30 @@ impl TestEnv {
             })
     }
 
+    /// Arrival times (Unix ms) of the emails the sink received, per Message-ID.
+    pub async fn arrivals(&self) -> BTreeMap<String, Vec<i64>> {
+        let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for m in self.sink.messages(false).await {
+            out.entry(m.message_id).or_default().push(m.received_at_ms);
+        }
+        out
+    }
+
+    /// Emails the sink received, per Message-ID.
+    pub async fn emails_per_id(&self) -> BTreeMap<String, usize> {
+        self.arrivals().await.into_iter().map(|(id, at)| (id, at.len())).collect()
+    }
+
+    /// Runs `postie ARGS` against this world; stdout, or stderr as the error.
+    pub fn postie(&self, args: &[&str]) -> Result<String, String> {
+        let run = run_postie(args, &self.env_vars());
+        if run.code == Some(0) {
+            Ok(run.stdout)
+        } else {
+            Err(run.stderr)
+        }
+    }
+
     /// A plain connection to the test database.
     pub async fn db(&self) -> tokio_postgres::Client {
         connect_pg(&format!("{}/{}", pg_base(), self.db_name)).await
@@ -358,6 +382,49 @@ pub struct InboxRow {
     pub takeovers: i32,
     /// Last error.
     pub last_error: Option<String>,
+}
+
+/// The Message-ID postie gives every email of `key` (test settings' domain).
+pub fn message_id(key: &str) -> String {
+    postie::job::IdempotencyKey::parse(key).unwrap().message_id("postie.local")
+}
+
+/// What a finished `postie` command said.
+pub struct PostieRun {
+    /// Exit code (None if killed by a signal).
+    pub code: Option<i32>,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// Runs `postie ARGS` with exactly `env` (plus PATH), waiting at most 60 s.
+pub fn run_postie(args: &[&str], env: &[(String, String)]) -> PostieRun {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn postie");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("postie {args:?} did not exit within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    PostieRun {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
 }
 
 /// A port nobody listens on right now (for an HTTP endpoint under test).
