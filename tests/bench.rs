@@ -440,8 +440,11 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
 
     let before = CpuSnapshot::take();
     let started = Instant::now();
-    let extra = extra_postie_env();
-    let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let extra = support::bench::extra_postie_env();
+    let extra: Vec<(&str, &str)> = extra
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let mut processes: Vec<PostieProcess> =
         (0..instances).map(|_| env.spawn_process(&extra)).collect();
     let timeout = Duration::from_secs(120 + n as u64 / 10);
@@ -488,18 +491,6 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
     };
     result.run.label = result.label();
     result
-}
-
-/// Extra settings for the benchmarked postie processes, from POSTIE_BENCH_POSTIE_ENV
-/// (`KEY=VALUE,KEY=VALUE`), e.g. `POSTIE__DELAY__TRACK_PENDING=false` to measure what
-/// pending visibility costs.
-fn extra_postie_env() -> Vec<(String, String)> {
-    std::env::var("POSTIE_BENCH_POSTIE_ENV")
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|pair| pair.split_once('='))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect()
 }
 
 /// Ladder mode with `pending` jobs parked for 9 minutes: broker memory before and

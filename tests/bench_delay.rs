@@ -22,7 +22,13 @@ struct Report {
 
 async fn run(jobs: usize, pending: usize, spread_ms: i64) -> Report {
     let env = TestEnv::new("benchdelay").await;
-    let _postie = env.spawn_process(&[("RUST_LOG", "warn")]);
+    let mut extra = support::bench::extra_postie_env();
+    extra.push(("RUST_LOG".into(), "warn".into()));
+    let postie_env: Vec<(&str, &str)> = extra
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let _postie = env.spawn_process(&postie_env);
     // Deterministic uniform spread (a fixed-step walk modulo the spread).
     let delays = (0..jobs).map(|i| (i as i64 * 7_919) % (spread_ms + 1));
     let due = publish_delayed(&env, "lat", delays).await;

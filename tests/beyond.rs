@@ -24,8 +24,15 @@ async fn publish_delayed(env: &TestEnv, body: &serde_json::Value, delay_ms: i64)
     let published = now_ms();
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-    headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
-    env.publish_raw(body.to_string().as_bytes(), amqp::job_properties().with_headers(headers)).await;
+    headers.insert(
+        HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(published),
+    );
+    env.publish_raw(
+        body.to_string().as_bytes(),
+        amqp::job_properties().with_headers(headers),
+    )
+    .await;
     published + delay_ms
 }
 
@@ -36,22 +43,46 @@ fn typed(key: &str, kind: &str, user: &str) -> serde_json::Value {
     body
 }
 
-fn with_throttle(mut settings: Settings, kind: &str, limit: u32, window: Duration, policy: ThrottlePolicy) -> Settings {
-    settings.throttle.insert(kind.into(), ThrottleRule { limit, window, policy });
+fn with_throttle(
+    mut settings: Settings,
+    kind: &str,
+    limit: u32,
+    window: Duration,
+    policy: ThrottlePolicy,
+) -> Settings {
+    settings.throttle.insert(
+        kind.into(),
+        ThrottleRule {
+            limit,
+            window,
+            policy,
+        },
+    );
     settings
 }
 
 /// Runs a `postie` sub-command against this test's world; returns stdout.
 fn postie(env: &TestEnv, args: &[&str]) -> String {
-    env.postie(args).unwrap_or_else(|e| panic!("postie {args:?}: {e}"))
+    env.postie(args)
+        .unwrap_or_else(|e| panic!("postie {args:?}: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_drop_two_instances_fifty_jobs_one_email() {
     let env = TestEnv::new("thrdrop").await;
-    let settings = || with_throttle(env.settings(), "promo", 1, Duration::from_secs(3600), ThrottlePolicy::Drop);
+    let settings = || {
+        with_throttle(
+            env.settings(),
+            "promo",
+            1,
+            Duration::from_secs(3600),
+            ThrottlePolicy::Drop,
+        )
+    };
     let (a, b) = (env.serve(settings()), env.serve(settings()));
-    let bodies: Vec<_> = (0..50).map(|i| typed(&format!("promo-{i}"), "promo", "u-1")).collect();
+    let bodies: Vec<_> = (0..50)
+        .map(|i| typed(&format!("promo-{i}"), "promo", "u-1"))
+        .collect();
     env.publish_many(&bodies).await;
     let envr = &env;
     eventually("all 50 settled", WAIT, move || async move {
@@ -65,14 +96,28 @@ async fn throttle_drop_two_instances_fifty_jobs_one_email() {
     .await;
     a.stop().await;
     b.stop().await;
-    assert_eq!(env.sink.count().await, 1, "exactly one email for the user in the window");
+    assert_eq!(
+        env.sink.count().await,
+        1,
+        "exactly one email for the user in the window"
+    );
     let client = env.db().await;
-    let throttled: i64 = client.query_one("SELECT count(*) FROM postie_inbox WHERE status = 'throttled'", &[]).await.unwrap().get(0);
+    let throttled: i64 = client
+        .query_one(
+            "SELECT count(*) FROM postie_inbox WHERE status = 'throttled'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(throttled, 49);
     // Another user is not affected.
     let c = env.serve(settings());
     env.publish(&typed("promo-other", "promo", "u-2")).await;
-    eventually("the other user's email", WAIT, move || async move { (envr.sink.count().await == 2).then_some(()) }).await;
+    eventually("the other user's email", WAIT, move || async move {
+        (envr.sink.count().await == 2).then_some(())
+    })
+    .await;
     c.stop().await;
 }
 
@@ -81,26 +126,42 @@ async fn throttle_defer_sends_all_one_window_apart_never_early() {
     const JOBS: usize = 5;
     const WINDOW_MS: i64 = 2_000;
     let env = TestEnv::new("thrdefer").await;
-    let settings = || with_throttle(env.settings(), "digest", 1, Duration::from_millis(WINDOW_MS as u64), ThrottlePolicy::Defer);
+    let settings = || {
+        with_throttle(
+            env.settings(),
+            "digest",
+            1,
+            Duration::from_millis(WINDOW_MS as u64),
+            ThrottlePolicy::Defer,
+        )
+    };
     let (a, b) = (env.serve(settings()), env.serve(settings()));
     let mut due = BTreeMap::new();
     for i in 0..JOBS {
         let key = format!("digest-{i}");
-        due.insert(message_id(&key), publish_delayed(&env, &typed(&key, "digest", "u-9"), 0).await);
+        due.insert(
+            message_id(&key),
+            publish_delayed(&env, &typed(&key, "digest", "u-9"), 0).await,
+        );
     }
     let envr = &env;
-    eventually("every deferred email", Duration::from_secs(90), move || async move {
-        (envr.sink.count().await >= JOBS).then_some(())
-    })
+    eventually(
+        "every deferred email",
+        Duration::from_secs(90),
+        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
+    )
     .await;
     a.stop().await;
     b.stop().await;
     let got = env.arrivals().await;
     assert_eq!(got.len(), JOBS);
-    let mut times: Vec<i64> = got.values().map(|t| {
-        assert_eq!(t.len(), 1, "duplicate");
-        t[0]
-    }).collect();
+    let mut times: Vec<i64> = got
+        .values()
+        .map(|t| {
+            assert_eq!(t.len(), 1, "duplicate");
+            t[0]
+        })
+        .collect();
     for (id, at) in got.iter().map(|(id, t)| (id, t[0])) {
         assert!(at >= due[id], "{id} early");
     }
@@ -108,7 +169,11 @@ async fn throttle_defer_sends_all_one_window_apart_never_early() {
     // The throttle takes each slot a full window after the previous one; the sink sees
     // the emails a few ms after their slot, so allow that much jitter.
     for pair in times.windows(2) {
-        assert!(pair[1] - pair[0] >= WINDOW_MS - 250, "two emails {} ms apart: {times:?}", pair[1] - pair[0]);
+        assert!(
+            pair[1] - pair[0] >= WINDOW_MS - 250,
+            "two emails {} ms apart: {times:?}",
+            pair[1] - pair[0]
+        );
     }
 }
 
@@ -121,7 +186,9 @@ async fn cancel_before_due_after_send_and_before_the_job_exists() {
     // Before due: scheduled, then cancelled from the CLI.
     publish_delayed(&env, &job("c-before-due", "x@example.com"), 4_000).await;
     eventually("scheduled", WAIT, move || async move {
-        envr.inbox_row("c-before-due").await.filter(|r| r.status == "scheduled")
+        envr.inbox_row("c-before-due")
+            .await
+            .filter(|r| r.status == "scheduled")
     })
     .await;
     let said = postie(&env, &["cancel", "c-before-due"]);
@@ -129,21 +196,41 @@ async fn cancel_before_due_after_send_and_before_the_job_exists() {
 
     // After send: the CLI says so.
     env.publish(&job("c-after-send", "x@example.com")).await;
-    eventually("sent", WAIT, move || async move { envr.inbox_row("c-after-send").await.filter(|r| r.status == "sent") }).await;
+    eventually("sent", WAIT, move || async move {
+        envr.inbox_row("c-after-send")
+            .await
+            .filter(|r| r.status == "sent")
+    })
+    .await;
     let said = postie(&env, &["cancel", "c-after-send"]);
     assert!(said.contains("already sent"), "{said}");
 
     // Before the job exists: a cancel message over AMQP leaves a tombstone that wins.
     env.publish(&json!({"cancel": "c-tombstone"})).await;
-    eventually("tombstone", WAIT, move || async move { envr.inbox_row("c-tombstone").await.filter(|r| r.status == "cancelled") }).await;
+    eventually("tombstone", WAIT, move || async move {
+        envr.inbox_row("c-tombstone")
+            .await
+            .filter(|r| r.status == "cancelled")
+    })
+    .await;
     env.publish(&job("c-tombstone", "x@example.com")).await;
 
     tokio::time::sleep(Duration::from_secs(6)).await; // past c-before-due's due time
     serving.stop().await;
     let got = env.arrivals().await;
-    assert_eq!(got.keys().cloned().collect::<Vec<_>>(), vec![message_id("c-after-send")], "only the uncancelled job is sent");
-    assert_eq!(env.inbox_row("c-before-due").await.unwrap().status, "cancelled");
-    assert_eq!(env.inbox_row("c-tombstone").await.unwrap().status, "cancelled");
+    assert_eq!(
+        got.keys().cloned().collect::<Vec<_>>(),
+        vec![message_id("c-after-send")],
+        "only the uncancelled job is sent"
+    );
+    assert_eq!(
+        env.inbox_row("c-before-due").await.unwrap().status,
+        "cancelled"
+    );
+    assert_eq!(
+        env.inbox_row("c-tombstone").await.unwrap().status,
+        "cancelled"
+    );
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
 }
 
@@ -154,14 +241,16 @@ async fn reschedule_earlier_and_later_by_revision() {
 
     // Earlier: revision 0 in 8 s, moved to revision 1 in 1 s.
     let due_old = publish_delayed(&env, &job("r-earlier", "x@example.com"), 8_000).await;
-    env.publish(&json!({"cancel": "r-earlier", "revision": 0})).await;
+    env.publish(&json!({"cancel": "r-earlier", "revision": 0}))
+        .await;
     let mut rev1 = job("r-earlier", "x@example.com");
     rev1["revision"] = 1.into();
     let due_new = publish_delayed(&env, &rev1, 1_000).await;
 
     // Later: revision 0 in 2 s, moved to revision 1 in 5 s.
     let _ = publish_delayed(&env, &job("r-later", "x@example.com"), 2_000).await;
-    env.publish(&json!({"cancel": "r-later", "revision": 0})).await;
+    env.publish(&json!({"cancel": "r-later", "revision": 0}))
+        .await;
     let mut later = job("r-later", "x@example.com");
     later["revision"] = 1.into();
     let due_later = publish_delayed(&env, &later, 5_000).await;
@@ -171,14 +260,29 @@ async fn reschedule_earlier_and_later_by_revision() {
         (envr.sink.count().await >= 2).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_millis((due_old - now_ms()).max(0) as u64 + 2_000)).await; // past the old due times
+    tokio::time::sleep(Duration::from_millis(
+        (due_old - now_ms()).max(0) as u64 + 2_000,
+    ))
+    .await; // past the old due times
     serving.stop().await;
     let got = env.arrivals().await;
     let earlier = &got[&message_id("r-earlier")];
     let later_at = &got[&message_id("r-later")];
-    assert_eq!((earlier.len(), later_at.len(), got.len()), (1, 1, 2), "{got:?}");
-    assert!(earlier[0] >= due_new && earlier[0] < due_old - 3_000, "moved earlier: sent at {} (new due {due_new}, old {due_old})", earlier[0]);
-    assert!(later_at[0] >= due_later, "moved later: sent {} ms before its new due time", due_later - later_at[0]);
+    assert_eq!(
+        (earlier.len(), later_at.len(), got.len()),
+        (1, 1, 2),
+        "{got:?}"
+    );
+    assert!(
+        earlier[0] >= due_new && earlier[0] < due_old - 3_000,
+        "moved earlier: sent at {} (new due {due_new}, old {due_old})",
+        earlier[0]
+    );
+    assert!(
+        later_at[0] >= due_later,
+        "moved later: sent {} ms before its new due time",
+        due_later - later_at[0]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -188,7 +292,10 @@ async fn pending_agrees_with_what_is_sent() {
     let mut due = BTreeMap::new();
     for i in 0..6 {
         let key = format!("p-{i}");
-        due.insert(key.clone(), publish_delayed(&env, &job(&key, "x@example.com"), 4_000 + i * 200).await);
+        due.insert(
+            key.clone(),
+            publish_delayed(&env, &job(&key, "x@example.com"), 4_000 + i * 200).await,
+        );
     }
     let envr = &env;
     let listed = eventually("6 pending", WAIT, move || async move {
@@ -197,23 +304,44 @@ async fn pending_agrees_with_what_is_sent() {
     })
     .await;
     for (key, due_ms) in &due {
-        let line = listed.lines().find(|l| l.ends_with(&format!(" {key}"))).unwrap_or_else(|| panic!("{key} not listed:\n{listed}"));
-        let at = chrono::DateTime::parse_from_rfc3339(line.split_whitespace().next().unwrap()).unwrap().timestamp_millis();
-        assert!((at - due_ms).abs() <= 5, "{key}: listed due {at}, published due {due_ms}");
+        let line = listed
+            .lines()
+            .find(|l| l.ends_with(&format!(" {key}")))
+            .unwrap_or_else(|| panic!("{key} not listed:\n{listed}"));
+        let at = chrono::DateTime::parse_from_rfc3339(line.split_whitespace().next().unwrap())
+            .unwrap()
+            .timestamp_millis();
+        assert!(
+            (at - due_ms).abs() <= 5,
+            "{key}: listed due {at}, published due {due_ms}"
+        );
     }
-    let cutoff = chrono::DateTime::from_timestamp_millis(due["p-2"] + 100).unwrap().to_rfc3339();
+    let cutoff = chrono::DateTime::from_timestamp_millis(due["p-2"] + 100)
+        .unwrap()
+        .to_rfc3339();
     let before = postie(&env, &["pending", "--due-before", &cutoff]);
     assert!(before.contains("3 pending"), "{before}");
     postie(&env, &["cancel", "p-1"]);
     postie(&env, &["cancel", "p-4"]);
     let after_cancel = postie(&env, &["pending"]);
-    assert!(after_cancel.contains("4 pending") && !after_cancel.contains(" p-1\n") && !after_cancel.contains(" p-4\n"), "{after_cancel}");
+    assert!(
+        after_cancel.contains("4 pending")
+            && !after_cancel.contains(" p-1\n")
+            && !after_cancel.contains(" p-4\n"),
+        "{after_cancel}"
+    );
 
-    eventually("the four sent", WAIT, move || async move { (envr.sink.count().await >= 4).then_some(()) }).await;
+    eventually("the four sent", WAIT, move || async move {
+        (envr.sink.count().await >= 4).then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     serving.stop().await;
     let sent: Vec<String> = env.arrivals().await.keys().cloned().collect();
-    let mut expected: Vec<String> = ["p-0", "p-2", "p-3", "p-5"].iter().map(|k| message_id(k)).collect();
+    let mut expected: Vec<String> = ["p-0", "p-2", "p-3", "p-5"]
+        .iter()
+        .map(|k| message_id(k))
+        .collect();
     expected.sort();
     assert_eq!(sent, expected);
     assert!(postie(&env, &["pending"]).contains("0 pending"));

@@ -93,7 +93,10 @@ struct Published {
 /// 1 s, 2 s, 5 s; SMTP timeout 2 s; lease 5 s): a job that a burst of 4xx replies
 /// outlasts ends dead-lettered with its reason, which the report counts.
 fn chaos_env() -> Vec<(&'static str, &'static str)> {
-    vec![("POSTIE__WORKER__DRAIN_TIMEOUT", "5s"), ("RUST_LOG", "warn,postie=warn")]
+    vec![
+        ("POSTIE__WORKER__DRAIN_TIMEOUT", "5s"),
+        ("RUST_LOG", "warn,postie=warn"),
+    ]
 }
 
 fn plan(n: usize, rng: &mut Rng) -> Vec<Planned> {
@@ -107,24 +110,47 @@ fn plan(n: usize, rng: &mut Rng) -> Vec<Planned> {
         }
         let key = format!("chaos-{i}");
         let doomed = rng.chance(3);
-        let to = if doomed { "reject-me@example.com".to_string() } else { format!("user{}@example.com", i % 97) };
-        let delay_ms = if rng.chance(30) { rng.below(20_000) as i64 } else { 0 };
-        jobs.push(Planned { body: job(&key, &to), key, delay_ms, doomed });
+        let to = if doomed {
+            "reject-me@example.com".to_string()
+        } else {
+            format!("user{}@example.com", i % 97)
+        };
+        let delay_ms = if rng.chance(30) {
+            rng.below(20_000) as i64
+        } else {
+            0
+        };
+        jobs.push(Planned {
+            body: job(&key, &to),
+            key,
+            delay_ms,
+            doomed,
+        });
     }
     jobs
 }
 
 /// Publishes every planned job with confirms, reconnecting through broker restarts.
 /// Publishes that fail are attempted but not confirmed (and not retried).
-async fn publish_all(exchange: String, jobs: Vec<Planned>, pace: Duration, out: Arc<Mutex<Published>>) {
+async fn publish_all(
+    exchange: String,
+    jobs: Vec<Planned>,
+    pace: Duration,
+    out: Arc<Mutex<Published>>,
+) {
     let url = SecretString::from(amqp_url());
     let mut channel: Option<(lapin::Connection, lapin::Channel)> = None;
     for (i, planned) in jobs.iter().enumerate() {
         out.lock().unwrap().attempted += 1;
-        if channel.as_ref().is_none_or(|(c, _)| !c.status().connected()) {
+        if channel
+            .as_ref()
+            .is_none_or(|(c, _)| !c.status().connected())
+        {
             channel = None;
             for _ in 0..40 {
-                if let Ok(conn) = amqp::connect(&url, "chaos-publisher", Duration::from_secs(5)).await {
+                if let Ok(conn) =
+                    amqp::connect(&url, "chaos-publisher", Duration::from_secs(5)).await
+                {
                     if let Ok(ch) = amqp::confirm_channel(&conn).await {
                         channel = Some((conn, ch));
                         break;
@@ -136,14 +162,26 @@ async fn publish_all(exchange: String, jobs: Vec<Planned>, pace: Duration, out: 
         let Some((_, ch)) = &channel else { continue };
         let published = chrono::Utc::now().timestamp_millis();
         let mut headers = FieldTable::default();
-        headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
+        headers.insert(
+            HEADER_PUBLISHED_AT.into(),
+            AMQPValue::LongLongInt(published),
+        );
         if planned.delay_ms > 0 {
             headers.insert("x-delay".into(), AMQPValue::LongLongInt(planned.delay_ms));
         }
         let props = amqp::job_properties().with_headers(headers);
         let body = planned.body.to_string();
         let confirmed = match ch
-            .basic_publish(exchange.as_str().into(), ROUTING_KEY.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, body.as_bytes(), props)
+            .basic_publish(
+                exchange.as_str().into(),
+                ROUTING_KEY.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body.as_bytes(),
+                props,
+            )
             .await
         {
             Ok(confirm) => match tokio::time::timeout(Duration::from_secs(10), confirm).await {
@@ -164,35 +202,64 @@ async fn publish_all(exchange: String, jobs: Vec<Planned>, pace: Duration, out: 
 }
 
 fn rabbitmqctl(args: &[&str]) {
-    let _ = Command::new("rabbitmqctl").args(args).stdout(std::process::Stdio::null()).status();
+    let _ = Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status();
 }
 
 fn restart_postgres() {
-    let cluster = std::fs::read_dir("/etc/postgresql").unwrap().next().unwrap().unwrap().file_name();
+    let cluster = std::fs::read_dir("/etc/postgresql")
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
     let _ = Command::new("pg_ctlcluster")
-        .args(["--skip-systemctl-redirect", cluster.to_str().unwrap(), "main", "restart"])
+        .args([
+            "--skip-systemctl-redirect",
+            cluster.to_str().unwrap(),
+            "main",
+            "restart",
+        ])
         .stdout(std::process::Stdio::null())
         .status();
 }
 
 /// Always-on rule: doomed recipients get a 5xx; plus the current fault, if any.
 fn sink_rules(fault: Option<serde_json::Value>) -> serde_json::Value {
-    let mut rules = vec![json!({"stage": "rcpt", "rcpt_contains": "reject-me", "action": {"reply": "550 5.1.1 chaos: no such user"}})];
+    let mut rules = vec![
+        json!({"stage": "rcpt", "rcpt_contains": "reject-me", "action": {"reply": "550 5.1.1 chaos: no such user"}}),
+    ];
     rules.extend(fault);
     serde_json::Value::Array(rules)
 }
 
 /// Ready messages across every queue of the topology, on a fresh connection.
 async fn total_depth(env: &TestEnv) -> Option<u64> {
-    let conn = amqp::connect(&SecretString::from(amqp_url()), "chaos-depth", Duration::from_secs(5)).await.ok()?;
+    let conn = amqp::connect(
+        &SecretString::from(amqp_url()),
+        "chaos-depth",
+        Duration::from_secs(5),
+    )
+    .await
+    .ok()?;
     let mut total = 0u64;
     for queue in env.topology.queues() {
         if queue == env.topology.dead_queue() {
             continue;
         }
         let ch = conn.create_channel().await.ok()?;
-        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-        total += u64::from(ch.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await.ok()?.message_count());
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        total += u64::from(
+            ch.queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                .await
+                .ok()?
+                .message_count(),
+        );
     }
     let _ = conn.close(200, "bye".into()).await;
     Some(total)
@@ -229,7 +296,10 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
     let mut instances: Vec<PostieProcess> = (0..3).map(|_| env.spawn_process(&extra)).collect();
 
     // The nemesis' schedule: every kind `faults_per_kind` times, shuffled.
-    let mut schedule: Vec<Fault> = FAULTS.iter().flat_map(|f| std::iter::repeat_n(*f, faults_per_kind)).collect();
+    let mut schedule: Vec<Fault> = FAULTS
+        .iter()
+        .flat_map(|f| std::iter::repeat_n(*f, faults_per_kind))
+        .collect();
     for i in (1..schedule.len()).rev() {
         schedule.swap(i, rng.below(i as u64 + 1) as usize);
     }
@@ -237,11 +307,19 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
     let window = fault_gap * schedule.len() as u32;
     let pace = window / (jobs_n as u32).max(1);
     let published = Arc::new(Mutex::new(Published::default()));
-    let publisher = tokio::spawn(publish_all(env.topology.delayed_exchange(), jobs.clone(), pace, published.clone()));
+    let publisher = tokio::spawn(publish_all(
+        env.topology.delayed_exchange(),
+        jobs.clone(),
+        pace,
+        published.clone(),
+    ));
     tokio::time::sleep(Duration::from_secs(3)).await;
     for instance in instances.iter_mut() {
         if let Ok(Some(status)) = instance.child.try_wait() {
-            panic!("a postie instance exited at start-up ({status}):\n{}", instance.log());
+            panic!(
+                "a postie instance exited at start-up ({status}):\n{}",
+                instance.log()
+            );
         }
     }
 
@@ -266,10 +344,18 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
             smtp => {
                 let times = 3 + rng.below(10);
                 let rule = match smtp {
-                    Fault::Smtp4xx => json!({"stage": "rcpt", "action": {"reply": "451 4.3.0 chaos: try later"}, "times": times}),
-                    Fault::Smtp5xx => json!({"stage": "data_end", "action": {"reply": "554 5.6.0 chaos: rejected"}, "times": times}),
-                    Fault::SmtpDropAfterData => json!({"stage": "data_end", "action": {"drop": true, "deliver": true}, "times": times}),
-                    _ => json!({"stage": "data_end", "action": {"delay_ms": 3_000}, "times": times}),
+                    Fault::Smtp4xx => {
+                        json!({"stage": "rcpt", "action": {"reply": "451 4.3.0 chaos: try later"}, "times": times})
+                    }
+                    Fault::Smtp5xx => {
+                        json!({"stage": "data_end", "action": {"reply": "554 5.6.0 chaos: rejected"}, "times": times})
+                    }
+                    Fault::SmtpDropAfterData => {
+                        json!({"stage": "data_end", "action": {"drop": true, "deliver": true}, "times": times})
+                    }
+                    _ => {
+                        json!({"stage": "data_end", "action": {"delay_ms": 3_000}, "times": times})
+                    }
                 };
                 env.sink.set_faults(sink_rules(Some(rule))).await;
                 tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -294,13 +380,20 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
         let busy: Option<i64> = async {
             let client = env.db().await;
             let row = client
-                .query_one("SELECT count(*) FROM postie_inbox WHERE status IN ('sending', 'retrying')", &[])
+                .query_one(
+                    "SELECT count(*) FROM postie_inbox WHERE status IN ('sending', 'retrying')",
+                    &[],
+                )
                 .await
                 .ok()?;
             Some(row.get(0))
         }
         .await;
-        quiet = if depth == Some(0) && busy == Some(0) { quiet + 1 } else { 0 };
+        quiet = if depth == Some(0) && busy == Some(0) {
+            quiet + 1
+        } else {
+            0
+        };
     }
 
     // Account for every confirmed key.
@@ -310,13 +403,19 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
     let messages = env.sink.messages(false).await;
     for m in &messages {
         *received.entry(m.message_id.clone()).or_default() += 1;
-        first_arrival.entry(m.message_id.clone()).or_insert(m.received_at_ms);
+        first_arrival
+            .entry(m.message_id.clone())
+            .or_insert(m.received_at_ms);
     }
     let dead = env.take_dead_letters().await;
     let mut dead_keys: BTreeSet<String> = BTreeSet::new();
     let mut dead_by_reason: BTreeMap<String, usize> = BTreeMap::new();
     for letter in &dead {
-        let kind = letter.headers.get("postie-dead-kind").cloned().unwrap_or_else(|| "broker".into());
+        let kind = letter
+            .headers
+            .get("postie-dead-kind")
+            .cloned()
+            .unwrap_or_else(|| "broker".into());
         *dead_by_reason.entry(kind).or_default() += 1;
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&letter.body) {
             if let Some(k) = v["key"].as_str() {
@@ -325,15 +424,29 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
         }
     }
     let client = env.db().await;
-    let rows = client.query("SELECT key, status, attempts, takeovers FROM postie_inbox", &[]).await.unwrap();
-    let inbox: BTreeMap<String, (String, i32, i32)> =
-        rows.iter().map(|r| (r.get::<_, String>(0), (r.get(1), r.get(2), r.get(3)))).collect();
+    let rows = client
+        .query(
+            "SELECT key, status, attempts, takeovers FROM postie_inbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    let inbox: BTreeMap<String, (String, i32, i32)> = rows
+        .iter()
+        .map(|r| (r.get::<_, String>(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
 
-    let confirmed_keys: BTreeMap<String, &Planned> = published.confirmed.iter().map(|i| (jobs[*i].key.clone(), &jobs[*i])).collect();
+    let confirmed_keys: BTreeMap<String, &Planned> = published
+        .confirmed
+        .iter()
+        .map(|i| (jobs[*i].key.clone(), &jobs[*i]))
+        .collect();
     let (mut lost, mut unexplained, mut doomed_not_dead) = (Vec::new(), Vec::new(), Vec::new());
     let (mut duplicated_keys, mut duplicate_emails, mut known_window, mut pending) = (0, 0, 0, 0);
     for (key, planned) in &confirmed_keys {
-        let id = IdempotencyKey::parse(key).unwrap().message_id("postie.local");
+        let id = IdempotencyKey::parse(key)
+            .unwrap()
+            .message_id("postie.local");
         let got = received.get(&id).copied().unwrap_or(0);
         let row = inbox.get(key);
         let is_dead = dead_keys.contains(key);
@@ -342,7 +455,9 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
                 Some("sending") | Some("retrying") | None => pending += 1,
                 Some(status) => {
                     let (_, attempts, takeovers) = row.cloned().unwrap_or_default();
-                    lost.push(format!("{key} (inbox: {status}, {attempts} attempts, {takeovers} takeovers)"));
+                    lost.push(format!(
+                        "{key} (inbox: {status}, {attempts} attempts, {takeovers} takeovers)"
+                    ));
                 }
             }
         }
@@ -358,15 +473,23 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
             if (got as i32) <= attempts + takeovers {
                 known_window += got - 1;
             } else {
-                unexplained.push(format!("{key}: {got} emails, {attempts} attempts, {takeovers} takeovers"));
+                unexplained.push(format!(
+                    "{key}: {got} emails, {attempts} attempts, {takeovers} takeovers"
+                ));
             }
         }
     }
     let mut early = 0;
     for (i, due) in &published.due {
-        let id = IdempotencyKey::parse(&jobs[*i].key).unwrap().message_id("postie.local");
+        let id = IdempotencyKey::parse(&jobs[*i].key)
+            .unwrap()
+            .message_id("postie.local");
         // A repeated key's first email may come from an earlier, less delayed publish.
-        let first_publish_of_key = published.confirmed.iter().find(|j| jobs[**j].key == jobs[*i].key) == Some(i);
+        let first_publish_of_key = published
+            .confirmed
+            .iter()
+            .find(|j| jobs[**j].key == jobs[*i].key)
+            == Some(i);
         if let (Some(at), true) = (first_arrival.get(&id), first_publish_of_key) {
             if at < due {
                 early += 1;
@@ -397,15 +520,33 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
 fn print(r: &Report) {
     println!("## chaos run, seed {}", r.seed);
     println!("| measure | value |\n|---|---|");
-    println!("| jobs attempted / confirmed | {} / {} |", r.attempted, r.confirmed);
+    println!(
+        "| jobs attempted / confirmed | {} / {} |",
+        r.attempted, r.confirmed
+    );
     println!("| unique confirmed keys | {} |", r.unique_confirmed_keys);
-    println!("| emails received by the sink (keys) | {} ({}) |", r.emails_received, r.keys_received);
+    println!(
+        "| emails received by the sink (keys) | {} ({}) |",
+        r.emails_received, r.keys_received
+    );
     println!("| lost | {} |", r.lost.len());
-    println!("| duplicated keys / extra emails | {} / {} |", r.duplicated_keys, r.duplicate_emails);
-    println!("| extra emails in the known window | {} |", r.duplicates_in_known_window);
-    println!("| unexplained duplicates | {} |", r.unexplained_duplicates.len());
+    println!(
+        "| duplicated keys / extra emails | {} / {} |",
+        r.duplicated_keys, r.duplicate_emails
+    );
+    println!(
+        "| extra emails in the known window | {} |",
+        r.duplicates_in_known_window
+    );
+    println!(
+        "| unexplained duplicates | {} |",
+        r.unexplained_duplicates.len()
+    );
     println!("| dead-lettered by reason | {:?} |", r.dead_by_reason);
-    println!("| doomed jobs not dead-lettered | {} |", r.doomed_not_dead.len());
+    println!(
+        "| doomed jobs not dead-lettered | {} |",
+        r.doomed_not_dead.len()
+    );
     println!("| sent early | {} |", r.early);
     println!("| still pending after drain | {} |", r.pending);
     println!("| faults injected | {:?} |", r.faults);
@@ -414,16 +555,27 @@ fn print(r: &Report) {
         println!("lost keys: {:?}", &r.lost[..r.lost.len().min(20)]);
     }
     if !r.unexplained_duplicates.is_empty() {
-        println!("unexplained: {:?}", &r.unexplained_duplicates[..r.unexplained_duplicates.len().min(20)]);
+        println!(
+            "unexplained: {:?}",
+            &r.unexplained_duplicates[..r.unexplained_duplicates.len().min(20)]
+        );
     }
 }
 
 fn assert_invariants(r: &Report) {
     assert!(r.confirmed > 0);
     assert!(r.lost.is_empty(), "I1: lost {:?}", r.lost);
-    assert!(r.unexplained_duplicates.is_empty(), "I2: {:?}", r.unexplained_duplicates);
+    assert!(
+        r.unexplained_duplicates.is_empty(),
+        "I2: {:?}",
+        r.unexplained_duplicates
+    );
     assert_eq!(r.early, 0, "I3: sent early");
-    assert!(r.doomed_not_dead.is_empty(), "doomed jobs must end in the DLQ: {:?}", r.doomed_not_dead);
+    assert!(
+        r.doomed_not_dead.is_empty(),
+        "doomed jobs must end in the DLQ: {:?}",
+        r.doomed_not_dead
+    );
     assert_eq!(r.pending, 0, "still pending after the drain");
 }
 
@@ -431,7 +583,12 @@ fn seed() -> u64 {
     std::env::var("POSTIE_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64)
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -444,8 +601,14 @@ async fn chaos_smoke() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: make chaos"]
 async fn chaos_full() {
-    let n = std::env::var("POSTIE_CHAOS_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
-    let faults = std::env::var("POSTIE_CHAOS_FAULTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let n = std::env::var("POSTIE_CHAOS_JOBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let faults = std::env::var("POSTIE_CHAOS_FAULTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
     let report = run(n, faults, seed()).await;
     print(&report);
     std::fs::create_dir_all("target/chaos").unwrap();
@@ -459,6 +622,10 @@ async fn chaos_full() {
         "doomed_not_dead": report.doomed_not_dead, "early": report.early, "pending": report.pending,
         "faults": report.faults, "elapsed_s": report.elapsed_s,
     });
-    std::fs::write("target/chaos/report.json", serde_json::to_string_pretty(&json).unwrap()).unwrap();
+    std::fs::write(
+        "target/chaos/report.json",
+        serde_json::to_string_pretty(&json).unwrap(),
+    )
+    .unwrap();
     assert_invariants(&report);
 }

@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use postie::amqp::HEADER_ATTEMPT;
 use serde_json::json;
-use support::{TestEnv, eventually, job, message_id, proxy::Proxy};
+use support::{eventually, job, message_id, proxy::Proxy, TestEnv};
 
 const WAIT: Duration = Duration::from_secs(60);
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_contract_job_is_sent_once_with_its_headers_and_acked() {
@@ -42,14 +41,34 @@ async fn a_contract_job_is_sent_once_with_its_headers_and_acked() {
     assert_eq!(m.message_id, message_id("42:order_confirmation"));
     assert_eq!(m.mail_from, "noreply@shop.example");
     let rcpt: BTreeSet<_> = m.rcpt_to.iter().map(String::as_str).collect();
-    assert_eq!(rcpt, BTreeSet::from(["alice@example.com", "audit@example.com", "carol@example.com"]));
+    assert_eq!(
+        rcpt,
+        BTreeSet::from([
+            "alice@example.com",
+            "audit@example.com",
+            "carol@example.com"
+        ])
+    );
     let raw = m.raw.as_deref().unwrap();
-    for expected in ["Subject: Your order #42", "X-Campaign: spring", "Reply-To: help@shop.example", "Cc: carol@example.com", "plain body", "<p>html body</p>"] {
+    for expected in [
+        "Subject: Your order #42",
+        "X-Campaign: spring",
+        "Reply-To: help@shop.example",
+        "Cc: carol@example.com",
+        "plain body",
+        "<p>html body</p>",
+    ] {
         assert!(raw.contains(expected), "missing {expected:?} in\n{raw}");
     }
-    assert!(!raw.contains("audit@example.com"), "Bcc leaked into the message:\n{raw}");
+    assert!(
+        !raw.contains("audit@example.com"),
+        "Bcc leaked into the message:\n{raw}"
+    );
 
-    let row = env.inbox_row("42:order_confirmation").await.expect("inbox row");
+    let row = env
+        .inbox_row("42:order_confirmation")
+        .await
+        .expect("inbox row");
     assert_eq!((row.status.as_str(), row.attempts), ("sent", 1));
     assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
@@ -60,7 +79,8 @@ async fn five_publishes_of_one_key_send_one_email_and_count_four_duplicates() {
     let env = TestEnv::new("dupes").await;
     let serving = env.serve(env.settings());
     for _ in 0..5 {
-        env.publish(&job("order-7:shipped", "bob@example.com")).await;
+        env.publish(&job("order-7:shipped", "bob@example.com"))
+            .await;
     }
     let env = &env;
     eventually("4 suppressed duplicates", WAIT, move || async move {
@@ -111,8 +131,15 @@ async fn smtp_5xx_goes_to_the_dlq_at_once_with_the_reason() {
     serving.stop().await;
     let dead = env.take_dead_letters().await;
     assert_eq!(dead.len(), 1);
-    assert!(dead[0].reason().contains("550"), "reason: {}", dead[0].reason());
-    assert_eq!(dead[0].headers.get("postie-dead-kind").map(String::as_str), Some("permanent"));
+    assert!(
+        dead[0].reason().contains("550"),
+        "reason: {}",
+        dead[0].reason()
+    );
+    assert_eq!(
+        dead[0].headers.get("postie-dead-kind").map(String::as_str),
+        Some("permanent")
+    );
     let row = env.inbox_row("k-nobody").await.unwrap();
     assert_eq!((row.status.as_str(), row.attempts), ("dead", 1));
     assert_eq!(env.sink.count().await, 0);
@@ -135,14 +162,29 @@ async fn exhausted_retries_dead_letter_and_a_replay_starts_a_fresh_cycle() {
     assert_eq!(dead.len(), 1);
     let letter = dead.pop().unwrap();
     // 3 retry steps in the test settings → 4 attempts.
-    assert!(letter.reason().contains("gave up after 4 attempts"), "reason: {}", letter.reason());
-    assert_eq!(letter.headers.get("postie-dead-kind").map(String::as_str), Some("retries_exhausted"));
-    assert!(!letter.headers.contains_key(HEADER_ATTEMPT), "a dead letter must not carry the retry counter");
+    assert!(
+        letter.reason().contains("gave up after 4 attempts"),
+        "reason: {}",
+        letter.reason()
+    );
+    assert_eq!(
+        letter.headers.get("postie-dead-kind").map(String::as_str),
+        Some("retries_exhausted")
+    );
+    assert!(
+        !letter.headers.contains_key(HEADER_ATTEMPT),
+        "a dead letter must not carry the retry counter"
+    );
     assert_eq!(env.inbox_row("k-down").await.unwrap().attempts, 4);
 
     // The relay is fixed; an operator moves the dead letter back to the work queue.
     env.sink.clear_faults().await;
-    env.publish_to_queue(&env.topology.send_queue(), &letter.body, letter.properties.clone()).await;
+    env.publish_to_queue(
+        &env.topology.send_queue(),
+        &letter.body,
+        letter.properties.clone(),
+    )
+    .await;
     eventually("the replayed email", WAIT, move || async move {
         (envr.sink.count().await == 1).then_some(())
     })
@@ -176,7 +218,8 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
         (oversized.to_string().into_bytes(), "over the limit"),
     ];
     for (i, (body, _)) in bad.iter().enumerate() {
-        env.publish(&job(&format!("good-{i}"), "ok@example.com")).await;
+        env.publish(&job(&format!("good-{i}"), "ok@example.com"))
+            .await;
         env.publish_raw(body, postie::amqp::job_properties()).await;
     }
     env.publish(&job("good-last", "ok@example.com")).await;
@@ -187,11 +230,22 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
         (dead == 6 && envr.sink.count().await == 7).then_some(())
     })
     .await;
-    let reasons: Vec<String> = env.take_dead_letters().await.iter().map(|d| d.reason().to_string()).collect();
+    let reasons: Vec<String> = env
+        .take_dead_letters()
+        .await
+        .iter()
+        .map(|d| d.reason().to_string())
+        .collect();
     for (_, expected) in &bad {
-        assert!(reasons.iter().any(|r| r.contains(expected)), "no reason contains {expected:?}: {reasons:#?}");
+        assert!(
+            reasons.iter().any(|r| r.contains(expected)),
+            "no reason contains {expected:?}: {reasons:#?}"
+        );
     }
-    assert!(reasons.iter().all(|r| !r.contains("victim@example.com")), "{reasons:?}");
+    assert!(
+        reasons.iter().all(|r| !r.contains("victim@example.com")),
+        "{reasons:?}"
+    );
 
     // Still serving.
     env.publish(&job("good-after", "ok@example.com")).await;
@@ -200,7 +254,13 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
     })
     .await;
     serving.stop().await;
-    let ids: BTreeSet<String> = env.sink.messages(false).await.into_iter().map(|m| m.message_id).collect();
+    let ids: BTreeSet<String> = env
+        .sink
+        .messages(false)
+        .await
+        .into_iter()
+        .map(|m| m.message_id)
+        .collect();
     assert_eq!(ids.len(), 8);
 }
 
@@ -212,7 +272,9 @@ async fn a_postgres_outage_loses_and_dead_letters_nothing() {
     settings.database.url = format!("postgres://postgres@{}/{}", pg.addr(), env.db_name).into();
     let serving = env.serve(settings);
 
-    let first: Vec<_> = (0..20).map(|i| job(&format!("pg-{i}"), "x@example.com")).collect();
+    let first: Vec<_> = (0..20)
+        .map(|i| job(&format!("pg-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&first).await;
     let envr = &env;
     eventually("the first emails", WAIT, move || async move {
@@ -221,10 +283,16 @@ async fn a_postgres_outage_loses_and_dead_letters_nothing() {
     .await;
 
     pg.down();
-    let second: Vec<_> = (20..40).map(|i| job(&format!("pg-{i}"), "x@example.com")).collect();
+    let second: Vec<_> = (20..40)
+        .map(|i| job(&format!("pg-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&second).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0, "dead-lettered during the outage");
+    assert_eq!(
+        env.depth(&env.topology.dead_queue()).await,
+        0,
+        "dead-lettered during the outage"
+    );
     pg.up();
 
     eventually("all 40 emails after the outage", WAIT, move || async move {

@@ -11,12 +11,14 @@ use postie::amqp;
 use postie::delay::{DelayMode, HEADER_PUBLISHED_AT};
 use postie::topology::{probe_plugin, resolve_mode};
 use secrecy::SecretString;
-use support::{TestEnv, amqp_url, eventually, job, message_id};
-
+use support::{amqp_url, eventually, job, message_id, TestEnv};
 
 /// The one line `postie` prints when it gives up.
 fn final_error(stderr: &str) -> &str {
-    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with("postie: ")).collect();
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("postie: "))
+        .collect();
     assert_eq!(lines.len(), 1, "expected one error line in {stderr}");
     lines[0]
 }
@@ -30,9 +32,16 @@ async fn publish_delayed(env: &TestEnv, key: &str, delay_ms: i64) -> i64 {
     let published = now_ms();
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-    headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
+    headers.insert(
+        HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(published),
+    );
     let body = job(key, "later@example.com").to_string();
-    env.publish_raw(body.as_bytes(), amqp::job_properties().with_headers(headers)).await;
+    env.publish_raw(
+        body.as_bytes(),
+        amqp::job_properties().with_headers(headers),
+    )
+    .await;
     published + delay_ms.max(0)
 }
 
@@ -45,9 +54,15 @@ async fn check_on_time(env: &TestEnv, due: &BTreeMap<String, i64>) -> Vec<i64> {
     }
     let mut lateness = Vec::new();
     for (key, due_ms) in due {
-        let arrivals = seen.get(&message_id(key)).unwrap_or_else(|| panic!("{key} was never sent"));
+        let arrivals = seen
+            .get(&message_id(key))
+            .unwrap_or_else(|| panic!("{key} was never sent"));
         assert_eq!(arrivals.len(), 1, "{key} was sent {} times", arrivals.len());
-        assert!(arrivals[0] >= *due_ms, "{key} was sent {} ms early", due_ms - arrivals[0]);
+        assert!(
+            arrivals[0] >= *due_ms,
+            "{key} was sent {} ms early",
+            due_ms - arrivals[0]
+        );
         lateness.push(arrivals[0] - due_ms);
     }
     lateness
@@ -59,25 +74,38 @@ async fn ladder_jobs_delayed_0_to_8_s_are_all_sent_and_none_early() {
     let serving = env.serve(env.settings());
     let mut due = BTreeMap::new();
     // Spread over 0..8 s, including 0, negative, sub-resolution and odd values.
-    let delays = [0, -500, 50, 99, 100, 101, 999, 1000, 1500, 2048, 2999, 3333, 4095, 4500, 5000, 6001, 7000, 7777, 7999, 8000];
+    let delays = [
+        0, -500, 50, 99, 100, 101, 999, 1000, 1500, 2048, 2999, 3333, 4095, 4500, 5000, 6001, 7000,
+        7777, 7999, 8000,
+    ];
     for (i, delay) in delays.iter().enumerate() {
         let key = format!("delay-{i}");
         due.insert(key.clone(), publish_delayed(&env, &key, *delay).await);
     }
     let envr = &env;
     let n = delays.len();
-    eventually("every delayed email", Duration::from_secs(90), move || async move {
-        (envr.sink.count().await >= n).then_some(())
-    })
+    eventually(
+        "every delayed email",
+        Duration::from_secs(90),
+        move || async move { (envr.sink.count().await >= n).then_some(()) },
+    )
     .await;
     serving.stop().await;
     let mut lateness = check_on_time(&env, &due).await;
     lateness.sort();
-    eprintln!("FIGURES ladder08: {n} jobs, lateness ms min {} median {} max {}", lateness[0], lateness[n / 2], lateness[n - 1]);
+    eprintln!(
+        "FIGURES ladder08: {n} jobs, lateness ms min {} median {} max {}",
+        lateness[0],
+        lateness[n / 2],
+        lateness[n - 1]
+    );
     // The inbox keeps the same due times.
     let client = env.db().await;
     let early: i64 = client
-        .query_one("SELECT count(*) FROM postie_inbox WHERE sent_at < due_at", &[])
+        .query_one(
+            "SELECT count(*) FROM postie_inbox WHERE sent_at < due_at",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -98,18 +126,35 @@ async fn bad_or_too_long_x_delay_is_dead_lettered_at_intake() {
         let mut headers = FieldTable::default();
         headers.insert("x-delay".into(), value.clone());
         let body = job(&format!("bad-delay-{i}"), "x@example.com").to_string();
-        env.publish_raw(body.as_bytes(), amqp::job_properties().with_headers(headers)).await;
+        env.publish_raw(
+            body.as_bytes(),
+            amqp::job_properties().with_headers(headers),
+        )
+        .await;
     }
     env.publish(&job("good", "x@example.com")).await;
     let envr = &env;
-    eventually("3 dead letters and the good email", Duration::from_secs(60), move || async move {
-        (envr.depth(&envr.topology.dead_queue()).await == 3 && envr.sink.count().await == 1).then_some(())
-    })
+    eventually(
+        "3 dead letters and the good email",
+        Duration::from_secs(60),
+        move || async move {
+            (envr.depth(&envr.topology.dead_queue()).await == 3 && envr.sink.count().await == 1)
+                .then_some(())
+        },
+    )
     .await;
     serving.stop().await;
-    let reasons: Vec<String> = env.take_dead_letters().await.iter().map(|d| d.reason().to_string()).collect();
+    let reasons: Vec<String> = env
+        .take_dead_letters()
+        .await
+        .iter()
+        .map(|d| d.reason().to_string())
+        .collect();
     for (_, expected) in &cases {
-        assert!(reasons.iter().any(|r| r.contains(expected)), "{expected}: {reasons:?}");
+        assert!(
+            reasons.iter().any(|r| r.contains(expected)),
+            "{expected}: {reasons:?}"
+        );
     }
 }
 
@@ -122,16 +167,21 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
     let mut due = BTreeMap::new();
     for i in 0..JOBS {
         let key = format!("rk-{i}");
-        due.insert(key.clone(), publish_delayed(&env, &key, (i as i64 * 37) % 3000).await);
+        due.insert(
+            key.clone(),
+            publish_delayed(&env, &key, (i as i64 * 37) % 3000).await,
+        );
         if i == JOBS / 2 {
             victim.kill9();
         }
     }
     let _replacement = env.spawn_process(&[]);
     let envr = &env;
-    eventually("every job after the kill", Duration::from_secs(120), move || async move {
-        (envr.sink.count().await >= JOBS).then_some(())
-    })
+    eventually(
+        "every job after the kill",
+        Duration::from_secs(120),
+        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await; // would-be duplicates show up
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
@@ -149,11 +199,17 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
     for (key, due_ms) in &due {
         let n = seen.get(&message_id(key)).copied().unwrap_or(0);
         assert!(n >= 1, "{key} lost");
-        assert!(n == 1 || taken_over.contains(&message_id(key)), "{key} duplicated outside the known window");
+        assert!(
+            n == 1 || taken_over.contains(&message_id(key)),
+            "{key} duplicated outside the known window"
+        );
         let _ = due_ms;
     }
     let early: i64 = client
-        .query_one("SELECT count(*) FROM postie_inbox WHERE sent_at < due_at", &[])
+        .query_one(
+            "SELECT count(*) FROM postie_inbox WHERE sent_at < due_at",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -164,17 +220,34 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_picks_ladder_on_a_broker_without_the_plugin() {
     let url = SecretString::from(amqp_url());
-    assert!(!probe_plugin(&url, Duration::from_secs(10)).await.unwrap(), "this broker has no delayed-message plugin");
+    assert!(
+        !probe_plugin(&url, Duration::from_secs(10)).await.unwrap(),
+        "this broker has no delayed-message plugin"
+    );
     let env = TestEnv::new("auto").await; // declares <p>.delayed as direct (ladder)
     let mut settings = env.settings();
     assert_eq!(
-        resolve_mode(DelayMode::Auto, &settings.topology, &url, Duration::from_secs(10)).await.unwrap(),
+        resolve_mode(
+            DelayMode::Auto,
+            &settings.topology,
+            &url,
+            Duration::from_secs(10)
+        )
+        .await
+        .unwrap(),
         DelayMode::Ladder,
         "an existing direct entry exchange means ladder"
     );
     settings.topology.prefix = format!("{}.fresh", env.prefix);
     assert_eq!(
-        resolve_mode(DelayMode::Auto, &settings.topology, &url, Duration::from_secs(10)).await.unwrap(),
+        resolve_mode(
+            DelayMode::Auto,
+            &settings.topology,
+            &url,
+            Duration::from_secs(10)
+        )
+        .await
+        .unwrap(),
         DelayMode::Ladder,
         "a fresh broker without the plugin means ladder"
     );
@@ -186,7 +259,10 @@ async fn auto_picks_ladder_on_a_broker_without_the_plugin() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.contains("delay mode: ladder (configured: auto)"), "{stdout}");
+    assert!(
+        out.status.success() && stdout.contains("delay mode: ladder (configured: auto)"),
+        "{stdout}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,9 +278,15 @@ async fn plugin_mode_without_the_plugin_fails_start_up_with_the_fix() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "serve must fail: {stderr}");
-    assert!(started.elapsed() < Duration::from_secs(60), "serve must fail fast, not retry");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "serve must fail fast, not retry"
+    );
     let last = final_error(&stderr);
-    assert!(last.contains("no delayed-message plugin") && last.contains("delay.mode = ladder"), "{stderr}");
+    assert!(
+        last.contains("no delayed-message plugin") && last.contains("delay.mode = ladder"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,11 +294,25 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
     let env = TestEnv::new("mismatch").await;
     let prefix = format!("{}.mm", env.prefix);
     // Someone declared the entry exchange with another type (as plugin mode would).
-    let conn = amqp::connect(&SecretString::from(amqp_url()), "test", Duration::from_secs(10)).await.unwrap();
+    let conn = amqp::connect(
+        &SecretString::from(amqp_url()),
+        "test",
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
     let channel = conn.create_channel().await.unwrap();
-    let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+    let durable = lapin::options::ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
     channel
-        .exchange_declare(format!("{prefix}.delayed").as_str().into(), lapin::ExchangeKind::Fanout, durable, FieldTable::default())
+        .exchange_declare(
+            format!("{prefix}.delayed").as_str().into(),
+            lapin::ExchangeKind::Fanout,
+            durable,
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_postie"))
@@ -227,10 +323,20 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let channel = conn.create_channel().await.unwrap();
-    let _ = channel.exchange_delete(format!("{prefix}.delayed").as_str().into(), Default::default()).await;
+    let _ = channel
+        .exchange_delete(
+            format!("{prefix}.delayed").as_str().into(),
+            Default::default(),
+        )
+        .await;
     assert!(!out.status.success());
     let last = final_error(&stderr);
-    assert!(last.contains(&format!("exchange {prefix}.delayed already exists with another type")) && last.contains("delay.mode"), "{stderr}");
+    assert!(
+        last.contains(&format!(
+            "exchange {prefix}.delayed already exists with another type"
+        )) && last.contains("delay.mode"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,10 +348,17 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     let published = now_ms();
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), AMQPValue::LongLongInt(4_000));
-    headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
+    headers.insert(
+        HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(published),
+    );
     let body = job("moved-in", "x@example.com").to_string();
-    env.publish_to_queue(&env.topology.send_queue(), body.as_bytes(), amqp::job_properties().with_headers(headers))
-        .await;
+    env.publish_to_queue(
+        &env.topology.send_queue(),
+        body.as_bytes(),
+        amqp::job_properties().with_headers(headers),
+    )
+    .await;
     let envr = &env;
     let messages = eventually("the email", Duration::from_secs(60), move || async move {
         let m = envr.sink.messages(false).await;
@@ -254,5 +367,9 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     .await;
     serving.stop().await;
     assert_eq!(messages.len(), 1);
-    assert!(messages[0].received_at_ms >= published + 4_000, "sent {} ms early", published + 4_000 - messages[0].received_at_ms);
+    assert!(
+        messages[0].received_at_ms >= published + 4_000,
+        "sent {} ms early",
+        published + 4_000 - messages[0].received_at_ms
+    );
 }

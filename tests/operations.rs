@@ -46,38 +46,71 @@ async fn metrics_count_what_happened_and_health_endpoints_answer() {
     let envr = &env;
     // After the first send (a duplicate racing its original's live claim is parked
     // first, and would count twice in jobs_received).
-    eventually("the first three", Duration::from_secs(60), move || async move {
-        (envr.sink.count().await == 3).then_some(())
-    })
+    eventually(
+        "the first three",
+        Duration::from_secs(60),
+        move || async move { (envr.sink.count().await == 3).then_some(()) },
+    )
     .await;
     env.publish(&job("m-1", "ok@example.com")).await; // duplicate
     env.publish(&job("m-flaky", "flaky@example.com")).await; // one retry, then sent
     env.publish(&job("m-nobody", "nobody@example.com")).await; // 5xx
-    env.publish_raw(b"not json", postie::amqp::job_properties()).await; // invalid
+    env.publish_raw(b"not json", postie::amqp::job_properties())
+        .await; // invalid
 
     let base_ref = &base;
-    let text = eventually("the counters", Duration::from_secs(60), move || async move {
-        let (status, text) = get(&format!("{base_ref}/metrics")).await;
-        let done = status == 200
-            && sample(&text, "postie_emails_sent_total") == Some(4.0)
-            && sample(&text, "postie_duplicates_suppressed_total") == Some(1.0)
-            && sample(&text, "postie_dead_lettered_total{reason=\"permanent\"}") == Some(1.0)
-            && sample(&text, "postie_dead_lettered_total{reason=\"invalid\"}") == Some(1.0);
-        done.then_some(text)
-    })
+    let text = eventually(
+        "the counters",
+        Duration::from_secs(60),
+        move || async move {
+            let (status, text) = get(&format!("{base_ref}/metrics")).await;
+            let done = status == 200
+                && sample(&text, "postie_emails_sent_total") == Some(4.0)
+                && sample(&text, "postie_duplicates_suppressed_total") == Some(1.0)
+                && sample(&text, "postie_dead_lettered_total{reason=\"permanent\"}") == Some(1.0)
+                && sample(&text, "postie_dead_lettered_total{reason=\"invalid\"}") == Some(1.0);
+            done.then_some(text)
+        },
+    )
     .await;
-    assert_eq!(sample(&text, "postie_retries_total{step=\"0\"}"), Some(1.0), "{text}");
-    assert_eq!(sample(&text, "postie_invalid_jobs_total"), Some(1.0), "{text}");
-    assert_eq!(sample(&text, "postie_jobs_received_total"), Some(8.0), "{text}");
+    assert_eq!(
+        sample(&text, "postie_retries_total{step=\"0\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "postie_invalid_jobs_total"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "postie_jobs_received_total"),
+        Some(8.0),
+        "{text}"
+    );
     assert_eq!(sample(&text, "postie_deferred_total"), Some(0.0), "{text}");
     assert_eq!(sample(&text, "postie_in_flight"), Some(0.0), "{text}");
     assert_eq!(sample(&text, "postie_consumer_paused"), Some(0.0), "{text}");
-    assert_eq!(sample(&text, "postie_smtp_send_duration_seconds_count"), Some(6.0), "{text}");
-    assert_eq!(sample(&text, "postie_delivery_lateness_seconds_count"), Some(4.0), "{text}");
+    assert_eq!(
+        sample(&text, "postie_smtp_send_duration_seconds_count"),
+        Some(6.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "postie_delivery_lateness_seconds_count"),
+        Some(4.0),
+        "{text}"
+    );
     assert!(text.contains("postie_queue_depth{queue=\""), "{text}");
-    assert!(text.contains("postie_relayed_total{route=\"now\"}"), "{text}");
+    assert!(
+        text.contains("postie_relayed_total{route=\"now\"}"),
+        "{text}"
+    );
     assert_eq!(get(&format!("{base}/healthz")).await.0, 200);
-    assert_eq!(get(&format!("{base}/readyz")).await, (200, "ready\n".to_string()));
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (200, "ready\n".to_string())
+    );
     serving.stop().await;
 }
 
@@ -92,7 +125,10 @@ async fn readyz_reports_a_database_outage_and_recovers() {
     let serving = env.serve(settings);
     let ready = format!("http://127.0.0.1:{port}/readyz");
     let ready_ref = &ready;
-    eventually("ready", Duration::from_secs(30), move || async move { (get(ready_ref).await.0 == 200).then_some(()) }).await;
+    eventually("ready", Duration::from_secs(30), move || async move {
+        (get(ready_ref).await.0 == 200).then_some(())
+    })
+    .await;
 
     pg.down();
     env.publish(&job("during-outage", "x@example.com")).await;
@@ -103,9 +139,17 @@ async fn readyz_reports_a_database_outage_and_recovers() {
     .await;
     assert!(body.contains("database unreachable"), "{body}");
     pg.up();
-    eventually("ready again", Duration::from_secs(60), move || async move { (get(ready_ref).await.0 == 200).then_some(()) }).await;
+    eventually("ready again", Duration::from_secs(60), move || async move {
+        (get(ready_ref).await.0 == 200).then_some(())
+    })
+    .await;
     let envr = &env;
-    eventually("the held job sent", Duration::from_secs(60), move || async move { (envr.sink.count().await == 1).then_some(()) }).await;
+    eventually(
+        "the held job sent",
+        Duration::from_secs(60),
+        move || async move { (envr.sink.count().await == 1).then_some(()) },
+    )
+    .await;
     serving.stop().await;
 }
 
@@ -113,28 +157,48 @@ async fn readyz_reports_a_database_outage_and_recovers() {
 async fn sigterm_mid_run_drains_exits_0_and_a_restart_finishes_exactly_once() {
     const JOBS: usize = 1_000;
     let env = TestEnv::new("sigterm").await;
-    env.sink.set_faults(json!([{"stage": "data_end", "action": {"delay_ms": 150}}])).await;
-    let bodies: Vec<_> = (0..JOBS).map(|i| job(&format!("term-{i}"), "x@example.com")).collect();
+    env.sink
+        .set_faults(json!([{"stage": "data_end", "action": {"delay_ms": 150}}]))
+        .await;
+    let bodies: Vec<_> = (0..JOBS)
+        .map(|i| job(&format!("term-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&bodies).await;
     let drain = [("POSTIE__WORKER__DRAIN_TIMEOUT", "10s")];
     let mut first = env.spawn_process(&drain);
     let envr = &env;
-    eventually("the run under way", Duration::from_secs(60), move || async move {
-        (envr.sink.count().await >= 50).then_some(())
-    })
+    eventually(
+        "the run under way",
+        Duration::from_secs(60),
+        move || async move { (envr.sink.count().await >= 50).then_some(()) },
+    )
     .await;
     let asked = Instant::now();
-    let status = first.terminate(Duration::from_secs(30)).expect("exits after SIGTERM");
+    let status = first
+        .terminate(Duration::from_secs(30))
+        .expect("exits after SIGTERM");
     let took = asked.elapsed();
-    assert!(status.success(), "exit status {status:?}; log:\n{}", first.log());
-    assert!(took < Duration::from_secs(10), "drain took {took:?}, over the drain timeout");
+    assert!(
+        status.success(),
+        "exit status {status:?}; log:\n{}",
+        first.log()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "drain took {took:?}, over the drain timeout"
+    );
     let sent_before_restart = env.sink.count().await;
-    assert!(sent_before_restart < JOBS, "the run ended before SIGTERM; make it slower");
+    assert!(
+        sent_before_restart < JOBS,
+        "the run ended before SIGTERM; make it slower"
+    );
 
     let _second = env.spawn_process(&drain);
-    eventually("every job after the restart", Duration::from_secs(180), move || async move {
-        (envr.sink.count().await >= JOBS).then_some(())
-    })
+    eventually(
+        "every job after the restart",
+        Duration::from_secs(180),
+        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
@@ -142,7 +206,11 @@ async fn sigterm_mid_run_drains_exits_0_and_a_restart_finishes_exactly_once() {
         *per_id.entry(m.message_id).or_default() += 1;
     }
     assert_eq!(per_id.len(), JOBS, "lost");
-    assert!(per_id.values().all(|n| *n == 1), "duplicates: {:?}", per_id.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>());
+    assert!(
+        per_id.values().all(|n| *n == 1),
+        "duplicates: {:?}",
+        per_id.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
+    );
     eprintln!("FIGURES sigterm: stopped in {:.2}s with {sent_before_restart} of {JOBS} sent; all {JOBS} sent once after restart", took.as_secs_f64());
 }
 
@@ -156,31 +224,47 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     let port = free_port();
     settings.http.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
     let serving = env.serve(settings);
-    let bodies: Vec<_> = (0..JOBS / 2).map(|i| job(&format!("sd-{i}"), "x@example.com")).collect();
+    let bodies: Vec<_> = (0..JOBS / 2)
+        .map(|i| job(&format!("sd-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&bodies).await;
     let envr = &env;
-    eventually("the first half", Duration::from_secs(60), move || async move {
-        (envr.sink.count().await >= JOBS / 2).then_some(())
-    })
+    eventually(
+        "the first half",
+        Duration::from_secs(60),
+        move || async move { (envr.sink.count().await >= JOBS / 2).then_some(()) },
+    )
     .await;
 
     relay.down();
-    let bodies: Vec<_> = (JOBS / 2..JOBS).map(|i| job(&format!("sd-{i}"), "x@example.com")).collect();
+    let bodies: Vec<_> = (JOBS / 2..JOBS)
+        .map(|i| job(&format!("sd-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&bodies).await;
     let metrics = format!("http://127.0.0.1:{port}/metrics");
     let metrics_ref = &metrics;
-    eventually("the circuit to open", Duration::from_secs(30), move || async move {
-        let (_, text) = get(metrics_ref).await;
-        (sample(&text, "postie_smtp_circuit_open") == Some(1.0)).then_some(())
-    })
+    eventually(
+        "the circuit to open",
+        Duration::from_secs(30),
+        move || async move {
+            let (_, text) = get(metrics_ref).await;
+            (sample(&text, "postie_smtp_circuit_open") == Some(1.0)).then_some(())
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(30)).await; // well past every retry step (1+2+5 s)
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0, "dead-lettered because of the outage");
+    assert_eq!(
+        env.depth(&env.topology.dead_queue()).await,
+        0,
+        "dead-lettered because of the outage"
+    );
     relay.up();
     let back = Instant::now();
-    eventually("every job after the relay is back", Duration::from_secs(120), move || async move {
-        (envr.sink.count().await >= JOBS).then_some(())
-    })
+    eventually(
+        "every job after the relay is back",
+        Duration::from_secs(120),
+        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
+    )
     .await;
     let recovery = back.elapsed();
     serving.stop().await;

@@ -12,14 +12,16 @@ use std::time::{Duration, Instant};
 use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::delay::HEADER_PUBLISHED_AT;
-use support::{TestEnv, eventually, job, message_id};
+use support::{eventually, job, message_id, TestEnv};
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-
 fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl").args(args).status().expect("rabbitmqctl");
+    let status = Command::new("rabbitmqctl")
+        .args(args)
+        .status()
+        .expect("rabbitmqctl");
     assert!(status.success(), "rabbitmqctl {args:?} failed");
 }
 
@@ -44,9 +46,15 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
         let delay = 4_000 + (i as i64 * 250); // 4 s .. 14 s
         let mut headers = FieldTable::default();
         headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay));
-        headers.insert(HEADER_PUBLISHED_AT.into(), AMQPValue::LongLongInt(published));
-        env.publish_raw(job(&key, "x@example.com").to_string().as_bytes(), amqp::job_properties().with_headers(headers))
-            .await;
+        headers.insert(
+            HEADER_PUBLISHED_AT.into(),
+            AMQPValue::LongLongInt(published),
+        );
+        env.publish_raw(
+            job(&key, "x@example.com").to_string().as_bytes(),
+            amqp::job_properties().with_headers(headers),
+        )
+        .await;
         due.insert(message_id(&key), published + delay);
     }
     // Let the relay put them into the ladder, then take the broker away.
@@ -54,12 +62,17 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
     assert_eq!(env.sink.count().await, 0, "nothing is due yet");
     let restarted = Instant::now();
     restart_rabbitmq(Duration::from_secs(3)).await;
-    eprintln!("broker back after {:.1}s", restarted.elapsed().as_secs_f64());
+    eprintln!(
+        "broker back after {:.1}s",
+        restarted.elapsed().as_secs_f64()
+    );
 
     let envr = &env;
-    eventually("every job after the restart", Duration::from_secs(120), move || async move {
-        (envr.sink.count().await >= JOBS).then_some(())
-    })
+    eventually(
+        "every job after the restart",
+        Duration::from_secs(120),
+        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
@@ -69,7 +82,11 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
     assert_eq!(seen.len(), JOBS, "lost jobs");
     for (id, arrivals) in &seen {
         assert_eq!(arrivals.len(), 1, "{id} duplicated");
-        assert!(arrivals[0] >= due[id], "{id} sent {} ms early", due[id] - arrivals[0]);
+        assert!(
+            arrivals[0] >= due[id],
+            "{id} sent {} ms early",
+            due[id] - arrivals[0]
+        );
     }
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
 }
@@ -84,22 +101,36 @@ where
 {
     let env = TestEnv::new(name).await;
     // About 40 emails/s, so the run is still going when the outage starts and ends.
-    env.sink.set_faults(serde_json::json!([{"stage": "data_end", "action": {"delay_ms": 100}}])).await;
-    let bodies: Vec<_> = (0..n).map(|i| job(&format!("{name}-{i}"), "x@example.com")).collect();
+    env.sink
+        .set_faults(serde_json::json!([{"stage": "data_end", "action": {"delay_ms": 100}}]))
+        .await;
+    let bodies: Vec<_> = (0..n)
+        .map(|i| job(&format!("{name}-{i}"), "x@example.com"))
+        .collect();
     env.publish_many(&bodies).await;
-    let postie = env.spawn_process(&[("POSTIE__WORKER__CONCURRENCY", "4"), ("POSTIE__AMQP__PREFETCH", "4")]);
+    let postie = env.spawn_process(&[
+        ("POSTIE__WORKER__CONCURRENCY", "4"),
+        ("POSTIE__AMQP__PREFETCH", "4"),
+    ]);
     let envr = &env;
-    eventually("a quarter sent", Duration::from_secs(120), move || async move {
-        (envr.sink.count().await >= n / 4).then_some(())
-    })
+    eventually(
+        "a quarter sent",
+        Duration::from_secs(120),
+        move || async move { (envr.sink.count().await >= n / 4).then_some(()) },
+    )
     .await;
     outage().await;
     let back = Instant::now();
     let before = env.sink.count().await;
-    assert!(before < n, "the run finished during the outage; slow it down");
-    eventually("the next email after the outage", Duration::from_secs(120), move || async move {
-        (envr.sink.count().await > before).then_some(())
-    })
+    assert!(
+        before < n,
+        "the run finished during the outage; slow it down"
+    );
+    eventually(
+        "the next email after the outage",
+        Duration::from_secs(120),
+        move || async move { (envr.sink.count().await > before).then_some(()) },
+    )
     .await;
     let recovery = back.elapsed().as_secs_f64();
     eventually("every job", Duration::from_secs(300), move || async move {
@@ -114,14 +145,19 @@ where
     assert_eq!(per_id.len(), n, "lost jobs; log:\n{}", postie.log());
     let duplicates: usize = per_id.values().map(|c| c - 1).sum();
     assert_eq!(duplicates, 0, "duplicate emails");
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0, "dead-lettered because of the outage");
+    assert_eq!(
+        env.depth(&env.topology.dead_queue()).await,
+        0,
+        "dead-lettered because of the outage"
+    );
     recovery
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_stopped_and_started_mid_run_loses_nothing() {
     let _serial = SERIAL.lock().await;
-    let recovery = run_through_outage("rmqdown", 400, || restart_rabbitmq(Duration::from_secs(5))).await;
+    let recovery =
+        run_through_outage("rmqdown", 400, || restart_rabbitmq(Duration::from_secs(5))).await;
     eprintln!("FIGURES rabbitmq-restart: 400 jobs, broker down 5 s; next email {recovery:.1}s after it was back; lost 0, duplicates 0, dead-lettered 0");
 }
 
@@ -129,9 +165,19 @@ async fn rabbitmq_stopped_and_started_mid_run_loses_nothing() {
 async fn postgresql_restarted_mid_run_loses_nothing() {
     let _serial = SERIAL.lock().await;
     let recovery = run_through_outage("pgrestart", 400, || async {
-        let cluster = std::fs::read_dir("/etc/postgresql").unwrap().next().unwrap().unwrap().file_name();
+        let cluster = std::fs::read_dir("/etc/postgresql")
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .file_name();
         let status = Command::new("pg_ctlcluster")
-            .args(["--skip-systemctl-redirect", cluster.to_str().unwrap(), "main", "restart"])
+            .args([
+                "--skip-systemctl-redirect",
+                cluster.to_str().unwrap(),
+                "main",
+                "restart",
+            ])
             .status()
             .expect("pg_ctlcluster");
         assert!(status.success());

@@ -17,7 +17,9 @@ async fn three_instances_send_exactly_one_email_per_key() {
     const JOBS: usize = 2_000;
     const UNIQUE: usize = 1_600; // 20% of the publishes repeat an earlier key
     let env = TestEnv::new("compete").await;
-    let keys: Vec<String> = (0..UNIQUE).map(|i| format!("order-{i}:confirmation")).collect();
+    let keys: Vec<String> = (0..UNIQUE)
+        .map(|i| format!("order-{i}:confirmation"))
+        .collect();
     let mut bodies: Vec<_> = keys.iter().map(|k| job(k, "buyer@example.com")).collect();
     // Duplicates spread through the stream: key i*4 repeated after it.
     for i in 0..(JOBS - UNIQUE) {
@@ -29,22 +31,36 @@ async fn three_instances_send_exactly_one_email_per_key() {
     let started = Instant::now();
     let _instances: Vec<_> = (0..3).map(|_| env.spawn_process(&[])).collect();
     let envr = &env;
-    eventually("every unique key sent", Duration::from_secs(300), move || async move {
-        (envr.sink.count().await >= UNIQUE).then_some(())
-    })
+    eventually(
+        "every unique key sent",
+        Duration::from_secs(300),
+        move || async move { (envr.sink.count().await >= UNIQUE).then_some(()) },
+    )
     .await;
     let elapsed = started.elapsed();
     // Let the remaining duplicates drain, then check nothing more was sent.
-    eventually("the queue drained", Duration::from_secs(120), move || async move {
-        (envr.depth(&envr.topology.send_queue()).await == 0).then_some(())
-    })
+    eventually(
+        "the queue drained",
+        Duration::from_secs(120),
+        move || async move { (envr.depth(&envr.topology.send_queue()).await == 0).then_some(()) },
+    )
     .await;
-    let duplicates_counted = eventually("every duplicate counted", Duration::from_secs(120), move || async move {
-        let client = envr.db().await;
-        let row = client.query_one("SELECT coalesce(sum(duplicates), 0)::bigint FROM postie_inbox", &[]).await.ok()?;
-        let n: i64 = row.get(0);
-        (n as usize >= JOBS - UNIQUE).then_some(n)
-    })
+    let duplicates_counted = eventually(
+        "every duplicate counted",
+        Duration::from_secs(120),
+        move || async move {
+            let client = envr.db().await;
+            let row = client
+                .query_one(
+                    "SELECT coalesce(sum(duplicates), 0)::bigint FROM postie_inbox",
+                    &[],
+                )
+                .await
+                .ok()?;
+            let n: i64 = row.get(0);
+            (n as usize >= JOBS - UNIQUE).then_some(n)
+        },
+    )
     .await;
 
     let received = env.emails_per_id().await;
@@ -72,7 +88,10 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
         .set_faults(json!([{"stage": "data", "action": {"delay_ms": 1500}}]))
         .await;
     // A small prefetch, so the instance that starts first cannot take every job.
-    let small = [("POSTIE__WORKER__CONCURRENCY", "8"), ("POSTIE__AMQP__PREFETCH", "8")];
+    let small = [
+        ("POSTIE__WORKER__CONCURRENCY", "8"),
+        ("POSTIE__AMQP__PREFETCH", "8"),
+    ];
     let mut victim = env.spawn_process(&small);
     let _survivor = env.spawn_process(&small);
     let keys: Vec<String> = (0..JOBS).map(|i| format!("kill-{i}")).collect();
@@ -80,27 +99,39 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
     env.publish_many(&bodies).await;
 
     let envr = &env;
-    eventually("the victim to be mid-send", Duration::from_secs(60), move || async move {
-        let client = envr.db().await;
-        let row = client
-            .query_one("SELECT count(DISTINCT owner) FROM postie_inbox WHERE status = 'sending'", &[])
-            .await
-            .ok()?;
-        (row.get::<_, i64>(0) >= 2).then_some(())
-    })
+    eventually(
+        "the victim to be mid-send",
+        Duration::from_secs(60),
+        move || async move {
+            let client = envr.db().await;
+            let row = client
+                .query_one(
+                    "SELECT count(DISTINCT owner) FROM postie_inbox WHERE status = 'sending'",
+                    &[],
+                )
+                .await
+                .ok()?;
+            (row.get::<_, i64>(0) >= 2).then_some(())
+        },
+    )
     .await;
     victim.kill9();
     let killed_at = Instant::now();
     env.sink.clear_faults().await;
 
-    eventually("every job sent", Duration::from_secs(120), move || async move {
-        (envr.emails_per_id().await.len() >= JOBS).then_some(())
-    })
+    eventually(
+        "every job sent",
+        Duration::from_secs(120),
+        move || async move { (envr.emails_per_id().await.len() >= JOBS).then_some(()) },
+    )
     .await;
     let takeover_time = killed_at.elapsed();
     let client = env.db().await;
     let takeovers: i64 = client
-        .query_one("SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox", &[])
+        .query_one(
+            "SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -115,12 +146,23 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
 
     let received = env.emails_per_id().await;
     let expected: BTreeSet<String> = keys.iter().map(|k| message_id(k)).collect();
-    assert_eq!(received.keys().cloned().collect::<BTreeSet<_>>(), expected, "lost emails");
+    assert_eq!(
+        received.keys().cloned().collect::<BTreeSet<_>>(),
+        expected,
+        "lost emails"
+    );
     // The only duplicate allowed: killed between the SMTP 250 and the `sent` commit,
     // which shows as a takeover of that key.
-    let duplicated: Vec<_> = received.iter().filter(|(_, n)| **n > 1).map(|(id, _)| id.clone()).collect();
+    let duplicated: Vec<_> = received
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| id.clone())
+        .collect();
     for id in &duplicated {
-        assert!(taken_over.contains(id), "duplicate email {id} outside the known window");
+        assert!(
+            taken_over.contains(id),
+            "duplicate email {id} outside the known window"
+        );
     }
     eprintln!(
         "FIGURES kill9: {JOBS} jobs, {takeovers} leases taken over, all sent {:.1}s after SIGKILL (lease 5s), duplicates in the known window {}",

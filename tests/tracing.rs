@@ -20,7 +20,9 @@ const PARENT_SPAN_ID: &str = "00f067aa0ba902b7";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_producer_trace_is_the_parent_of_the_delivery_span() {
     let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder().with_simple_exporter(exporter.clone()).build();
+    let provider = SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
     tracing_subscriber::registry()
         .with(tracing_subscriber::EnvFilter::new("info"))
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
@@ -29,9 +31,16 @@ async fn the_producer_trace_is_the_parent_of_the_delivery_span() {
     let env = TestEnv::new("tracing").await;
     let serving = env.serve(env.settings());
     let mut headers = FieldTable::default();
-    headers.insert("traceparent".into(), AMQPValue::LongString(format!("00-{TRACE_ID}-{PARENT_SPAN_ID}-01").into()));
+    headers.insert(
+        "traceparent".into(),
+        AMQPValue::LongString(format!("00-{TRACE_ID}-{PARENT_SPAN_ID}-01").into()),
+    );
     let body = job("traced-1", "x@example.com").to_string();
-    env.publish_raw(body.as_bytes(), amqp::job_properties().with_headers(headers)).await;
+    env.publish_raw(
+        body.as_bytes(),
+        amqp::job_properties().with_headers(headers),
+    )
+    .await;
     let envr = &env;
     eventually("the email", Duration::from_secs(60), move || async move {
         (envr.sink.count().await == 1).then_some(())
@@ -44,11 +53,31 @@ async fn the_producer_trace_is_the_parent_of_the_delivery_span() {
     let delivery = spans
         .iter()
         .find(|s| s.name == "delivery" && s.span_context.trace_id().to_string() == TRACE_ID)
-        .unwrap_or_else(|| panic!("no delivery span in the producer's trace among {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>()));
+        .unwrap_or_else(|| {
+            panic!(
+                "no delivery span in the producer's trace among {:?}",
+                spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+            )
+        });
     assert_eq!(delivery.parent_span_id.to_string(), PARENT_SPAN_ID);
-    let attributes: Vec<String> = delivery.attributes.iter().map(|kv| format!("{}={}", kv.key, kv.value)).collect();
-    assert!(attributes.contains(&"key=traced-1".to_string()), "{attributes:?}");
-    assert!(attributes.contains(&"outcome=sent".to_string()), "{attributes:?}");
+    let attributes: Vec<String> = delivery
+        .attributes
+        .iter()
+        .map(|kv| format!("{}={}", kv.key, kv.value))
+        .collect();
+    assert!(
+        attributes.contains(&"key=traced-1".to_string()),
+        "{attributes:?}"
+    );
+    assert!(
+        attributes.contains(&"outcome=sent".to_string()),
+        "{attributes:?}"
+    );
     // Never the body or the full recipient address.
-    assert!(!attributes.iter().any(|a| a.contains("x@example.com") || a.contains("Hello about")), "{attributes:?}");
+    assert!(
+        !attributes
+            .iter()
+            .any(|a| a.contains("x@example.com") || a.contains("Hello about")),
+        "{attributes:?}"
+    );
 }

@@ -399,3 +399,15 @@ impl CpuUse {
 pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
+
+/// Extra settings for the benchmarked postie processes, from POSTIE_BENCH_POSTIE_ENV
+/// (`KEY=VALUE,KEY=VALUE`), e.g. `POSTIE__DELAY__TRACK_PENDING=false` to measure what
+/// pending visibility costs.
+pub fn extra_postie_env() -> Vec<(String, String)> {
+    std::env::var("POSTIE_BENCH_POSTIE_ENV")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}

@@ -57,21 +57,38 @@ impl TestEnv {
         let sink = SmtpSink::start().await;
         let settings = base_settings(&prefix, &db_name, &sink.smtp_url());
         let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
-        let conn = amqp::connect(&SecretString::from(amqp_url()), "postie-test", Duration::from_secs(10))
-            .await
-            .expect("RabbitMQ for tests");
+        let conn = amqp::connect(
+            &SecretString::from(amqp_url()),
+            "postie-test",
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("RabbitMQ for tests");
         let channel = amqp::confirm_channel(&conn).await.unwrap();
-        topology.declare(&conn.create_channel().await.unwrap()).await.unwrap();
-        Self { prefix, db_name, sink, topology, amqp: tokio::sync::Mutex::new((conn, channel)) }
+        topology
+            .declare(&conn.create_channel().await.unwrap())
+            .await
+            .unwrap();
+        Self {
+            prefix,
+            db_name,
+            sink,
+            topology,
+            amqp: tokio::sync::Mutex::new((conn, channel)),
+        }
     }
 
     /// The confirm channel (and its connection), reconnecting if the broker restarted.
     async fn amqp(&self) -> tokio::sync::MappedMutexGuard<'_, (Connection, Channel)> {
         let mut guard = self.amqp.lock().await;
         if !guard.0.status().connected() || !guard.1.status().connected() {
-            let conn = amqp::connect(&SecretString::from(amqp_url()), "postie-test", Duration::from_secs(10))
-                .await
-                .expect("RabbitMQ for tests");
+            let conn = amqp::connect(
+                &SecretString::from(amqp_url()),
+                "postie-test",
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("RabbitMQ for tests");
             let channel = amqp::confirm_channel(&conn).await.unwrap();
             *guard = (conn, channel);
         }
@@ -92,7 +109,10 @@ impl TestEnv {
     pub fn serve(&self, settings: Settings) -> Serving {
         let stop = CancellationToken::new();
         let task = tokio::spawn(postie::consumer::serve(settings, stop.clone()));
-        Serving { stop, task: Some(task) }
+        Serving {
+            stop,
+            task: Some(task),
+        }
     }
 
     /// Starts `postie serve` as a separate OS process.
@@ -117,7 +137,10 @@ impl TestEnv {
         let sink = log.clone();
         std::thread::spawn(move || {
             use std::io::BufRead;
-            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
                 sink.lock().unwrap().push_str(&line);
                 sink.lock().unwrap().push('\n');
             }
@@ -127,20 +150,31 @@ impl TestEnv {
 
     /// Publishes a job body to the contract exchange (confirmed).
     pub async fn publish(&self, body: &serde_json::Value) {
-        self.publish_raw(body.to_string().as_bytes(), amqp::job_properties()).await;
+        self.publish_raw(body.to_string().as_bytes(), amqp::job_properties())
+            .await;
     }
 
     /// Publishes raw bytes with the given properties to the contract exchange.
     pub async fn publish_raw(&self, body: &[u8], properties: BasicProperties) {
         let amqp = self.amqp().await;
-        amqp::publish_confirmed(&amqp.1, &self.topology.delayed_exchange(), ROUTING_KEY, true, body, properties)
-            .await
-            .expect("confirmed publish");
+        amqp::publish_confirmed(
+            &amqp.1,
+            &self.topology.delayed_exchange(),
+            ROUTING_KEY,
+            true,
+            body,
+            properties,
+        )
+        .await
+        .expect("confirmed publish");
     }
 
     /// Publishes many job bodies, pipelined, then waits for every confirm.
     pub async fn publish_many(&self, bodies: &[serde_json::Value]) {
-        let jobs: Vec<_> = bodies.iter().map(|b| (b.clone(), amqp::job_properties())).collect();
+        let jobs: Vec<_> = bodies
+            .iter()
+            .map(|b| (b.clone(), amqp::job_properties()))
+            .collect();
         self.publish_many_with(&jobs).await;
     }
 
@@ -154,7 +188,10 @@ impl TestEnv {
                 .basic_publish(
                     self.topology.delayed_exchange().as_str().into(),
                     ROUTING_KEY.into(),
-                    lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() },
+                    lapin::options::BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
                     body.to_string().as_bytes(),
                     properties.clone(),
                 )
@@ -165,7 +202,10 @@ impl TestEnv {
         for confirm in confirms {
             let confirmation = confirm.await.expect("confirm");
             assert!(confirmation.is_ack(), "publish nacked");
-            assert!(confirmation.take_message().is_none(), "publish returned unroutable");
+            assert!(
+                confirmation.take_message().is_none(),
+                "publish returned unroutable"
+            );
         }
     }
 
@@ -180,7 +220,10 @@ impl TestEnv {
     /// Ready messages in a queue.
     pub async fn depth(&self, queue: &str) -> u32 {
         let channel = self.amqp().await.0.create_channel().await.unwrap();
-        let options = QueueDeclareOptions { passive: true, ..Default::default() };
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
         channel
             .queue_declare(queue.into(), options, FieldTable::default())
             .await
@@ -193,13 +236,20 @@ impl TestEnv {
         let channel = self.amqp().await.0.create_channel().await.unwrap();
         let mut out = Vec::new();
         while let Some(msg) = channel
-            .basic_get(self.topology.dead_queue().as_str().into(), BasicGetOptions::default())
+            .basic_get(
+                self.topology.dead_queue().as_str().into(),
+                BasicGetOptions::default(),
+            )
             .await
             .unwrap()
         {
             let delivery = msg.delivery;
             let headers = delivery.properties.headers().clone().unwrap_or_default();
-            delivery.acker.ack(BasicAckOptions::default()).await.unwrap();
+            delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .unwrap();
             out.push(DeadLetter {
                 body: delivery.data.clone(),
                 properties: delivery.properties.clone(),
@@ -240,7 +290,11 @@ impl TestEnv {
 
     /// Emails the sink received, per Message-ID.
     pub async fn emails_per_id(&self) -> BTreeMap<String, usize> {
-        self.arrivals().await.into_iter().map(|(id, at)| (id, at.len())).collect()
+        self.arrivals()
+            .await
+            .into_iter()
+            .map(|(id, at)| (id, at.len()))
+            .collect()
     }
 
     /// Runs `postie ARGS` against this world; stdout, or stderr as the error.
@@ -265,9 +319,18 @@ impl Drop for TestEnv {
         let db_name = self.db_name.clone();
         // Async clean-up from a sync Drop: a throwaway runtime on its own thread.
         let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async move {
-                if let Ok(conn) = amqp::connect(&SecretString::from(amqp_url()), "postie-test-cleanup", Duration::from_secs(10)).await {
+                if let Ok(conn) = amqp::connect(
+                    &SecretString::from(amqp_url()),
+                    "postie-test-cleanup",
+                    Duration::from_secs(10),
+                )
+                .await
+                {
                     if let Ok(channel) = conn.create_channel().await {
                         let _ = topology.delete(&channel).await;
                     }
@@ -334,7 +397,10 @@ impl PostieProcess {
 
     /// SIGTERM, then wait up to `within` for the exit status.
     pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -365,7 +431,10 @@ pub struct DeadLetter {
 impl DeadLetter {
     /// The `postie-dead-reason` header.
     pub fn reason(&self) -> &str {
-        self.headers.get(amqp::HEADER_DEAD_REASON).map(String::as_str).unwrap_or("")
+        self.headers
+            .get(amqp::HEADER_DEAD_REASON)
+            .map(String::as_str)
+            .unwrap_or("")
     }
 }
 
@@ -386,7 +455,9 @@ pub struct InboxRow {
 
 /// The Message-ID postie gives every email of `key` (test settings' domain).
 pub fn message_id(key: &str) -> String {
-    postie::job::IdempotencyKey::parse(key).unwrap().message_id("postie.local")
+    postie::job::IdempotencyKey::parse(key)
+        .unwrap()
+        .message_id("postie.local")
 }
 
 /// What a finished `postie` command said.
@@ -429,7 +500,11 @@ pub fn run_postie(args: &[&str], env: &[(String, String)]) -> PostieRun {
 
 /// A port nobody listens on right now (for an HTTP endpoint under test).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Polls `check` every 100 ms until it returns `Some`, or panics after `timeout`.
@@ -443,7 +518,10 @@ where
         if let Some(value) = check().await {
             return value;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -461,7 +539,9 @@ pub fn job(key: &str, to: &str) -> serde_json::Value {
 
 fn base_settings(prefix: &str, db_name: &str, smtp_url: &str) -> Settings {
     // Through the same environment parsing a deployment uses, minus the process env.
-    let vars = settings_env(prefix, db_name, smtp_url).into_iter().collect();
+    let vars = settings_env(prefix, db_name, smtp_url)
+        .into_iter()
+        .collect();
     Settings::load_from(None, Some(vars)).expect("test settings are valid")
 }
 
@@ -494,7 +574,8 @@ fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
         .map(|(k, v)| {
             let text = match v {
                 AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                other => amqp::header_text(Some(headers), k.as_str()).unwrap_or_else(|| format!("{other:?}")),
+                other => amqp::header_text(Some(headers), k.as_str())
+                    .unwrap_or_else(|| format!("{other:?}")),
             };
             (k.as_str().to_string(), text)
         })
@@ -511,5 +592,8 @@ async fn connect_pg(url: &str) -> tokio_postgres::Client {
 
 async fn admin_sql(sql: &str) {
     let client = connect_pg(&format!("{}/postgres", pg_base())).await;
-    client.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    client
+        .batch_execute(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }

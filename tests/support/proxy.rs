@@ -26,7 +26,9 @@ impl Proxy {
         let (up2, cut2) = (up.clone(), cut.clone());
         let task = tokio::spawn(async move {
             loop {
-                let Ok((client, _)) = listener.accept().await else { return };
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
                 if !up2.load(Ordering::SeqCst) {
                     drop(client); // refused: the dependency is "down"
                     continue;
@@ -34,7 +36,9 @@ impl Proxy {
                 let upstream = upstream.clone();
                 let mut cut_rx = cut2.subscribe();
                 tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(&upstream).await else { return };
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
                     let (mut client, mut server) = (client, server);
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
@@ -43,7 +47,12 @@ impl Proxy {
                 });
             }
         });
-        Self { addr, up, cut, task }
+        Self {
+            addr,
+            up,
+            cut,
+            task,
+        }
     }
 
     /// `host:port` of the proxy.
