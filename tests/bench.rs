@@ -160,11 +160,15 @@ impl Report {
     }
 }
 
+/// Job bodies of type `bench`, one user each, so that a throttle on the type
+/// (POSTIE_BENCH_POSTIE_ENV=POSTIE__THROTTLE__BENCH__…) does its bookkeeping for every
+/// job without ever limiting one.
 fn bodies(n: usize, prefix: &str) -> impl Iterator<Item = Vec<u8>> + '_ {
     (0..n).map(move |i| {
-        job(&format!("{prefix}-{i}"), "bench@example.com")
-            .to_string()
-            .into_bytes()
+        let mut body = job(&format!("{prefix}-{i}"), "bench@example.com");
+        body["type"] = "bench".into();
+        body["user_id"] = format!("user-{i}").into();
+        body.to_string().into_bytes()
     })
 }
 
