@@ -208,24 +208,6 @@ fn rabbitmqctl(args: &[&str]) {
         .status();
 }
 
-fn restart_postgres() {
-    let cluster = std::fs::read_dir("/etc/postgresql")
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .file_name();
-    let _ = Command::new("pg_ctlcluster")
-        .args([
-            "--skip-systemctl-redirect",
-            cluster.to_str().unwrap(),
-            "main",
-            "restart",
-        ])
-        .stdout(std::process::Stdio::null())
-        .status();
-}
-
 /// Always-on rule: doomed recipients get a 5xx; plus the current fault, if any.
 fn sink_rules(fault: Option<serde_json::Value>) -> serde_json::Value {
     let mut rules = vec![
@@ -340,7 +322,9 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
                 rabbitmqctl(&["start_app"]);
                 rabbitmqctl(&["await_startup", "--timeout", "60"]);
             }
-            Fault::PostgresRestart => restart_postgres(),
+            Fault::PostgresRestart => {
+                support::restart_postgres();
+            }
             smtp => {
                 let times = 3 + rng.below(10);
                 let rule = match smtp {

@@ -165,22 +165,7 @@ async fn rabbitmq_stopped_and_started_mid_run_loses_nothing() {
 async fn postgresql_restarted_mid_run_loses_nothing() {
     let _serial = SERIAL.lock().await;
     let recovery = run_through_outage("pgrestart", 400, || async {
-        let cluster = std::fs::read_dir("/etc/postgresql")
-            .unwrap()
-            .next()
-            .unwrap()
-            .unwrap()
-            .file_name();
-        let status = Command::new("pg_ctlcluster")
-            .args([
-                "--skip-systemctl-redirect",
-                cluster.to_str().unwrap(),
-                "main",
-                "restart",
-            ])
-            .status()
-            .expect("pg_ctlcluster");
-        assert!(status.success());
+        assert!(support::restart_postgres(), "pg_ctlcluster restart failed");
     })
     .await;
     eprintln!("FIGURES postgresql-restart: 400 jobs, PostgreSQL restarted; next email {recovery:.1}s after it was back; lost 0, duplicates 0, dead-lettered 0");

@@ -57,14 +57,7 @@ impl TestEnv {
         let sink = SmtpSink::start().await;
         let settings = base_settings(&prefix, &db_name, &sink.smtp_url());
         let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
-        let conn = amqp::connect(
-            &SecretString::from(amqp_url()),
-            "postie-test",
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("RabbitMQ for tests");
-        let channel = amqp::confirm_channel(&conn).await.unwrap();
+        let (conn, channel) = test_connection().await;
         topology
             .declare(&conn.create_channel().await.unwrap())
             .await
@@ -82,15 +75,7 @@ impl TestEnv {
     async fn amqp(&self) -> tokio::sync::MappedMutexGuard<'_, (Connection, Channel)> {
         let mut guard = self.amqp.lock().await;
         if !guard.0.status().connected() || !guard.1.status().connected() {
-            let conn = amqp::connect(
-                &SecretString::from(amqp_url()),
-                "postie-test",
-                Duration::from_secs(10),
-            )
-            .await
-            .expect("RabbitMQ for tests");
-            let channel = amqp::confirm_channel(&conn).await.unwrap();
-            *guard = (conn, channel);
+            *guard = test_connection().await;
         }
         tokio::sync::MutexGuard::map(guard, |g| g)
     }
@@ -451,6 +436,39 @@ pub struct InboxRow {
     pub takeovers: i32,
     /// Last error.
     pub last_error: Option<String>,
+}
+
+/// A connection for the test itself, with a confirm channel.
+async fn test_connection() -> (Connection, Channel) {
+    let conn = amqp::connect(
+        &SecretString::from(amqp_url()),
+        "postie-test",
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("RabbitMQ for tests");
+    let channel = amqp::confirm_channel(&conn).await.unwrap();
+    (conn, channel)
+}
+
+/// Restarts the machine's PostgreSQL cluster (outage tests); true if it came back.
+pub fn restart_postgres() -> bool {
+    let cluster = std::fs::read_dir("/etc/postgresql")
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+    Command::new("pg_ctlcluster")
+        .args([
+            "--skip-systemctl-redirect",
+            cluster.to_str().unwrap(),
+            "main",
+            "restart",
+        ])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// The Message-ID postie gives every email of `key` (test settings' domain).
