@@ -1,6 +1,7 @@
 //! RabbitMQ plumbing: connecting, publishing with confirms (and treating a returned
 //! or nacked publish as a failure), and reading/writing postie's headers.
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -38,6 +39,9 @@ pub enum PublishError {
     Unroutable(String),
 }
 
+/// Heartbeat interval asked of the broker when `amqp.url` does not set `heartbeat`.
+const HEARTBEAT_SECS: u16 = 10;
+
 /// Connects with a timeout; the error names the redacted URL, never the password.
 ///
 /// `amqps://` is TLS with the broker's certificate verified against the system's
@@ -64,7 +68,14 @@ pub async fn connect(
             });
         }
     }
-    match tokio::time::timeout(timeout, Connection::connect(url.expose_secret(), props)).await {
+    // A short heartbeat unless the URL sets one: a broker that vanishes without closing
+    // the connection is noticed in seconds, not after the broker's default 60 s × 2.
+    let mut uri = lapin::uri::AMQPUri::from_str(url.expose_secret())
+        .map_err(|e| anyhow::anyhow!("amqp.url {redacted} is not valid: {e}"))?;
+    if uri.query.heartbeat.is_none() {
+        uri.query.heartbeat = Some(HEARTBEAT_SECS);
+    }
+    match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: {e}"
