@@ -40,6 +40,12 @@ use crate::worker::{now_ms, DeadKind, Outcome, Worker};
 
 /// How often queue depths are polled for `/metrics`.
 const DEPTH_POLL: Duration = Duration::from_secs(10);
+/// How often a consume loop checks that its connection still stands, in case the
+/// consumer stream misses the connection's end.
+const LIVENESS_POLL: Duration = Duration::from_secs(1);
+/// The longest a goodbye (channel or connection close, consumer cancel, ack) may take
+/// before the session moves on: a dead socket must not hold up recovery.
+const GOODBYE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs the service until `stop` is cancelled. Fails fast (one clear error) if a
 /// dependency is unreachable or misconfigured at start-up; after that, outages are
@@ -171,7 +177,7 @@ impl Service {
             self.worker.health().set_broker_up(false);
             match ended {
                 Ok(SessionEnd::Stopped) => {
-                    let _ = conn.close(200, "postie shutting down".into()).await;
+                    bounded(conn.close(200, "postie shutting down".into())).await;
                     return;
                 }
                 Ok(SessionEnd::Lost(reason)) => {
@@ -181,7 +187,7 @@ impl Service {
                     tracing::warn!(error = %crate::describe_error(&error), "broker session failed; reconnecting");
                 }
             }
-            let _ = conn.close(320, "postie reconnecting".into()).await;
+            bounded(conn.close(320, "postie reconnecting".into())).await;
             backoff = Duration::from_millis(200);
             sleep_unless(&stop, backoff).await;
         }
@@ -194,10 +200,26 @@ impl Service {
         conn: &Connection,
         stop: &CancellationToken,
     ) -> anyhow::Result<SessionEnd> {
-        declare(&self.topology, conn).await?;
-        let publish = amqp::confirm_channel(conn).await?;
+        let setup = self.settings.amqp.connect_timeout;
+        within(
+            setup,
+            "declaring the topology",
+            declare(&self.topology, conn),
+        )
+        .await?;
+        let publish = within(setup, "opening the publishing channel", async {
+            Ok(amqp::confirm_channel(conn).await?)
+        })
+        .await?;
         let session_stop = stop.child_token();
-        self.spawn_depth_poller(conn, session_stop.clone()).await?;
+        let lost = CancellationToken::new();
+        watch_connection(conn, lost.clone(), session_stop.clone());
+        within(
+            setup,
+            "starting the depth poller",
+            self.spawn_depth_poller(conn, session_stop.clone()),
+        )
+        .await?;
         self.worker.health().set_broker_up(true);
         let send = self.consume_loop(
             conn,
@@ -206,7 +228,7 @@ impl Service {
             self.settings.amqp.prefetch,
             self.settings.worker.concurrency,
             &publish,
-            &session_stop,
+            (&session_stop, &lost),
         );
         let end = if let DelayLayout::Ladder(_) = self.topology.delay() {
             let concurrency = self.settings.delay.relay_concurrency;
@@ -217,23 +239,27 @@ impl Service {
                 concurrency,
                 concurrency as usize,
                 &publish,
-                &session_stop,
+                (&session_stop, &lost),
             );
             tokio::pin!(send, relay);
-            // When one loop ends, the other is told to drain and stop too.
+            // When one loop ends, the other ends too: drained if this is a stop,
+            // abandoned to redelivery (like the broker's end) if the session is lost.
             let first = tokio::select! {
-                end = &mut send => { session_stop.cancel(); let _ = relay.await; end }
-                end = &mut relay => { session_stop.cancel(); let _ = send.await; end }
+                end = &mut send => { lost.cancel(); let _ = relay.await; end }
+                end = &mut relay => { lost.cancel(); let _ = send.await; end }
             };
             first
         } else {
             send.await
-        }?;
-        let _ = publish.close(200, "done".into()).await;
+        };
+        // Ends the watchdog and the depth poller of this session.
+        session_stop.cancel();
+        let end = end?;
+        bounded(publish.close(200, "done".into())).await;
         Ok(match end {
             SessionEnd::Lost(reason) => SessionEnd::Lost(reason),
             SessionEnd::Stopped if stop.is_cancelled() => SessionEnd::Stopped,
-            SessionEnd::Stopped => SessionEnd::Lost("a sibling consumer ended".into()),
+            SessionEnd::Stopped => SessionEnd::Lost("the session ended".into()),
         })
     }
 
@@ -246,20 +272,28 @@ impl Service {
         prefetch: u16,
         concurrency: usize,
         publish: &Channel,
-        stop: &CancellationToken,
+        (stop, lost): (&CancellationToken, &CancellationToken),
     ) -> anyhow::Result<SessionEnd> {
-        let channel = conn.create_channel().await?;
-        channel
-            .basic_qos(prefetch, BasicQosOptions::default())
-            .await?;
-        let mut deliveries = channel
-            .basic_consume(
-                queue.as_str().into(),
-                format!("postie-{}-{role:?}", self.owner).into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        let (channel, mut deliveries) = within(
+            self.settings.amqp.connect_timeout,
+            "starting a consumer",
+            async {
+                let channel = conn.create_channel().await?;
+                channel
+                    .basic_qos(prefetch, BasicQosOptions::default())
+                    .await?;
+                let deliveries = channel
+                    .basic_consume(
+                        queue.as_str().into(),
+                        format!("postie-{}-{role:?}", self.owner).into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+                Ok((channel, deliveries))
+            },
+        )
+        .await?;
         let health = self.worker.health().clone();
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
@@ -267,16 +301,22 @@ impl Service {
         let end = loop {
             if matches!(role, Role::Send) && health.paused() {
                 tokio::select! {
+                    biased;
                     _ = stop.cancelled() => break SessionEnd::Stopped,
+                    _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
                     _ = health.wait_dependencies_up() => tracing::info!("dependencies answer again; resuming"),
                 }
             }
             let permit = tokio::select! {
+                biased;
                 _ = stop.cancelled() => break SessionEnd::Stopped,
+                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
                 permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
             };
             let next = tokio::select! {
+                biased;
                 _ = stop.cancelled() => break SessionEnd::Stopped,
+                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
                 next = deliveries.next() => next,
             };
             match next {
@@ -301,9 +341,7 @@ impl Service {
         if let SessionEnd::Stopped = end {
             health.set_draining();
             // Stop taking work; prefetched but unstarted deliveries go back on close.
-            let _ = channel
-                .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
-                .await;
+            bounded(channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default())).await;
             tracker.close();
             let drain = self.settings.worker.drain_timeout;
             if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
@@ -312,10 +350,20 @@ impl Service {
                 tracker.wait().await;
             }
         } else {
+            // The channel is gone, so in-flight deliveries cannot be acked any more;
+            // their outcomes are in the inbox, and the broker redelivers them to be
+            // suppressed. Give them a moment to finish, but never let one that hangs
+            // on the dead connection hold up the next session.
             tracker.close();
-            tracker.wait().await;
+            let drain = self.settings.worker.drain_timeout;
+            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+                tracing::warn!(
+                    "in-flight deliveries still running after the broker session ended; \
+                     reconnecting without them (the broker redelivers them)"
+                );
+            }
         }
-        let _ = channel.close(200, "done".into()).await;
+        bounded(channel.close(200, "done".into())).await;
         Ok(end)
     }
 
@@ -624,9 +672,14 @@ fn dead_letter_headers(
 }
 
 async fn ack(delivery: &Delivery) {
-    match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
+    match tokio::time::timeout(
+        GOODBYE_TIMEOUT,
+        delivery.acker.ack(BasicAckOptions::default()),
+    )
+    .await
+    {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false) | Err(_)) | Err(_) => {
             tracing::warn!("ack not delivered (channel gone); the broker will redeliver and the inbox will suppress it")
         }
     }
@@ -757,8 +810,50 @@ fn log_outcome(outcome: &Outcome) {
 async fn declare(topology: &Topology, conn: &Connection) -> anyhow::Result<()> {
     let channel = conn.create_channel().await?;
     topology.declare(&channel).await?;
-    let _ = channel.close(200, "declared".into()).await;
+    bounded(channel.close(200, "declared".into())).await;
     Ok(())
+}
+
+/// A session step with a deadline: a broker that accepts the connection but never
+/// answers (still booting, or a half-dead socket) fails the session, which is then
+/// rebuilt with backoff, instead of hanging it.
+async fn within<T>(
+    limit: Duration,
+    what: &str,
+    step: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(result) => result,
+        Err(_) => Err(anyhow::anyhow!(
+            "{what}: no answer from RabbitMQ within {}",
+            humantime::format_duration(limit)
+        )),
+    }
+}
+
+/// A goodbye whose result does not matter, given at most [`GOODBYE_TIMEOUT`].
+async fn bounded<T>(goodbye: impl std::future::Future<Output = T>) {
+    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, goodbye).await;
+}
+
+/// Cancels `lost` when the connection no longer stands (checked every
+/// [`LIVENESS_POLL`]) or `done` is cancelled: a second way to notice a lost broker,
+/// for when a consumer stream is not told.
+fn watch_connection(conn: &Connection, lost: CancellationToken, done: CancellationToken) {
+    let status = conn.status().clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                _ = tokio::time::sleep(LIVENESS_POLL) => {}
+            }
+            if !status.connected() {
+                tracing::debug!("the RabbitMQ connection no longer stands");
+                lost.cancel();
+                return;
+            }
+        }
+    });
 }
 
 async fn sleep_unless(stop: &CancellationToken, wait: Duration) {

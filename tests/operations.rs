@@ -1,6 +1,7 @@
 //! Operating postie: `/metrics` values after a small run, `/healthz` and `/readyz`
-//! (also during a PostgreSQL outage), SIGTERM during a run, and an SMTP relay down
-//! for 30 s (the circuit breaker pauses instead of dead-lettering).
+//! (also during a PostgreSQL outage), SIGTERM during a run, an SMTP relay down
+//! for 30 s (the circuit breaker pauses instead of dead-lettering), and the broker
+//! connection cut, frozen, closed by an operator, and the consumer cancelled.
 
 mod support;
 
@@ -276,4 +277,196 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     assert!(per_id.values().all(|n| *n == 1), "duplicates");
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
     eprintln!("FIGURES smtp-down: 30 s outage, all {JOBS} sent {:.1}s after the relay came back; dead-lettered 0", recovery.as_secs_f64());
+}
+
+/// Emails the sink holds, by Message-ID.
+async fn emails_by_id(env: &TestEnv) -> BTreeMap<String, usize> {
+    let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
+    for m in env.sink.messages(false).await {
+        *per_id.entry(m.message_id).or_default() += 1;
+    }
+    per_id
+}
+
+/// Waits for the sink to hold more than `before` emails; on timeout, fails with the
+/// end of postie's log. Returns the seconds it took.
+async fn next_email(env: &TestEnv, postie: &support::PostieProcess, what: &str) -> f64 {
+    let before = env.sink.count().await;
+    let from = Instant::now();
+    while env.sink.count().await <= before {
+        if from.elapsed() > Duration::from_secs(120) {
+            let log = postie.log();
+            let tail: Vec<&str> = log.lines().rev().take(100).collect();
+            panic!(
+                "no email within 120 s after {what}; postie's log, newest first:\n{}",
+                tail.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    from.elapsed().as_secs_f64()
+}
+
+/// The broker-side failures that are not a restart: the TCP connection cut, the path
+/// frozen (no byte crosses and nothing closes; only heartbeats can tell), the
+/// connection closed by an operator through the management API, and the send
+/// consumer cancelled by the broker (its queue deleted and re-created). postie
+/// notices each, reconnects, and every job is sent exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing() {
+    const JOBS: usize = 400;
+    let env = TestEnv::new("brokercut").await;
+    let broker = Proxy::start("127.0.0.1:5672").await;
+    let instance = format!("{}-cut", env.prefix);
+    // A 2 s heartbeat, so a frozen path is noticed in about 4 s.
+    let url = format!("amqp://guest:guest@{}/%2f?heartbeat=2", broker.addr());
+    env.sink
+        .set_faults(json!([{"stage": "data_end", "action": {"delay_ms": 100}}]))
+        .await;
+    let bodies: Vec<_> = (0..JOBS)
+        .map(|i| job(&format!("cut-{i}"), "x@example.com"))
+        .collect();
+    env.publish_many(&bodies).await;
+    let postie = env.spawn_process(&[
+        ("POSTIE__AMQP__URL", url.as_str()),
+        ("POSTIE__WORKER__INSTANCE_ID", instance.as_str()),
+        ("POSTIE__WORKER__CONCURRENCY", "4"),
+        ("POSTIE__AMQP__PREFETCH", "4"),
+    ]);
+    let mut figures = Vec::new();
+    next_email(&env, &postie, "start-up").await;
+
+    // 1. Cut: every connection closed, new ones refused for 3 s.
+    broker.down();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.up();
+    let t = next_email(&env, &postie, "the cut").await;
+    figures.push(format!("cut 3 s: next email {t:.1}s after"));
+
+    // 2. Frozen for 8 s: only the heartbeat notices.
+    broker.freeze();
+    let frozen = Instant::now();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    broker.thaw();
+    let t = next_email(&env, &postie, "the freeze").await;
+    figures.push(format!(
+        "frozen 8 s: next email {:.1}s after it began, {t:.1}s after the thaw",
+        frozen.elapsed().as_secs_f64()
+    ));
+
+    // 3. An operator closes postie's connection in the management UI.
+    let name = {
+        let instance = instance.clone();
+        eventually(
+            "postie's connection listed",
+            Duration::from_secs(30),
+            move || {
+                let instance = instance.clone();
+                async move {
+                    let list: serde_json::Value = reqwest::Client::new()
+                        .get("http://127.0.0.1:15672/api/connections")
+                        .basic_auth("guest", Some("guest"))
+                        .send()
+                        .await
+                        .ok()?
+                        .json()
+                        .await
+                        .ok()?;
+                    list.as_array()?
+                        .iter()
+                        .find(|c| c["client_properties"]["connection_name"] == instance.as_str())
+                        .and_then(|c| c["name"].as_str().map(str::to_string))
+                }
+            },
+        )
+        .await
+    };
+    let closed = reqwest::Client::new()
+        .delete(format!(
+            "http://127.0.0.1:15672/api/connections/{}",
+            urlencode(&name)
+        ))
+        .basic_auth("guest", Some("guest"))
+        .header("X-Reason", "closed by the test")
+        .send()
+        .await
+        .unwrap();
+    assert!(closed.status().is_success(), "close: {}", closed.status());
+    let t = next_email(&env, &postie, "the forced close").await;
+    figures.push(format!("closed by an operator: next email {t:.1}s after"));
+
+    // 4. The broker cancels the send consumer: its queue is deleted (the jobs still
+    // in it are the operator's loss, so they are put back by hand), and postie
+    // re-declares it on the next session.
+    let send = env.topology.send_queue();
+    let (envr, sendr) = (&env, &send);
+    eventually(
+        "postie consuming again",
+        Duration::from_secs(60),
+        move || async move { (envr.consumers(sendr).await >= 1).then_some(()) },
+    )
+    .await;
+    let remaining_ids = {
+        let sent = emails_by_id(&env).await;
+        (0..JOBS)
+            .filter(|i| !sent.contains_key(&support::message_id(&format!("cut-{i}"))))
+            .collect::<Vec<_>>()
+    };
+    env.delete_queue(&send).await;
+    let cancelled = Instant::now();
+    eventually(
+        "postie re-declares the send queue",
+        Duration::from_secs(60),
+        move || async move { envr.queue_exists(sendr).await.then_some(()) },
+    )
+    .await;
+    figures.push(format!(
+        "consumer cancelled: queue re-declared {:.1}s after",
+        cancelled.elapsed().as_secs_f64()
+    ));
+    let bodies: Vec<_> = remaining_ids
+        .iter()
+        .map(|i| job(&format!("cut-{i}"), "x@example.com"))
+        .collect();
+    env.publish_many(&bodies).await;
+
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while emails_by_id(&env).await.len() < JOBS {
+        assert!(
+            Instant::now() < deadline,
+            "not every job sent; postie's log:\n{}",
+            postie.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let per_id = emails_by_id(&env).await;
+    assert_eq!(per_id.len(), JOBS, "lost");
+    let duplicates: usize = per_id.values().map(|c| c - 1).sum();
+    assert_eq!(duplicates, 0, "duplicate emails");
+    assert_eq!(
+        env.depth(&env.topology.dead_queue()).await,
+        0,
+        "dead-lettered"
+    );
+    let log = postie.log();
+    assert!(
+        log.matches("reconnected to RabbitMQ").count() >= 4,
+        "four reconnections expected; log:\n{log}"
+    );
+    eprintln!(
+        "FIGURES broker-path: {JOBS} jobs; {}; lost 0, duplicates 0, dead-lettered 0",
+        figures.join("; ")
+    );
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }

@@ -203,6 +203,49 @@ impl TestEnv {
     }
 
     /// Ready messages in a queue.
+    /// How many consumers a queue has.
+    pub async fn consumers(&self, queue: &str) -> u32 {
+        let channel = self.amqp().await.0.create_channel().await.unwrap();
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let count = channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .expect("queue exists")
+            .consumer_count();
+        let _ = channel.close(200, "done".into()).await;
+        count
+    }
+
+    /// Deletes a queue (whatever it holds), as an operator would.
+    pub async fn delete_queue(&self, queue: &str) {
+        let channel = self.amqp().await.0.create_channel().await.unwrap();
+        channel
+            .queue_delete(queue.into(), lapin::options::QueueDeleteOptions::default())
+            .await
+            .expect("queue deleted");
+        let _ = channel.close(200, "done".into()).await;
+    }
+
+    /// Whether a queue exists (a passive declare answers).
+    pub async fn queue_exists(&self, queue: &str) -> bool {
+        let channel = self.amqp().await.0.create_channel().await.unwrap();
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let exists = channel
+            .queue_declare(queue.into(), options, FieldTable::default())
+            .await
+            .is_ok();
+        if exists {
+            let _ = channel.close(200, "done".into()).await;
+        }
+        exists
+    }
+
     pub async fn depth(&self, queue: &str) -> u32 {
         let channel = self.amqp().await.0.create_channel().await.unwrap();
         let options = QueueDeclareOptions {

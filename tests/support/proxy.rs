@@ -1,5 +1,7 @@
-//! A TCP proxy the tests can cut: puts one dependency (PostgreSQL) "down" for one
-//! test without touching the server other tests share.
+//! A TCP proxy the tests can cut or freeze: puts one dependency "down" for one test
+//! without touching the server other tests share. Cut: every connection is closed
+//! and new ones refused. Frozen: connections stay open but no byte crosses, and new
+//! ones are accepted and never answered (a half-dead network path).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,6 +14,7 @@ pub struct Proxy {
     addr: std::net::SocketAddr,
     up: Arc<AtomicBool>,
     cut: watch::Sender<u64>,
+    frozen: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -22,8 +25,9 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(AtomicBool::new(true));
         let (cut, _) = watch::channel(0u64);
+        let (frozen, _) = watch::channel(false);
         let upstream = upstream.to_string();
-        let (up2, cut2) = (up.clone(), cut.clone());
+        let (up2, cut2, frozen2) = (up.clone(), cut.clone(), frozen.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -35,15 +39,28 @@ impl Proxy {
                 }
                 let upstream = upstream.clone();
                 let mut cut_rx = cut2.subscribe();
+                let mut frozen_rx = frozen2.subscribe();
                 tokio::spawn(async move {
+                    // Frozen: hold the client, answer nothing, until cut or thawed.
+                    let frozen_now = *frozen_rx.borrow();
+                    if frozen_now {
+                        tokio::select! {
+                            _ = frozen_rx.wait_for(|f| !*f) => {}
+                            _ = cut_rx.changed() => return,
+                        }
+                    }
                     let Ok(server) = TcpStream::connect(&upstream).await else {
                         return;
                     };
                     let (mut client, mut server) = (client, server);
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = cut_rx.changed() => {}
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => return,
+                        _ = cut_rx.changed() => return,
+                        _ = frozen_rx.wait_for(|f| *f) => {}
                     }
+                    // Frozen mid-stream: both sockets stay open, unread, until a cut.
+                    let _ = cut_rx.changed().await;
+                    drop((client, server));
                 });
             }
         });
@@ -51,6 +68,7 @@ impl Proxy {
             addr,
             up,
             cut,
+            frozen,
             task,
         }
     }
@@ -69,6 +87,19 @@ impl Proxy {
     /// Accepts connections again.
     pub fn up(&self) {
         self.up.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops every byte on open connections without closing them; new connections
+    /// are accepted but never answered.
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Ends a freeze: connections frozen mid-stream are closed (their peers gave up
+    /// on them long ago), and new ones are forwarded again.
+    pub fn thaw(&self) {
+        self.cut.send_modify(|n| *n += 1);
+        self.frozen.send_replace(false);
     }
 }
 
