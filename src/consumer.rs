@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Semaphore;
@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::acks::Acks;
 use crate::amqp::{self, PublishError};
 use crate::config::Settings;
 use crate::delay::{HEADER_DUE_AT, HEADER_X_DELAY};
@@ -295,6 +296,7 @@ impl Service {
         )
         .await?;
         let health = self.worker.health().clone();
+        let (acks, ack_task) = Acks::start(channel.clone());
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
@@ -327,10 +329,11 @@ impl Service {
                 Some(Ok(delivery)) => {
                     let this = self.clone();
                     let publish = publish.clone();
+                    let acks = acks.clone();
                     tracker.spawn(async move {
                         match role {
-                            Role::Send => this.handle_send(delivery, &publish).await,
-                            Role::Relay => this.handle_relay(delivery, &publish).await,
+                            Role::Send => this.handle_send(delivery, &publish, &acks).await,
+                            Role::Relay => this.handle_relay(delivery, &publish, &acks).await,
                         }
                         drop(permit);
                     });
@@ -363,11 +366,14 @@ impl Service {
                 );
             }
         }
+        // The acks of everything finished go before the channel closes.
+        drop(acks);
+        ack_task.finish(GOODBYE_TIMEOUT).await;
         bounded(channel.close(200, "done".into())).await;
         Ok(end)
     }
 
-    async fn handle_send(&self, delivery: Delivery, publish: &Channel) {
+    async fn handle_send(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
         let attempt =
             amqp::header_int(delivery.properties.headers().as_ref(), amqp::HEADER_ATTEMPT)
                 .unwrap_or(0);
@@ -403,7 +409,7 @@ impl Service {
                     return;
                 }
             }
-            ack(&delivery).await;
+            acks.done(delivery.delivery_tag);
             metrics.processing_seconds.observe(started.elapsed().as_secs_f64());
         }
         .instrument(span)
@@ -411,7 +417,7 @@ impl Service {
         metrics.in_flight.dec();
     }
 
-    async fn handle_relay(&self, delivery: Delivery, publish: &Channel) {
+    async fn handle_relay(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
         let props = &delivery.properties;
         let headers = props.headers().as_ref();
         let (exchange, routing_key, headers) =
@@ -462,7 +468,7 @@ impl Service {
             .publish_retrying(publish, &delivery, &exchange, &routing_key, headers)
             .await
         {
-            Ok(()) => ack(&delivery).await,
+            Ok(()) => acks.done(delivery.delivery_tag),
             Err(error) => {
                 tracing::warn!(%error, "relay publish failed; leaving the intake delivery unacked")
             }
@@ -669,20 +675,6 @@ fn dead_letter_headers(
         i64::from(attempts),
     );
     headers
-}
-
-async fn ack(delivery: &Delivery) {
-    match tokio::time::timeout(
-        GOODBYE_TIMEOUT,
-        delivery.acker.ack(BasicAckOptions::default()),
-    )
-    .await
-    {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false) | Err(_)) | Err(_) => {
-            tracing::warn!("ack not delivered (channel gone); the broker will redeliver and the inbox will suppress it")
-        }
-    }
 }
 
 fn count_outcome(metrics: &Metrics, outcome: &Outcome) {

@@ -12,6 +12,7 @@
 //! - [`relay`]: ladder mode: route each new job into the TTL cascade by its due time.
 //! - [`worker`]: the unit of work: one delivery in, one named [`worker::Outcome`] out.
 //! - [`consumer`]: the supervised consume loop: maps outcomes to publish + ack.
+//! - [`acks`]: coalesced acks: one `multiple` ack per run of finished deliveries.
 //! - [`amqp`]: connections, confirmed publishes and header helpers.
 //! - [`health`], [`metrics`], [`http`]: readiness, the SMTP circuit breaker, Prometheus
 //!   metrics and the `/metrics` `/healthz` `/readyz` endpoint.
@@ -20,6 +21,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 
+pub mod acks;
 pub mod amqp;
 pub mod commands;
 pub mod config;
