@@ -30,6 +30,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "cancel_throttle_pending",
         include_str!("../sql/0002_cancel_throttle_pending.sql"),
     ),
+    (
+        3,
+        "drop_status_index",
+        include_str!("../sql/0003_drop_status_index.sql"),
+    ),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.
