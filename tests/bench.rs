@@ -5,7 +5,8 @@
 //! with broker memory for 10^3 to 10^5 pending delayed jobs.
 //!
 //! `make bench` runs the full size (N = 20,000 per run, POSTIE_BENCH_N; pending up to
-//! 100,000, POSTIE_BENCH_PENDING_MAX), prints Markdown tables and writes
+//! 100,000, POSTIE_BENCH_PENDING_MAX; 3 rounds of legs + send path, POSTIE_BENCH_ROUNDS,
+//! reported at the median round), prints Markdown tables and writes
 //! target/bench/bench.json and target/bench/bench.md. The smoke version below runs
 //! with the tests, so the harness cannot rot; it checks sanity, never timings.
 
@@ -140,23 +141,55 @@ struct Backlog {
     lateness: Lateness,
 }
 
+/// One round: the three legs, then the send path end to end with 1 and 3
+/// processes right after, so the ratio compares measurements minutes, not a whole
+/// run, apart (this machine's speed drifts by ±20 % over minutes).
+struct Round {
+    broker: Measured,
+    database: Measured,
+    smtp: Measured,
+    runs: Vec<EndToEnd>,
+}
+
+impl Round {
+    /// 1 / (1/C_broker + 1/C_db + 1/C_smtp): the legs take turns on shared cores.
+    fn fair_bound(&self) -> f64 {
+        1.0 / (1.0 / self.broker.rate() + 1.0 / self.database.rate() + 1.0 / self.smtp.rate())
+    }
+
+    /// The 1-process send path's ratio to this round's bound.
+    fn ratio(&self) -> f64 {
+        self.runs[0].run.rate() / self.fair_bound()
+    }
+}
+
 struct Report {
     n: usize,
     defaults: Defaults,
     versions: String,
     broker_publish: Measured,
-    broker: Measured,
-    database: Measured,
-    smtp: Measured,
+    /// Every round, in the order run.
+    rounds: Vec<Round>,
+    /// Index of the round with the median 1-process ratio: the tables show it.
+    median: usize,
     sink: Measured,
-    runs: Vec<EndToEnd>,
+    /// The delayed path (once, after the rounds), against the median round's bound.
+    delayed: Vec<EndToEnd>,
     backlogs: Vec<Backlog>,
 }
 
 impl Report {
-    /// 1 / (1/C_broker + 1/C_db + 1/C_smtp): the legs take turns on shared cores.
+    fn shown(&self) -> &Round {
+        &self.rounds[self.median]
+    }
+
     fn fair_bound(&self) -> f64 {
-        1.0 / (1.0 / self.broker.rate() + 1.0 / self.database.rate() + 1.0 / self.smtp.rate())
+        self.shown().fair_bound()
+    }
+
+    /// The runs in the tables: the median round's send path, then the delayed path.
+    fn runs(&self) -> impl Iterator<Item = &EndToEnd> {
+        self.shown().runs.iter().chain(&self.delayed)
     }
 }
 
@@ -591,18 +624,34 @@ async fn versions() -> String {
     format!("RabbitMQ {rabbit}, PostgreSQL {pg} (synchronous_commit = {sync})")
 }
 
-async fn run(n: usize, pending_max: usize) -> Report {
+async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
     let defaults = Defaults::read();
     let versions = versions().await;
-    let (broker_publish, broker) = broker_leg(n, defaults.prefetch).await;
-    let database = database_leg(n, defaults.concurrency).await;
-    let smtp = smtp_leg(n, defaults.concurrency).await;
-    let sink = sink_leg(n, defaults.concurrency).await;
-    let mut runs = Vec::new();
-    for entry in [Entry::Send, Entry::Delayed] {
+    let mut broker_publish = None;
+    let mut measured = Vec::new();
+    for _ in 0..rounds.max(1) {
+        let (publish, broker) = broker_leg(n, defaults.prefetch).await;
+        broker_publish.get_or_insert(publish);
+        let database = database_leg(n, defaults.concurrency).await;
+        let smtp = smtp_leg(n, defaults.concurrency).await;
+        let mut runs = Vec::new();
         for instances in [1, 3] {
-            runs.push(end_to_end(n, instances, entry).await);
+            runs.push(end_to_end(n, instances, Entry::Send).await);
         }
+        measured.push(Round {
+            broker,
+            database,
+            smtp,
+            runs,
+        });
+    }
+    let mut order: Vec<usize> = (0..measured.len()).collect();
+    order.sort_by(|&a, &b| measured[a].ratio().total_cmp(&measured[b].ratio()));
+    let median = order[order.len() / 2];
+    let sink = sink_leg(n, defaults.concurrency).await;
+    let mut delayed = Vec::new();
+    for instances in [1, 3] {
+        delayed.push(end_to_end(n, instances, Entry::Delayed).await);
     }
     let mut backlogs = Vec::new();
     for pending in backlog_sizes(pending_max) {
@@ -612,12 +661,11 @@ async fn run(n: usize, pending_max: usize) -> Report {
         n,
         defaults,
         versions,
-        broker_publish,
-        broker,
-        database,
-        smtp,
+        broker_publish: broker_publish.expect("at least one round"),
+        rounds: measured,
+        median,
         sink,
-        runs,
+        delayed,
         backlogs,
     }
 }
@@ -648,9 +696,38 @@ fn markdown(r: &Report) -> String {
         clock_ticks(),
     );
     let _ = writeln!(w);
+    let rounds = r.rounds.len();
+    if rounds > 1 {
+        let _ = writeln!(
+            w,
+            "{rounds} rounds, each: the three legs, then the send path with 1 and 3 processes. \
+             The tables below show the round with the median 1-process ratio (round {}); \
+             the delayed path ran once after the rounds and is divided by that round's bound.",
+            r.median + 1
+        );
+        let _ = writeln!(w);
+        let _ = writeln!(w, "| round | C_broker | C_db | C_smtp | fair bound | 1 process | ratio | 3 processes | ratio |");
+        let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (i, round) in r.rounds.iter().enumerate() {
+            let bound = round.fair_bound();
+            let _ = writeln!(
+                w,
+                "| {} | {:.0} | {:.0} | {:.0} | {bound:.0} | {:.0} | {:.2} | {:.0} | {:.2} |",
+                i + 1,
+                round.broker.rate(),
+                round.database.rate(),
+                round.smtp.rate(),
+                round.runs[0].run.rate(),
+                round.runs[0].run.rate() / bound,
+                round.runs[1].run.rate(),
+                round.runs[1].run.rate() / bound,
+            );
+        }
+        let _ = writeln!(w);
+    }
     let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ fair bound | postie CPU/email | postie peak RSS | lost | duplicates |");
     let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|");
-    for e in &r.runs {
+    for e in r.runs() {
         let rss: Vec<String> = e
             .peak_rss_kib
             .iter()
@@ -673,7 +750,8 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(w);
     let _ = writeln!(w, "| leg, alone | emails/s |");
     let _ = writeln!(w, "|---|---:|");
-    for leg in [&r.broker, &r.database, &r.smtp] {
+    let shown = r.shown();
+    for leg in [&shown.broker, &shown.database, &shown.smtp] {
         let _ = writeln!(w, "| {} | {:.0} |", leg.label, leg.rate());
     }
     let _ = writeln!(
@@ -696,9 +774,15 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(w);
     let _ = writeln!(w, "| measurement | postie | postgres | rabbitmq | sink | harness | other | all | machine busy |");
     let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let all = [&r.broker, &r.database, &r.smtp, &r.sink, &r.broker_publish]
-        .into_iter()
-        .chain(r.runs.iter().map(|e| &e.run));
+    let all = [
+        &shown.broker,
+        &shown.database,
+        &shown.smtp,
+        &r.sink,
+        &r.broker_publish,
+    ]
+    .into_iter()
+    .chain(r.runs().map(|e| &e.run));
     for m in all {
         let c = &m.cpu;
         let by: Vec<String> = Who::ALL
@@ -753,9 +837,25 @@ fn markdown(r: &Report) -> String {
 fn json(r: &Report) -> serde_json::Value {
     let d = &r.defaults;
     let bound = r.fair_bound();
-    let runs: Vec<_> = r
-        .runs
+    let rounds: Vec<_> = r
+        .rounds
         .iter()
+        .map(|round| {
+            let b = round.fair_bound();
+            serde_json::json!({
+                "c_broker": round3(round.broker.rate()),
+                "c_db": round3(round.database.rate()),
+                "c_smtp": round3(round.smtp.rate()),
+                "fair_bound": round3(b),
+                "one_process": round3(round.runs[0].run.rate()),
+                "one_process_ratio": round3(round.runs[0].run.rate() / b),
+                "three_processes": round3(round.runs[1].run.rate()),
+                "three_processes_ratio": round3(round.runs[1].run.rate() / b),
+            })
+        })
+        .collect();
+    let runs: Vec<_> = r
+        .runs()
         .map(|e| {
             let mut v = e.run.json();
             v["instances"] = e.instances.into();
@@ -796,10 +896,13 @@ fn json(r: &Report) -> serde_json::Value {
         "versions": r.versions,
         "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),
         "legs": {
-            "broker": r.broker.json(), "database": r.database.json(), "smtp": r.smtp.json(),
+            "broker": r.shown().broker.json(), "database": r.shown().database.json(),
+            "smtp": r.shown().smtp.json(),
             "sink": r.sink.json(), "broker_publish": r.broker_publish.json(),
         },
         "fair_bound_per_s": round3(bound),
+        "rounds": rounds,
+        "median_round": r.median + 1,
         "end_to_end": runs,
         "ladder": backlogs,
     })
@@ -807,7 +910,12 @@ fn json(r: &Report) -> serde_json::Value {
 
 /// Sanity only: everything sent once, nothing early. No timing thresholds.
 fn assert_sane(r: &Report) {
-    for e in &r.runs {
+    for e in r
+        .rounds
+        .iter()
+        .flat_map(|round| &round.runs)
+        .chain(&r.delayed)
+    {
         assert_eq!((e.lost, e.duplicates), (0, 0), "{}", e.run.label);
         assert!(e.run.rate() / r.fair_bound() > 0.0, "{}", e.run.label);
     }
@@ -824,7 +932,7 @@ fn assert_sane(r: &Report) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_smoke() {
-    let report = run(300, 1_000).await;
+    let report = run(300, 1_000, 1).await;
     println!("{}", markdown(&report));
     assert_sane(&report);
 }
@@ -835,6 +943,7 @@ async fn bench_full() {
     let report = run(
         env_usize("POSTIE_BENCH_N", 20_000),
         env_usize("POSTIE_BENCH_PENDING_MAX", 100_000),
+        env_usize("POSTIE_BENCH_ROUNDS", 3),
     )
     .await;
     let md = markdown(&report);
