@@ -80,7 +80,7 @@ impl Default for AmqpSettings {
     fn default() -> Self {
         Self {
             url: SecretString::from("amqp://guest:guest@127.0.0.1:5672/%2f"),
-            prefetch: 64,
+            prefetch: 128,
             connect_timeout: Duration::from_secs(10),
         }
     }
@@ -219,7 +219,7 @@ pub struct WorkerSettings {
 impl Default for WorkerSettings {
     fn default() -> Self {
         Self {
-            concurrency: 32,
+            concurrency: 64,
             lease: Duration::from_secs(60),
             max_body_bytes: 512 * 1024,
             instance_id: None,
