@@ -20,10 +20,10 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     inbox.check(&settings.database.url).await?;
     let applied = inbox.migrate().await?;
     if applied.is_empty() {
-        println!("database is up to date");
+        out!("database is up to date");
     }
     for name in applied {
-        println!("applied {name}");
+        out!("applied {name}");
     }
     Ok(())
 }
@@ -40,19 +40,19 @@ pub async fn topology(settings: &Settings, delete: bool) -> anyhow::Result<()> {
     let channel = conn.create_channel().await?;
     if delete {
         topology.delete(&channel).await?;
-        println!(
+        out!(
             "deleted every queue and exchange under {:?}",
             settings.topology.prefix
         );
     } else {
         topology.declare(&channel).await?;
-        println!(
+        out!(
             "delay mode: {} (configured: {})",
             topology.mode_name(),
             settings.delay.mode.as_str()
         );
-        println!("exchanges: {}", topology.exchanges().join(", "));
-        println!("queues:    {}", topology.queues().join(", "));
+        out!("exchanges: {}", topology.exchanges().join(", "));
+        out!("queues:    {}", topology.queues().join(", "));
     }
     let _ = conn.close(200, "done".into()).await;
     Ok(())
@@ -153,7 +153,7 @@ pub async fn publish(settings: &Settings, request: &PublishRequest) -> anyhow::R
         properties,
     )
     .await?;
-    println!("published {} to {}", job.key, topology.delayed_exchange());
+    out!("published {} to {}", job.key, topology.delayed_exchange());
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
@@ -163,22 +163,22 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
     let inbox = Inbox::new(&settings.database)?;
     inbox.check(&settings.database.url).await?;
     let counts = inbox.counts().await?;
-    println!("inbox:");
+    out!("inbox:");
     for (status, count) in &counts.by_status {
-        println!("  {status:<10} {count}");
+        out!("  {status:<10} {count}");
     }
-    println!("  duplicates suppressed: {}", counts.duplicates);
-    println!("  leases taken over:     {}", counts.takeovers);
+    out!("  duplicates suppressed: {}", counts.duplicates);
+    out!("  leases taken over:     {}", counts.takeovers);
 
     let topology = resolve_topology(settings).await?;
-    println!("delay mode: {}", topology.mode_name());
+    out!("delay mode: {}", topology.mode_name());
     let conn = amqp::connect(
         &settings.amqp.url,
         "postie-status",
         settings.amqp.connect_timeout,
     )
     .await?;
-    println!("queues (ready messages, consumers):");
+    out!("queues (ready messages, consumers):");
     let mut channel = conn.create_channel().await?;
     for queue in topology.queues() {
         let options = QueueDeclareOptions {
@@ -189,13 +189,13 @@ pub async fn status(settings: &Settings) -> anyhow::Result<()> {
             .queue_declare(queue.as_str().into(), options, FieldTable::default())
             .await
         {
-            Ok(q) => println!(
+            Ok(q) => out!(
                 "  {queue:<24} {:>8} {:>4}",
                 q.message_count(),
                 q.consumer_count()
             ),
             Err(_) => {
-                println!("  {queue:<24} (missing: run `postie topology`)");
+                out!("  {queue:<24} (missing: run `postie topology`)");
                 // A failed passive declare closes the channel.
                 channel = conn.create_channel().await?;
             }
@@ -224,7 +224,7 @@ pub async fn cancel(settings: &Settings, key: &str, revision: Option<i32>) -> an
         ),
         _ => format!("cancelled (revisions up to {})", cancelled.covers),
     };
-    println!("{key}: {what}");
+    out!("{key}: {what}");
     Ok(())
 }
 
@@ -243,9 +243,9 @@ pub async fn pending(
         let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
             .unwrap_or_default();
-        println!("{due}  rev {:<3} {}", job.revision, job.key);
+        out!("{due}  rev {:<3} {}", job.revision, job.key);
     }
-    println!(
+    out!(
         "{total} pending{}",
         if (jobs.len() as i64) < total {
             format!(" ({} shown)", jobs.len())

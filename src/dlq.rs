@@ -209,14 +209,14 @@ pub async fn print_list(settings: &Settings, limit: usize) -> anyhow::Result<()>
     let (depth, letters) = peek(settings, limit).await?;
     let queue = names(settings).dead_queue();
     match depth {
-        0 => println!("{queue} is empty"),
+        0 => out!("{queue} is empty"),
         n if (n as usize) > letters.len() => {
-            println!(
+            out!(
                 "{queue}: {n} dead letter(s), the first {} shown",
                 letters.len()
             )
         }
-        n => println!("{queue}: {n} dead letter(s)"),
+        n => out!("{queue}: {n} dead letter(s)"),
     }
     if !letters.is_empty() {
         print!("{}", table(&letters));
@@ -228,7 +228,7 @@ pub async fn print_list(settings: &Settings, limit: usize) -> anyhow::Result<()>
 pub async fn print_replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Result<()> {
     let report = replay(settings, filter).await?;
     let topology = names(settings);
-    println!(
+    out!(
         "moved {} dead letter(s) to {}; {} not matching the filter left in {}",
         report.moved,
         topology.send_queue(),

@@ -21,6 +21,20 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 
+/// `println!` for command output that ends the process quietly when stdout is
+/// closed early (`postie pending | head`), as Unix tools do, instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let written = writeln!(std::io::stdout().lock(), $($arg)*);
+        if let Err(e) = written {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+        }
+    }};
+}
+
 pub mod acks;
 pub mod amqp;
 pub mod commands;

@@ -307,3 +307,29 @@ async fn a_postgres_outage_loses_and_dead_letters_nothing() {
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
     assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
 }
+
+/// `postie topology | head -0`: output into a pipe closed by the reader ends the
+/// command quietly (exit 0, no panic), as Unix tools do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn command_output_into_a_closed_pipe_exits_quietly() {
+    let env = TestEnv::new("epipe").await;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_postie"))
+        .arg("topology")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.env_vars())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn postie");
+    // The reader goes away before postie has printed anything (it declares first).
+    drop(child.stdout.take());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
