@@ -288,23 +288,16 @@ async fn emails_by_id(env: &TestEnv) -> BTreeMap<String, usize> {
     per_id
 }
 
-/// Waits for the sink to hold more than `before` emails; on timeout, fails with the
-/// end of postie's log. Returns the seconds it took.
+/// Waits (up to 120 s) for one more email than the sink holds now; returns the seconds.
 async fn next_email(env: &TestEnv, postie: &support::PostieProcess, what: &str) -> f64 {
-    let before = env.sink.count().await;
-    let from = Instant::now();
-    while env.sink.count().await <= before {
-        if from.elapsed() > Duration::from_secs(120) {
-            let log = postie.log();
-            let tail: Vec<&str> = log.lines().rev().take(100).collect();
-            panic!(
-                "no email within 120 s after {what}; postie's log, newest first:\n{}",
-                tail.join("\n")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    from.elapsed().as_secs_f64()
+    let next = env.sink.count().await + 1;
+    env.emails_or_log(
+        postie,
+        &format!("an email after {what}"),
+        next,
+        Duration::from_secs(120),
+    )
+    .await
 }
 
 /// The broker-side failures that are not a restart: the TCP connection cut, the path

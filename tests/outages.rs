@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::delay::HEADER_PUBLISHED_AT;
-use support::{eventually, job, message_id, PostieProcess, TestEnv};
+use support::{eventually, job, message_id, TestEnv};
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -91,26 +91,6 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
 }
 
-/// Waits up to `secs` for the sink to hold `count` emails; on timeout, fails with
-/// the end of postie's log, so a stalled recovery says where it stalled.
-async fn sent_or_log(env: &TestEnv, postie: &PostieProcess, what: &str, count: usize, secs: u64) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while env.sink.count().await < count {
-        if Instant::now() > deadline {
-            let log = postie.log();
-            let tail: Vec<&str> = log.lines().rev().take(200).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            panic!(
-                "timed out after {secs} s waiting for {what} ({} of {count} emails); \
-                 the last lines of postie's log:\n{}",
-                env.sink.count().await,
-                tail.join("\n")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Publishes `n` jobs, starts one postie process with slow SMTP, runs `outage`
 /// once a quarter is sent, and checks every job is then sent exactly once with
 /// nothing dead-lettered. Returns (seconds from the outage's end to the next email).
@@ -146,16 +126,16 @@ where
         before < n,
         "the run finished during the outage; slow it down"
     );
-    sent_or_log(
-        &env,
+    env.emails_or_log(
         &postie,
         "the next email after the outage",
         before + 1,
-        120,
+        Duration::from_secs(120),
     )
     .await;
     let recovery = back.elapsed().as_secs_f64();
-    sent_or_log(&env, &postie, "every job", n, 300).await;
+    env.emails_or_log(&postie, "every job", n, Duration::from_secs(300))
+        .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
     for m in env.sink.messages(false).await {

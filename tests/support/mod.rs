@@ -202,21 +202,68 @@ impl TestEnv {
             .expect("confirmed publish");
     }
 
-    /// Ready messages in a queue.
-    /// How many consumers a queue has.
-    pub async fn consumers(&self, queue: &str) -> u32 {
+    /// Waits up to `within` for the sink to hold `count` emails and returns the
+    /// seconds it took; on timeout, fails with the end of `postie`'s log, so a stalled
+    /// recovery says where it stalled.
+    pub async fn emails_or_log(
+        &self,
+        postie: &PostieProcess,
+        what: &str,
+        count: usize,
+        within: Duration,
+    ) -> f64 {
+        let from = Instant::now();
+        while self.sink.count().await < count {
+            if from.elapsed() > within {
+                let log = postie.log();
+                let tail: Vec<&str> = log.lines().rev().take(200).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "timed out after {within:?} waiting for {what} ({} of {count} emails); \
+                     the last lines of postie's log:\n{}",
+                    self.sink.count().await,
+                    tail.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        from.elapsed().as_secs_f64()
+    }
+
+    /// A passive declare: the queue's counts, or None if it does not exist.
+    async fn passive_declare(&self, queue: &str) -> Option<lapin::Queue> {
         let channel = self.amqp().await.0.create_channel().await.unwrap();
         let options = QueueDeclareOptions {
             passive: true,
             ..Default::default()
         };
-        let count = channel
+        let declared = channel
             .queue_declare(queue.into(), options, FieldTable::default())
             .await
-            .expect("queue exists")
-            .consumer_count();
+            .ok()?;
         let _ = channel.close(200, "done".into()).await;
-        count
+        Some(declared)
+    }
+
+    /// Ready messages in a queue.
+    pub async fn depth(&self, queue: &str) -> u32 {
+        self.passive_declare(queue)
+            .await
+            .expect("queue exists")
+            .message_count()
+    }
+
+    /// How many consumers a queue has.
+    pub async fn consumers(&self, queue: &str) -> u32 {
+        self.passive_declare(queue)
+            .await
+            .expect("queue exists")
+            .consumer_count()
+    }
+
+    /// Whether a queue exists.
+    pub async fn queue_exists(&self, queue: &str) -> bool {
+        self.passive_declare(queue).await.is_some()
     }
 
     /// Deletes a queue (whatever it holds), as an operator would.
@@ -227,36 +274,6 @@ impl TestEnv {
             .await
             .expect("queue deleted");
         let _ = channel.close(200, "done".into()).await;
-    }
-
-    /// Whether a queue exists (a passive declare answers).
-    pub async fn queue_exists(&self, queue: &str) -> bool {
-        let channel = self.amqp().await.0.create_channel().await.unwrap();
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let exists = channel
-            .queue_declare(queue.into(), options, FieldTable::default())
-            .await
-            .is_ok();
-        if exists {
-            let _ = channel.close(200, "done".into()).await;
-        }
-        exists
-    }
-
-    pub async fn depth(&self, queue: &str) -> u32 {
-        let channel = self.amqp().await.0.create_channel().await.unwrap();
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        channel
-            .queue_declare(queue.into(), options, FieldTable::default())
-            .await
-            .expect("queue exists")
-            .message_count()
     }
 
     /// Takes every message out of the dead-letter queue.
