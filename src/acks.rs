@@ -197,21 +197,11 @@ async fn sleep_until(deadline: Option<Instant>) {
 
 /// Sends the planned acks; false if the channel refused them.
 async fn send(channel: &Channel, plan: &Plan) -> bool {
-    if let Some(tag) = plan.multiple {
-        if channel
-            .basic_ack(tag, BasicAckOptions { multiple: true })
-            .await
-            .is_err()
-        {
-            return false;
-        }
-    }
-    for &tag in &plan.singles {
-        if channel
-            .basic_ack(tag, BasicAckOptions { multiple: false })
-            .await
-            .is_err()
-        {
+    let multiple = plan.multiple.map(|tag| (tag, true));
+    let singles = plan.singles.iter().map(|&tag| (tag, false));
+    for (tag, multiple) in multiple.into_iter().chain(singles) {
+        let options = BasicAckOptions { multiple };
+        if channel.basic_ack(tag, options).await.is_err() {
             return false;
         }
     }

@@ -101,16 +101,7 @@ async fn throttle_drop_two_instances_fifty_jobs_one_email() {
         1,
         "exactly one email for the user in the window"
     );
-    let client = env.db().await;
-    let throttled: i64 = client
-        .query_one(
-            "SELECT count(*) FROM postie_inbox WHERE status = 'throttled'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(throttled, 49);
+    assert_eq!(env.inbox_count("status = 'throttled'").await, 49);
     // Another user is not affected.
     let c = env.serve(settings());
     env.publish(&typed("promo-other", "promo", "u-2")).await;

@@ -230,12 +230,7 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
         (dead == 6 && envr.sink.count().await == 7).then_some(())
     })
     .await;
-    let reasons: Vec<String> = env
-        .take_dead_letters()
-        .await
-        .iter()
-        .map(|d| d.reason().to_string())
-        .collect();
+    let reasons = env.dead_reasons().await;
     for (_, expected) in &bad {
         assert!(
             reasons.iter().any(|r| r.contains(expected)),

@@ -100,16 +100,7 @@ async fn ladder_jobs_delayed_0_to_8_s_are_all_sent_and_none_early() {
         lateness[n - 1]
     );
     // The inbox keeps the same due times.
-    let client = env.db().await;
-    let early: i64 = client
-        .query_one(
-            "SELECT count(*) FROM postie_inbox WHERE sent_at < due_at",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(early, 0);
+    assert_eq!(env.inbox_count("sent_at < due_at").await, 0);
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
 }
 
@@ -144,12 +135,7 @@ async fn bad_or_too_long_x_delay_is_dead_lettered_at_intake() {
     )
     .await;
     serving.stop().await;
-    let reasons: Vec<String> = env
-        .take_dead_letters()
-        .await
-        .iter()
-        .map(|d| d.reason().to_string())
-        .collect();
+    let reasons = env.dead_reasons().await;
     for (_, expected) in &cases {
         assert!(
             reasons.iter().any(|r| r.contains(expected)),
@@ -205,15 +191,11 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
         );
         let _ = due_ms;
     }
-    let early: i64 = client
-        .query_one(
-            "SELECT count(*) FROM postie_inbox WHERE sent_at < due_at",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(early, 0, "sent before due");
+    assert_eq!(
+        env.inbox_count("sent_at < due_at").await,
+        0,
+        "sent before due"
+    );
     assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
 }
 
@@ -225,32 +207,18 @@ async fn auto_picks_ladder_on_a_broker_without_the_plugin() {
         "this broker has no delayed-message plugin"
     );
     let env = TestEnv::new("auto").await; // declares <p>.delayed as direct (ladder)
-    let mut settings = env.settings();
-    assert_eq!(
-        resolve_mode(
-            DelayMode::Auto,
-            &settings.topology,
-            &url,
-            Duration::from_secs(10)
-        )
-        .await
-        .unwrap(),
-        DelayMode::Ladder,
-        "an existing direct entry exchange means ladder"
-    );
-    settings.topology.prefix = format!("{}.fresh", env.prefix);
-    assert_eq!(
-        resolve_mode(
-            DelayMode::Auto,
-            &settings.topology,
-            &url,
-            Duration::from_secs(10)
-        )
-        .await
-        .unwrap(),
-        DelayMode::Ladder,
-        "a fresh broker without the plugin means ladder"
-    );
+    let existing = env.settings().topology;
+    let mut fresh = existing.clone();
+    fresh.prefix = format!("{}.fresh", env.prefix);
+    for (topology, why) in [
+        (&existing, "an existing direct entry exchange means ladder"),
+        (&fresh, "a fresh broker without the plugin means ladder"),
+    ] {
+        let mode = resolve_mode(DelayMode::Auto, topology, &url, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(mode, DelayMode::Ladder, "{why}");
+    }
     // `postie topology` prints the choice.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_postie"))
         .arg("topology")

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::{amqp_url, eventually, job, pg_base, TestEnv};
+use support::{admin_sql_in, amqp_url, eventually, job, pg_base, TestEnv};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
@@ -95,18 +95,6 @@ impl Drop for DbRole {
 
 async fn admin_sql(sql: &str) {
     admin_sql_in("postgres", sql).await;
-}
-
-async fn admin_sql_in(db: &str, sql: &str) {
-    let (client, connection) =
-        tokio_postgres::connect(&format!("{}/{db}", pg_base()), tokio_postgres::NoTls)
-            .await
-            .expect("PostgreSQL for tests");
-    tokio::spawn(connection);
-    client
-        .batch_execute(sql)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
 /// What the AUTH relay saw.

@@ -14,7 +14,7 @@ use postie::config::{DatabaseSettings, SmtpSettings};
 use postie::inbox::Inbox;
 use postie::mailer::Mailer;
 use secrecy::SecretString;
-use support::{amqp_url, free_port, pg_base, TestEnv};
+use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
 /// `postie ARGS` with exactly `env`: (exit code, stdout, stderr).
 fn run_postie(args: &[&str], env: &[(String, String)]) -> (Option<i32>, String, String) {
@@ -97,12 +97,7 @@ async fn local_postgres_certificate() -> Option<PathBuf> {
 }
 
 async fn admin() -> tokio_postgres::Client {
-    let (client, connection) =
-        tokio_postgres::connect(&format!("{}/postgres", pg_base()), tokio_postgres::NoTls)
-            .await
-            .expect("PostgreSQL for tests");
-    tokio::spawn(connection);
-    client
+    pg_admin("postgres").await
 }
 
 /// A database of its own, dropped at the end.

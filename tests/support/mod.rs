@@ -354,7 +354,29 @@ impl TestEnv {
 
     /// A plain connection to the test database.
     pub async fn db(&self) -> tokio_postgres::Client {
-        connect_pg(&format!("{}/{}", pg_base(), self.db_name)).await
+        pg_admin(&self.db_name).await
+    }
+
+    /// Inbox rows matching `condition` (an SQL boolean expression).
+    pub async fn inbox_count(&self, condition: &str) -> i64 {
+        self.db()
+            .await
+            .query_one(
+                &format!("SELECT count(*) FROM postie_inbox WHERE {condition}"),
+                &[],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("counting inbox rows where {condition}: {e}"))
+            .get(0)
+    }
+
+    /// The readable reasons of every dead letter (taken off the queue).
+    pub async fn dead_reasons(&self) -> Vec<String> {
+        self.take_dead_letters()
+            .await
+            .iter()
+            .map(|d| d.reason().to_string())
+            .collect()
     }
 }
 
@@ -668,10 +690,20 @@ async fn connect_pg(url: &str) -> tokio_postgres::Client {
     client
 }
 
-async fn admin_sql(sql: &str) {
-    let client = connect_pg(&format!("{}/postgres", pg_base())).await;
-    client
+/// A superuser connection to database `db` of the test server.
+pub async fn pg_admin(db: &str) -> tokio_postgres::Client {
+    connect_pg(&format!("{}/{db}", pg_base())).await
+}
+
+/// Runs `sql` as the superuser in database `db`.
+pub async fn admin_sql_in(db: &str, sql: &str) {
+    pg_admin(db)
+        .await
         .batch_execute(sql)
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+async fn admin_sql(sql: &str) {
+    admin_sql_in("postgres", sql).await;
 }
