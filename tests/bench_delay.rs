@@ -33,10 +33,10 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64) -> Report {
     let delays = (0..jobs).map(|i| (i as i64 * 7_919) % (spread_ms + 1));
     let due = publish_delayed(&env, "lat", delays).await;
     let envr = &env;
-    eventually(
+    env.wait_for_emails(
         "every delayed job",
+        jobs,
         Duration::from_secs(spread_ms as u64 / 1000 + 600),
-        move || async move { (envr.sink.count().await >= jobs).then_some(()) },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;

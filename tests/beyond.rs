@@ -135,13 +135,8 @@ async fn throttle_defer_sends_all_one_window_apart_never_early() {
             publish_delayed(&env, &typed(&key, "digest", "u-9"), 0).await,
         );
     }
-    let envr = &env;
-    eventually(
-        "every deferred email",
-        Duration::from_secs(90),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("every deferred email", JOBS, Duration::from_secs(90))
+        .await;
     a.stop().await;
     b.stop().await;
     let got = env.arrivals().await;

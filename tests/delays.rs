@@ -82,14 +82,9 @@ async fn ladder_jobs_delayed_0_to_8_s_are_all_sent_and_none_early() {
         let key = format!("delay-{i}");
         due.insert(key.clone(), publish_delayed(&env, &key, *delay).await);
     }
-    let envr = &env;
     let n = delays.len();
-    eventually(
-        "every delayed email",
-        Duration::from_secs(90),
-        move || async move { (envr.sink.count().await >= n).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("every delayed email", n, Duration::from_secs(90))
+        .await;
     serving.stop().await;
     let mut lateness = check_on_time(&env, &due).await;
     lateness.sort();
@@ -162,13 +157,8 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
         }
     }
     let _replacement = env.spawn_process(&[]);
-    let envr = &env;
-    eventually(
-        "every job after the kill",
-        Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("every job after the kill", JOBS, Duration::from_secs(120))
+        .await;
     tokio::time::sleep(Duration::from_secs(2)).await; // would-be duplicates show up
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     for m in env.sink.messages(false).await {

@@ -167,13 +167,8 @@ async fn sigterm_mid_run_drains_exits_0_and_a_restart_finishes_exactly_once() {
     env.publish_many(&bodies).await;
     let drain = [("POSTIE__WORKER__DRAIN_TIMEOUT", "10s")];
     let mut first = env.spawn_process(&drain);
-    let envr = &env;
-    eventually(
-        "the run under way",
-        Duration::from_secs(60),
-        move || async move { (envr.sink.count().await >= 50).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("the run under way", 50, Duration::from_secs(60))
+        .await;
     let asked = Instant::now();
     let status = first
         .terminate(Duration::from_secs(30))
@@ -195,10 +190,10 @@ async fn sigterm_mid_run_drains_exits_0_and_a_restart_finishes_exactly_once() {
     );
 
     let _second = env.spawn_process(&drain);
-    eventually(
+    env.wait_for_emails(
         "every job after the restart",
+        JOBS,
         Duration::from_secs(180),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -229,13 +224,8 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
         .map(|i| job(&format!("sd-{i}"), "x@example.com"))
         .collect();
     env.publish_many(&bodies).await;
-    let envr = &env;
-    eventually(
-        "the first half",
-        Duration::from_secs(60),
-        move || async move { (envr.sink.count().await >= JOBS / 2).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("the first half", JOBS / 2, Duration::from_secs(60))
+        .await;
 
     relay.down();
     let bodies: Vec<_> = (JOBS / 2..JOBS)
@@ -261,10 +251,10 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     );
     relay.up();
     let back = Instant::now();
-    eventually(
+    env.wait_for_emails(
         "every job after the relay is back",
+        JOBS,
         Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
     )
     .await;
     let recovery = back.elapsed();

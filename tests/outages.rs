@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use lapin::types::{AMQPValue, FieldTable};
 use postie::amqp;
 use postie::delay::HEADER_PUBLISHED_AT;
-use support::{eventually, job, message_id, TestEnv};
+use support::{job, message_id, TestEnv};
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -67,11 +67,10 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
         restarted.elapsed().as_secs_f64()
     );
 
-    let envr = &env;
-    eventually(
+    env.wait_for_emails(
         "every job after the restart",
+        JOBS,
         Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -112,13 +111,8 @@ where
         ("POSTIE__WORKER__CONCURRENCY", "4"),
         ("POSTIE__AMQP__PREFETCH", "4"),
     ]);
-    let envr = &env;
-    eventually(
-        "a quarter sent",
-        Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= n / 4).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("a quarter sent", n / 4, Duration::from_secs(120))
+        .await;
     outage().await;
     let back = Instant::now();
     let before = env.sink.count().await;

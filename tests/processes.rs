@@ -31,12 +31,8 @@ async fn three_instances_send_exactly_one_email_per_key() {
     let started = Instant::now();
     let _instances: Vec<_> = (0..3).map(|_| env.spawn_process(&[])).collect();
     let envr = &env;
-    eventually(
-        "every unique key sent",
-        Duration::from_secs(300),
-        move || async move { (envr.sink.count().await >= UNIQUE).then_some(()) },
-    )
-    .await;
+    env.wait_for_emails("every unique key sent", UNIQUE, Duration::from_secs(300))
+        .await;
     let elapsed = started.elapsed();
     // Let the remaining duplicates drain, then check nothing more was sent.
     eventually(

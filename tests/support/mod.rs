@@ -202,6 +202,14 @@ impl TestEnv {
             .expect("confirmed publish");
     }
 
+    /// Waits up to `timeout` for the sink to hold at least `n` emails.
+    pub async fn wait_for_emails(&self, what: &str, n: usize, timeout: Duration) {
+        eventually(what, timeout, move || async move {
+            (self.sink.count().await >= n).then_some(())
+        })
+        .await
+    }
+
     /// Waits up to `within` for the sink to hold `count` emails and returns the
     /// seconds it took; on timeout, fails with the end of `postie`'s log, so a stalled
     /// recovery says where it stalled.
