@@ -1,23 +1,19 @@
 //! postie: delayed email jobs from RabbitMQ, claimed in PostgreSQL by business key,
-//! sent over SMTP exactly once.
+//! sent over SMTP exactly once. `ARCHITECTURE.md` at the repository root is the map;
+//! in one line each, the path of a job:
 //!
-//! The data flow, one module per step:
+//! - [`contract`]: the producers' contract: one message in, one validated job out.
+//! - [`broker`]: RabbitMQ: connections, confirmed publishes, topology, the ladder, acks.
+//! - [`consume`]: `postie serve`: the session supervisor and the consume loops.
+//! - [`work`]: the unit of work (claim → send → record), its outcomes and retry policy.
+//! - [`inbox`]: the PostgreSQL inbox: claims, completions, migrations.
+//! - [`mail`]: the transport seam: building the email and handing it over.
+//! - [`dlq`]: dead letters for operators: list and replay.
+//! - [`ops`]: health, circuit breaker, metrics, the HTTP endpoint, logs and traces.
+//! - [`cli`]: the command line.
 //!
-//! - [`config`]: typed settings in layers (defaults, file, `POSTIE__…` environment).
-//! - [`topology`]: the exchanges and queues, declared idempotently.
-//! - [`delay`]: the `x-delay` contract: due times, and the plugin-free TTL ladder.
-//! - [`job`]: the producers' contract: parse and validate one message into an [`job::EmailJob`].
-//! - [`inbox`]: the PostgreSQL inbox: migrations, claim by key, record the outcome.
-//! - [`mailer`]: build the email and hand it to SMTP (or to `.eml` files).
-//! - [`relay`]: ladder mode: route each new job into the TTL cascade by its due time.
-//! - [`worker`]: the unit of work: one delivery in, one named [`worker::Outcome`] out.
-//! - [`consumer`]: the supervised consume loop: maps outcomes to publish + ack.
-//! - [`acks`]: coalesced acks: one `multiple` ack per run of finished deliveries.
-//! - [`amqp`]: connections, confirmed publishes and header helpers.
-//! - [`health`], [`metrics`], [`http`]: readiness, the SMTP circuit breaker, Prometheus
-//!   metrics and the `/metrics` `/healthz` `/readyz` endpoint.
-//! - [`commands`]: the CLI sub-commands other than `serve`.
-//! - [`dlq`]: `postie dlq`: list dead letters without consuming them, replay them.
+//! And the leaves everything may use: [`config`] (settings), [`headers`] (message
+//! headers), [`endpoint`] (loopback check and URL redaction).
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 
@@ -35,36 +31,35 @@ macro_rules! out {
     }};
 }
 
-pub mod acks;
-pub mod amqp;
-pub mod commands;
+pub mod broker;
+pub mod cli;
 pub mod config;
-pub mod consumer;
-pub mod delay;
+pub mod consume;
+pub mod contract;
 pub mod dlq;
-pub mod health;
-pub mod http;
+pub mod endpoint;
+pub mod headers;
 pub mod inbox;
-pub mod job;
-pub mod mailer;
-pub mod metrics;
-pub mod relay;
-pub mod telemetry;
-pub mod topology;
-pub mod worker;
+pub mod mail;
+pub mod ops;
+pub mod work;
 
 /// An error and its causes on one line, for the last words of a failed command.
 pub fn describe_error(error: &anyhow::Error) -> String {
-    error
-        .chain()
-        .map(ToString::to_string)
-        .fold(String::new(), |mut line, part| {
-            if !line.contains(&part) {
-                if !line.is_empty() {
-                    line.push_str(": ");
-                }
-                line.push_str(&part);
-            }
-            line
-        })
+    error_chain(error.as_ref())
+}
+
+/// An error and its causes on one line, each said once.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }

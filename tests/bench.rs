@@ -25,12 +25,12 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Channel;
-use postie::amqp;
+use postie::broker;
+use postie::broker::{DelayLayout, ROUTING_KEY};
 use postie::config::Settings;
+use postie::contract::{EmailJob, ParseRules};
 use postie::inbox::{Claim, Inbox};
-use postie::job::{EmailJob, ParseRules};
-use postie::mailer::Mailer;
-use postie::topology::{DelayLayout, ROUTING_KEY};
+use postie::mail::Mailer;
 use support::bench::{
     broker_connection, broker_memory, clock_ticks, cpu_seconds, env_usize, management_api,
     message_id, peak_rss_kib, publish_bodies, publish_delayed, round3, CpuSnapshot, CpuUse,
@@ -277,7 +277,7 @@ async fn broker_leg(n: usize, prefetch: u16) -> (Measured, Measured) {
         .await
         .unwrap();
 
-    let publisher = amqp::confirm_channel(&conn).await.unwrap();
+    let publisher = broker::confirm_channel(&conn).await.unwrap();
     let before = CpuSnapshot::take();
     publish_bodies(&publisher, "", &queue, bodies(n, "broker")).await;
     let published = Measured::new("broker: confirmed publish (1,000 in flight)", n, &before);
@@ -466,7 +466,7 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
         Entry::Send => (env.topology.work_exchange(), env.topology.send_queue()),
         Entry::Delayed => (env.topology.delayed_exchange(), env.topology.intake_queue()),
     };
-    let publisher = amqp::confirm_channel(&conn).await.unwrap();
+    let publisher = broker::confirm_channel(&conn).await.unwrap();
     publish_bodies(&publisher, &exchange, ROUTING_KEY, bodies(n, "e2e")).await;
     let probe = conn.create_channel().await.unwrap();
     assert_eq!(

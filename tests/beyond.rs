@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::amqp;
+use postie::broker;
 use postie::config::{Settings, ThrottlePolicy, ThrottleRule};
-use postie::delay::HEADER_PUBLISHED_AT;
+use postie::headers::HEADER_PUBLISHED_AT;
 use serde_json::json;
 use support::{eventually, job, message_id, TestEnv};
 
@@ -30,7 +30,7 @@ async fn publish_delayed(env: &TestEnv, body: &serde_json::Value, delay_ms: i64)
     );
     env.publish_raw(
         body.to_string().as_bytes(),
-        amqp::job_properties().with_headers(headers),
+        broker::job_properties().with_headers(headers),
     )
     .await;
     published + delay_ms

@@ -1,5 +1,5 @@
 //! Fault-injection harness (in the spirit of Jepsen's RabbitMQ tests) proving the
-//! invariants of DESIGN §5 under faults, with a report anyone can rerun.
+//! invariants of ARCHITECTURE.md ("Invariants") under faults, with a report anyone can rerun.
 //!
 //! A publisher sends N jobs with confirms (some duplicated keys, some delayed, some
 //! destined to fail) while three `postie serve` processes work and a nemesis injects
@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use postie::amqp;
-use postie::delay::HEADER_PUBLISHED_AT;
-use postie::job::IdempotencyKey;
-use postie::topology::ROUTING_KEY;
+use postie::broker;
+use postie::broker::ROUTING_KEY;
+use postie::contract::IdempotencyKey;
+use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 use serde_json::json;
 use support::{amqp_url, job, PostieProcess, TestEnv};
@@ -149,9 +149,9 @@ async fn publish_all(
             channel = None;
             for _ in 0..40 {
                 if let Ok(conn) =
-                    amqp::connect(&url, "chaos-publisher", Duration::from_secs(5)).await
+                    broker::connect(&url, "chaos-publisher", Duration::from_secs(5)).await
                 {
-                    if let Ok(ch) = amqp::confirm_channel(&conn).await {
+                    if let Ok(ch) = broker::confirm_channel(&conn).await {
                         channel = Some((conn, ch));
                         break;
                     }
@@ -169,7 +169,7 @@ async fn publish_all(
         if planned.delay_ms > 0 {
             headers.insert("x-delay".into(), AMQPValue::LongLongInt(planned.delay_ms));
         }
-        let props = amqp::job_properties().with_headers(headers);
+        let props = broker::job_properties().with_headers(headers);
         let body = planned.body.to_string();
         let confirmed = match ch
             .basic_publish(
@@ -219,7 +219,7 @@ fn sink_rules(fault: Option<serde_json::Value>) -> serde_json::Value {
 
 /// Ready messages across every queue of the topology, on a fresh connection.
 async fn total_depth(env: &TestEnv) -> Option<u64> {
-    let conn = amqp::connect(
+    let conn = broker::connect(
         &SecretString::from(amqp_url()),
         "chaos-depth",
         Duration::from_secs(5),

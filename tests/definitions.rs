@@ -13,9 +13,9 @@ use std::process::Command;
 
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
+use postie::broker::Ladder;
+use postie::broker::{DelayLayout, Topology, ROUTING_KEY};
 use postie::config::{DelayMode, DelaySettings, TopologySettings};
-use postie::delay::Ladder;
-use postie::topology::{DelayLayout, Topology, ROUTING_KEY};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 

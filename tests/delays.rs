@@ -1,4 +1,4 @@
-//! The x-delay contract in ladder mode against the real broker (DESIGN §4), the
+//! The x-delay contract in ladder mode against the real broker (README, "Delays"), the
 //! auto-mode probe, and plugin mode's start-up errors on a broker without the plugin.
 
 mod support;
@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::amqp;
-use postie::delay::{DelayMode, HEADER_PUBLISHED_AT};
-use postie::topology::{probe_plugin, resolve_mode};
+use postie::broker;
+use postie::broker::{probe_plugin, resolve_mode};
+use postie::config::DelayMode;
+use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 use support::{amqp_url, eventually, job, message_id, TestEnv};
 
@@ -39,7 +40,7 @@ async fn publish_delayed(env: &TestEnv, key: &str, delay_ms: i64) -> i64 {
     let body = job(key, "later@example.com").to_string();
     env.publish_raw(
         body.as_bytes(),
-        amqp::job_properties().with_headers(headers),
+        broker::job_properties().with_headers(headers),
     )
     .await;
     published + delay_ms.max(0)
@@ -114,7 +115,7 @@ async fn bad_or_too_long_x_delay_is_dead_lettered_at_intake() {
         let body = job(&format!("bad-delay-{i}"), "x@example.com").to_string();
         env.publish_raw(
             body.as_bytes(),
-            amqp::job_properties().with_headers(headers),
+            broker::job_properties().with_headers(headers),
         )
         .await;
     }
@@ -252,7 +253,7 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
     let env = TestEnv::new("mismatch").await;
     let prefix = format!("{}.mm", env.prefix);
     // Someone declared the entry exchange with another type (as plugin mode would).
-    let conn = amqp::connect(
+    let conn = broker::connect(
         &SecretString::from(amqp_url()),
         "test",
         Duration::from_secs(10),
@@ -314,7 +315,7 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     env.publish_to_queue(
         &env.topology.send_queue(),
         body.as_bytes(),
-        amqp::job_properties().with_headers(headers),
+        broker::job_properties().with_headers(headers),
     )
     .await;
     let envr = &env;

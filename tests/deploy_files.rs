@@ -480,7 +480,9 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// Every series name postie's `/metrics` can show: counters with `_total`,
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
-    use postie::metrics::{DeadReason, Dependency, Metrics, QueueLabel, RouteLabel, StepLabel};
+    use postie::ops::metrics::{
+        DeadReason, Dependency, Metrics, QueueLabel, RouteLabel, StepLabel,
+    };
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
     metrics.retries.get_or_create(&StepLabel { step: 0 }).inc();

@@ -45,8 +45,11 @@ async fn list_shows_dead_letters_without_consuming_and_replay_moves_only_matchin
     let mut bad_address = job("k-badaddr", "a@example.com");
     bad_address["to"] = json!(["alice at example dot com"]);
     env.publish(&bad_address).await;
-    env.publish_raw(b"{\"key\": \"k-broken\", ", postie::amqp::job_properties())
-        .await;
+    env.publish_raw(
+        b"{\"key\": \"k-broken\", ",
+        postie::broker::job_properties(),
+    )
+    .await;
     wait_for_dead(&env, 4).await;
 
     // list: every dead letter, with its key (parsed, raw, or "-") and reason.

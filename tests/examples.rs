@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use postie::job::IdempotencyKey;
+use postie::contract::IdempotencyKey;
 use support::{amqp_url, eventually, TestEnv};
 
 /// `x-delay` of every example job.

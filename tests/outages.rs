@@ -10,8 +10,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::amqp;
-use postie::delay::HEADER_PUBLISHED_AT;
+use postie::broker;
+use postie::headers::HEADER_PUBLISHED_AT;
 use support::{job, message_id, TestEnv};
 use tokio::sync::Mutex;
 
@@ -52,7 +52,7 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
         );
         env.publish_raw(
             job(&key, "x@example.com").to_string().as_bytes(),
-            amqp::job_properties().with_headers(headers),
+            broker::job_properties().with_headers(headers),
         )
         .await;
         due.insert(message_id(&key), published + delay);

@@ -1,5 +1,5 @@
 //! The shipped JSON Schema of the job body (`schema/email-job.v1.json`) and the
-//! runtime parser (`postie::job::EmailJob::parse`) must agree on every case in
+//! runtime parser (`postie::contract::EmailJob::parse`) must agree on every case in
 //! `tests/jobs/`:
 //!
 //! - `valid/`: accepted by both;
@@ -13,7 +13,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use postie::job::{EmailJob, ParseRules};
+use postie::contract::{EmailJob, ParseRules};
 use serde_json::Value;
 
 const RULES: ParseRules<'static> = ParseRules {
@@ -186,11 +186,11 @@ fn the_design_example_is_among_the_examples_and_the_valid_cases() {
     );
     assert_eq!(
         design["key"], "order-42:order_confirmation",
-        "tests/jobs/valid/design-example.json is the DESIGN.md §1 body"
+        "tests/jobs/valid/design-example.json is the contract example of the README"
     );
     let examples = schema["examples"].as_array().expect("an examples array");
     assert!(
         examples.contains(&design),
-        "schema/email-job.v1.json \"examples\" lacks the DESIGN.md §1 body"
+        "schema/email-job.v1.json \"examples\" lacks the contract example of the README"
     );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use postie::config::{DatabaseSettings, SmtpSettings};
 use postie::inbox::Inbox;
-use postie::mailer::Mailer;
+use postie::mail::Mailer;
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
@@ -239,7 +239,7 @@ fn this_machine_by_name() -> Option<String> {
     let local = (hostname.as_str(), 1u16)
         .to_socket_addrs()
         .is_ok_and(|mut addrs| addrs.any(|a| a.ip() == std::net::Ipv4Addr::LOCALHOST));
-    (!hostname.is_empty() && !postie::config::is_loopback_host(&hostname) && local)
+    (!hostname.is_empty() && !postie::endpoint::is_loopback_host(&hostname) && local)
         .then_some(hostname)
 }
 

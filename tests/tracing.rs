@@ -9,7 +9,7 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use postie::amqp;
+use postie::broker;
 use support::{eventually, job, TestEnv};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -38,7 +38,7 @@ async fn the_producer_trace_is_the_parent_of_the_delivery_span() {
     let body = job("traced-1", "x@example.com").to_string();
     env.publish_raw(
         body.as_bytes(),
-        amqp::job_properties().with_headers(headers),
+        broker::job_properties().with_headers(headers),
     )
     .await;
     let envr = &env;

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, PublisherConfirm};
-use postie::amqp;
-use postie::delay::HEADER_PUBLISHED_AT;
-use postie::job::IdempotencyKey;
+use postie::broker;
+use postie::contract::IdempotencyKey;
+use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 
 use super::sink::SinkMessage;
@@ -46,7 +46,7 @@ pub async fn broker_memory() -> u64 {
 
 /// A connection of the benchmark's own to the test broker.
 pub async fn broker_connection(name: &str) -> Connection {
-    amqp::connect(
+    broker::connect(
         &SecretString::from(amqp_url()),
         name,
         Duration::from_secs(10),
@@ -71,7 +71,7 @@ pub async fn publish_bodies(
                 routing_key.into(),
                 BasicPublishOptions::default(),
                 &body,
-                amqp::job_properties(),
+                broker::job_properties(),
             )
             .await
             .expect("publish");
@@ -109,7 +109,7 @@ pub async fn publish_delayed(
         );
         batch.push((
             job(&key, "bench@example.com"),
-            amqp::job_properties().with_headers(headers),
+            broker::job_properties().with_headers(headers),
         ));
         due.insert(message_id(&key), published + delay);
         if batch.len() == 1000 {

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
-use postie::amqp;
+use postie::broker;
+use postie::broker::{Topology, ROUTING_KEY};
 use postie::config::Settings;
-use postie::topology::{Topology, ROUTING_KEY};
 use secrecy::SecretString;
 use tokio_util::sync::CancellationToken;
 
@@ -93,7 +93,7 @@ impl TestEnv {
     /// Runs `postie serve` in this process until the handle is stopped.
     pub fn serve(&self, settings: Settings) -> Serving {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(postie::consumer::serve(settings, stop.clone()));
+        let task = tokio::spawn(postie::consume::serve(settings, stop.clone()));
         Serving {
             stop,
             task: Some(task),
@@ -135,14 +135,14 @@ impl TestEnv {
 
     /// Publishes a job body to the contract exchange (confirmed).
     pub async fn publish(&self, body: &serde_json::Value) {
-        self.publish_raw(body.to_string().as_bytes(), amqp::job_properties())
+        self.publish_raw(body.to_string().as_bytes(), broker::job_properties())
             .await;
     }
 
     /// Publishes raw bytes with the given properties to the contract exchange.
     pub async fn publish_raw(&self, body: &[u8], properties: BasicProperties) {
         let amqp = self.amqp().await;
-        amqp::publish_confirmed(
+        broker::publish_confirmed(
             &amqp.1,
             &self.topology.delayed_exchange(),
             ROUTING_KEY,
@@ -158,7 +158,7 @@ impl TestEnv {
     pub async fn publish_many(&self, bodies: &[serde_json::Value]) {
         let jobs: Vec<_> = bodies
             .iter()
-            .map(|b| (b.clone(), amqp::job_properties()))
+            .map(|b| (b.clone(), broker::job_properties()))
             .collect();
         self.publish_many_with(&jobs).await;
     }
@@ -197,7 +197,7 @@ impl TestEnv {
     /// Publishes raw bytes straight to a queue (emulates an operator's move).
     pub async fn publish_to_queue(&self, queue: &str, body: &[u8], properties: BasicProperties) {
         let amqp = self.amqp().await;
-        amqp::publish_confirmed(&amqp.1, "", queue, true, body, properties)
+        broker::publish_confirmed(&amqp.1, "", queue, true, body, properties)
             .await
             .expect("confirmed publish");
     }
@@ -399,7 +399,7 @@ impl Drop for TestEnv {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                if let Ok(conn) = amqp::connect(
+                if let Ok(conn) = broker::connect(
                     &SecretString::from(amqp_url()),
                     "postie-test-cleanup",
                     Duration::from_secs(10),
@@ -507,7 +507,7 @@ impl DeadLetter {
     /// The `postie-dead-reason` header.
     pub fn reason(&self) -> &str {
         self.headers
-            .get(amqp::HEADER_DEAD_REASON)
+            .get(postie::headers::HEADER_DEAD_REASON)
             .map(String::as_str)
             .unwrap_or("")
     }
@@ -530,14 +530,14 @@ pub struct InboxRow {
 
 /// A connection for the test itself, with a confirm channel.
 async fn test_connection() -> (Connection, Channel) {
-    let conn = amqp::connect(
+    let conn = broker::connect(
         &SecretString::from(amqp_url()),
         "postie-test",
         Duration::from_secs(10),
     )
     .await
     .expect("RabbitMQ for tests");
-    let channel = amqp::confirm_channel(&conn).await.unwrap();
+    let channel = broker::confirm_channel(&conn).await.unwrap();
     (conn, channel)
 }
 
@@ -563,7 +563,7 @@ pub fn restart_postgres() -> bool {
 
 /// The Message-ID postie gives every email of `key` (test settings' domain).
 pub fn message_id(key: &str) -> String {
-    postie::job::IdempotencyKey::parse(key)
+    postie::contract::IdempotencyKey::parse(key)
         .unwrap()
         .message_id("postie.local")
 }
@@ -682,7 +682,7 @@ fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
         .map(|(k, v)| {
             let text = match v {
                 AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                other => amqp::header_text(Some(headers), k.as_str())
+                other => postie::headers::header_text(Some(headers), k.as_str())
                     .unwrap_or_else(|| format!("{other:?}")),
             };
             (k.as_str().to_string(), text)

@@ -1,8 +1,11 @@
-//! The unit of work (DESIGN §3): one delivery in, one named [`Outcome`] out.
+//! The unit of work: one delivery in, one named [`Outcome`] out.
 //!
 //! The worker parses, claims in the inbox, sends, and records the result. It never
-//! touches the broker: the consumer maps each outcome to a publish and an ack, so the
-//! rule "no ack before the outcome is durable" lives in one place.
+//! touches the broker: the consume loop applies each outcome's [`Disposition`], so the
+//! rule "no ack before the outcome is durable" lives in one place. What a failure
+//! becomes is the [`RetryPolicy`]'s to say.
+//!
+//! [`Disposition`]: super::Disposition
 //!
 //! PostgreSQL being down is never the job's fault: every database step is retried
 //! with backoff until it answers (the delivery stays unacked meanwhile), and
@@ -10,154 +13,32 @@
 //! for an unreachable SMTP relay once the circuit breaker opens: the claim is given
 //! back, the delivery held, and the job sent when the relay answers again.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{header_int, HEADER_ATTEMPT};
-use crate::config::{Settings, ThrottlePolicy, ThrottleRule, WorkerSettings};
-use crate::delay::{self, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
-use crate::health::{next_backoff, Health};
-use crate::inbox::{Cancelled, Claim, DbError, Inbox, Throttle};
-use crate::job::{EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
-use crate::mailer::{Mailer, SendError};
-use crate::topology::{DelayLayout, Topology};
+use super::policy::{Failure, Next, RetryPolicy};
+use super::{now_ms, DeadKind, Outcome};
+use crate::broker::{DelayLayout, Topology};
+use crate::config::{Settings, ThrottlePolicy};
+use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
+use crate::headers::{header_int, HEADER_ATTEMPT, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
+use crate::inbox::{Claim, DbError, Inbox, Throttle};
+use crate::mail::{Mailer, SendError};
+use crate::ops::health::{next_backoff, Health};
 
 /// A job that reaches the worker at most this much before its due time is held
 /// until due (the ladder rounds down to whole units); earlier ones go back to wait.
 const HOLD_SLACK: Duration = Duration::from_secs(2);
 
-/// Why a job is dead-lettered, as a stable label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeadKind {
-    /// The message can never become an email.
-    Invalid,
-    /// The SMTP server refused it for good (5xx).
-    Permanent,
-    /// Transient failures used up every retry step.
-    Exhausted,
-}
-
-impl DeadKind {
-    /// The label used in headers and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Invalid => "invalid",
-            Self::Permanent => "permanent",
-            Self::Exhausted => "retries_exhausted",
-        }
-    }
-}
-
-/// What became of one delivery.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// Sent and recorded. `takeover` means an expired claim was taken over first, so
-    /// the previous owner may have sent it too (the known duplicate window).
-    Sent {
-        /// The job's key.
-        key: IdempotencyKey,
-        /// An expired lease was taken over.
-        takeover: bool,
-        /// Sent minus due, in ms (negative never happens by construction).
-        lateness_ms: i64,
-    },
-    /// Arrived well before its due time (clock skew, or moved in by hand): goes back
-    /// to the delayed exchange, stamped with its due time.
-    Early {
-        /// The job's key.
-        key: IdempotencyKey,
-        /// Due time, Unix ms.
-        due_ms: i64,
-        /// How far off, in ms.
-        early_ms: i64,
-    },
-    /// Sent, but meanwhile another instance took the key over (fence moved).
-    SentFenceLost {
-        /// The job's key.
-        key: IdempotencyKey,
-    },
-    /// Already sent: acked without sending.
-    Duplicate {
-        /// The job's key.
-        key: IdempotencyKey,
-    },
-    /// A cancel covers this job's revision: acked without sending.
-    Cancelled {
-        /// The job's key.
-        key: IdempotencyKey,
-    },
-    /// A newer revision of the key exists: acked without sending.
-    Stale {
-        /// The job's key.
-        key: IdempotencyKey,
-    },
-    /// A cancel request was recorded.
-    CancelRequest {
-        /// The key cancelled.
-        key: IdempotencyKey,
-        /// What the inbox said.
-        cancelled: Cancelled,
-    },
-    /// Over its type's throttle: dropped (`until_ms` None) or deferred until then.
-    Throttled {
-        /// The job's key.
-        key: IdempotencyKey,
-        /// Deferred until (Unix ms), or None when dropped.
-        until_ms: Option<i64>,
-    },
-    /// Another instance holds a live claim: park the job in retry queue `step`,
-    /// which is at least the remaining lease away, without counting an attempt.
-    Deferred {
-        /// The job's key.
-        key: IdempotencyKey,
-        /// Retry queue index.
-        step: usize,
-    },
-    /// A transient failure: retry queue `step`, with `attempt` failures so far.
-    Retry {
-        /// The job's key.
-        key: IdempotencyKey,
-        /// Retry queue index.
-        step: usize,
-        /// Failed attempts in this cycle, this one included.
-        attempt: u32,
-        /// What went wrong.
-        error: String,
-    },
-    /// To the dead-letter queue with a reason a person can read.
-    DeadLetter {
-        /// The job's key, when the message had one.
-        key: Option<IdempotencyKey>,
-        /// The reason class.
-        kind: DeadKind,
-        /// The reason.
-        reason: String,
-        /// Failed attempts in this cycle.
-        attempts: u32,
-    },
-}
-
-impl Outcome {
-    /// A short label for logs and metrics.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::Sent { .. } => "sent",
-            Self::Early { .. } => "early",
-            Self::SentFenceLost { .. } => "sent_fence_lost",
-            Self::Duplicate { .. } => "duplicate",
-            Self::Cancelled { .. } => "cancelled",
-            Self::Stale { .. } => "stale",
-            Self::CancelRequest { .. } => "cancel_request",
-            Self::Throttled { .. } => "throttled",
-            Self::Deferred { .. } => "deferred",
-            Self::Retry { .. } => "retry",
-            Self::DeadLetter { .. } => "dead_letter",
-        }
-    }
+/// What [`Worker::follow`] leads to.
+enum Followed {
+    /// The delivery's outcome.
+    Outcome(Outcome),
+    /// The dependency answers again: claim and send once more.
+    TryAgain,
 }
 
 /// Why a unit of work stopped short of an outcome.
@@ -174,20 +55,14 @@ enum Stop {
 #[error("interrupted by shutdown while waiting for the database")]
 pub struct Interrupted;
 
-/// Now, in Unix milliseconds.
-pub fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
 /// Everything one unit of work needs.
 #[derive(Clone)]
 pub struct Worker {
     inbox: Inbox,
     mailer: Mailer,
     topology: Topology,
-    settings: WorkerSettings,
-    default_from: Option<String>,
-    throttles: Arc<BTreeMap<String, ThrottleRule>>,
+    policy: RetryPolicy,
+    settings: Arc<Settings>,
     owner: String,
     health: Health,
     hard_stop: CancellationToken,
@@ -196,7 +71,7 @@ pub struct Worker {
 impl Worker {
     /// Assembles a worker. `hard_stop` ends waits for the database (drain timeout).
     pub fn new(
-        settings: &Settings,
+        settings: Arc<Settings>,
         parts: (Inbox, Mailer, Topology),
         owner: String,
         health: Health,
@@ -204,12 +79,11 @@ impl Worker {
     ) -> Self {
         let (inbox, mailer, topology) = parts;
         Self {
+            policy: RetryPolicy::new(topology.retry_steps()),
             inbox,
             mailer,
             topology,
-            settings: settings.worker.clone(),
-            default_from: settings.smtp.default_from.clone(),
-            throttles: Arc::new(settings.throttle.clone()),
+            settings,
             owner,
             health,
             hard_stop,
@@ -255,7 +129,7 @@ impl Worker {
             Ok(outcome) => Ok(outcome),
             Err(Stop::Interrupted) => Err(Interrupted),
             Err(Stop::Refused(error)) => Ok(Outcome::DeadLetter {
-                key: crate::job::peek_key(body).map(|(key, _)| key),
+                key: contract::peek_key(body).map(|(key, _)| key),
                 kind: DeadKind::Invalid,
                 reason: format!("the database refused this job: {error}"),
                 attempts: 0,
@@ -321,8 +195,12 @@ impl Worker {
         loop {
             let claim = self
                 .db("claim", || {
-                    self.inbox
-                        .claim(key.as_str(), &self.owner, self.settings.lease, job.revision)
+                    self.inbox.claim(
+                        key.as_str(),
+                        &self.owner,
+                        self.settings.worker.lease,
+                        job.revision,
+                    )
                 })
                 .await?;
             let (fence, takeover) = match claim {
@@ -330,8 +208,14 @@ impl Worker {
                 Claim::Cancelled => return Ok(Outcome::Cancelled { key }),
                 Claim::Stale => return Ok(Outcome::Stale { key }),
                 Claim::Busy { remaining } => {
-                    let step = self.topology.step_at_least(remaining);
-                    return Ok(Outcome::Deferred { key, step });
+                    let next = self
+                        .policy
+                        .next(Failure::LeaseBusy { remaining }, failed_so_far);
+                    let why = "claimed by another instance";
+                    match self.follow(next, &key, None, why).await? {
+                        Followed::Outcome(outcome) => return Ok(outcome),
+                        Followed::TryAgain => continue,
+                    }
                 }
                 Claim::Claimed {
                     fence, takeover, ..
@@ -343,26 +227,106 @@ impl Worker {
             if let Some(outcome) = self.throttle(&job, fence, due_ms).await? {
                 return Ok(outcome);
             }
-            let sent = self.send(&job).await;
-            if let Err(SendError::Unreachable(error)) = &sent {
-                if self.health.smtp_unreachable() {
-                    self.spawn_smtp_prober();
-                }
-                if !self.health.smtp_up() {
-                    // Circuit open: not the job's fault. Give the claim back, hold the
-                    // delivery, and start over when the relay answers.
-                    self.db("release", || self.inbox.release(key.as_str(), fence, error))
-                        .await?;
-                    tokio::select! {
-                        _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                        _ = self.health.wait_smtp_up() => continue,
+            let error = match self.send(&job).await {
+                Ok(()) => return self.record_sent(key, fence, takeover, due_ms, &job).await,
+                Err(error) => error,
+            };
+            let failure = match &error {
+                SendError::Permanent(_) => Failure::Refused,
+                SendError::Transient(_) => Failure::Transient,
+                SendError::Unreachable(_) => {
+                    if self.health.transport_unreachable() {
+                        self.spawn_transport_prober();
+                    }
+                    Failure::Unreachable {
+                        circuit_open: !self.health.transport_up(),
                     }
                 }
+            };
+            let next = self.policy.next(failure, failed_so_far);
+            match self.follow(next, &key, Some(fence), error.detail()).await? {
+                Followed::Outcome(outcome) => return Ok(outcome),
+                Followed::TryAgain => continue,
             }
-            return self
-                .record(key, fence, takeover, due_ms, failed_so_far, &job, sent)
-                .await;
         }
+    }
+
+    /// Carries out what the retry policy decided after `error`: records it under the
+    /// claim `fence` (if this instance holds one) and names the outcome, or waits for
+    /// the dependency to answer and asks for another try.
+    async fn follow(
+        &self,
+        next: Next,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        error: &str,
+    ) -> Result<Followed, Stop> {
+        Ok(match next {
+            Next::Retry { step, attempt } => {
+                self.give_back("record retry", key, fence, error).await?;
+                Followed::Outcome(Outcome::Retry {
+                    key: key.clone(),
+                    step,
+                    attempt,
+                    error: error.to_string(),
+                })
+            }
+            Next::Defer { step } => {
+                self.give_back("defer", key, fence, error).await?;
+                Followed::Outcome(Outcome::Deferred {
+                    key: key.clone(),
+                    step,
+                })
+            }
+            Next::Hold => {
+                // Not the job's fault: give the claim back, hold the delivery, and
+                // start over when the dependency answers.
+                self.give_back("release", key, fence, error).await?;
+                tokio::select! {
+                    _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                    _ = self.health.wait_dependencies_up() => Followed::TryAgain,
+                }
+            }
+            Next::Dead { kind, attempts } => {
+                if let Some(fence) = fence {
+                    self.db("record dead", || {
+                        self.inbox.mark_dead(key.as_str(), fence, error)
+                    })
+                    .await?;
+                }
+                let reason = match kind {
+                    DeadKind::Permanent => format!("SMTP refused the email: {error}"),
+                    DeadKind::Exhausted => {
+                        format!("gave up after {attempts} attempts; last error: {error}")
+                    }
+                    DeadKind::Invalid => error.to_string(),
+                };
+                Followed::Outcome(Outcome::DeadLetter {
+                    key: Some(key.clone()),
+                    kind,
+                    reason,
+                    attempts,
+                })
+            }
+        })
+    }
+
+    /// Gives the claim `fence` (if this instance holds one) back, recording the
+    /// attempt and its error.
+    async fn give_back(
+        &self,
+        what: &str,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        error: &str,
+    ) -> Result<(), Stop> {
+        if let Some(fence) = fence {
+            self.db(what, || {
+                self.inbox.mark_retrying(key.as_str(), fence, error)
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// Applies the job type's throttle, if any, under the claim: `None` to go on.
@@ -372,7 +336,11 @@ impl Worker {
         fence: i64,
         due_ms: i64,
     ) -> Result<Option<Outcome>, Stop> {
-        let Some(rule) = job.kind.as_ref().and_then(|kind| self.throttles.get(kind)) else {
+        let Some(rule) = job
+            .kind
+            .as_ref()
+            .and_then(|kind| self.settings.throttle.get(kind))
+        else {
             return Ok(None);
         };
         let kind = job.kind.as_deref().unwrap_or_default();
@@ -421,21 +389,21 @@ impl Worker {
             .smtp_send_seconds
             .observe(started.elapsed().as_secs_f64());
         if !matches!(sent, Err(SendError::Unreachable(_))) {
-            self.health.smtp_reached();
+            self.health.transport_reached();
         }
         sent
     }
 
     /// Asks the relay until it answers, then closes the circuit.
-    fn spawn_smtp_prober(&self) {
+    fn spawn_transport_prober(&self) {
         let (mailer, health) = (self.mailer.clone(), self.health.clone());
-        let max = self.settings.outage_backoff_max;
+        let max = self.settings.worker.outage_backoff_max;
         tokio::spawn(async move {
             let mut backoff = Duration::from_millis(500);
             loop {
                 tokio::time::sleep(backoff).await;
                 if mailer.probe().await {
-                    health.smtp_recovered();
+                    health.transport_recovered();
                     return;
                 }
                 backoff = next_backoff(backoff, max);
@@ -443,77 +411,32 @@ impl Worker {
         });
     }
 
-    /// Records the result of a send and names the outcome.
-    #[allow(clippy::too_many_arguments)]
-    async fn record(
+    /// Records a send and names the outcome.
+    async fn record_sent(
         &self,
         key: IdempotencyKey,
         fence: i64,
         takeover: bool,
         due_ms: i64,
-        failed_so_far: u32,
         job: &EmailJob,
-        sent: Result<(), SendError>,
     ) -> Result<Outcome, Stop> {
-        match sent {
-            Ok(()) => {
-                let message_id = self.mailer.message_id(job);
-                let lateness_ms = now_ms() - due_ms;
-                let kept = self
-                    .db("record sent", || {
-                        self.inbox
-                            .mark_sent(key.as_str(), fence, &message_id, due_ms)
-                    })
-                    .await?;
-                Ok(if kept {
-                    Outcome::Sent {
-                        key,
-                        takeover,
-                        lateness_ms,
-                    }
-                } else {
-                    Outcome::SentFenceLost { key }
-                })
+        let message_id = self.mailer.message_id(job);
+        let lateness_ms = now_ms() - due_ms;
+        let kept = self
+            .db("record sent", || {
+                self.inbox
+                    .mark_sent(key.as_str(), fence, &message_id, due_ms)
+            })
+            .await?;
+        Ok(if kept {
+            Outcome::Sent {
+                key,
+                takeover,
+                lateness_ms,
             }
-            Err(SendError::Permanent(error)) => {
-                self.db("record dead", || {
-                    self.inbox.mark_dead(key.as_str(), fence, &error)
-                })
-                .await?;
-                Ok(Outcome::DeadLetter {
-                    key: Some(key),
-                    kind: DeadKind::Permanent,
-                    reason: format!("SMTP refused the email: {error}"),
-                    attempts: failed_so_far + 1,
-                })
-            }
-            Err(SendError::Transient(error)) | Err(SendError::Unreachable(error)) => {
-                let attempt = failed_so_far + 1;
-                let steps = self.topology.retry_steps().len();
-                if attempt as usize > steps {
-                    self.db("record dead", || {
-                        self.inbox.mark_dead(key.as_str(), fence, &error)
-                    })
-                    .await?;
-                    return Ok(Outcome::DeadLetter {
-                        key: Some(key),
-                        kind: DeadKind::Exhausted,
-                        reason: format!("gave up after {attempt} attempts; last error: {error}"),
-                        attempts: attempt,
-                    });
-                }
-                self.db("record retry", || {
-                    self.inbox.mark_retrying(key.as_str(), fence, &error)
-                })
-                .await?;
-                Ok(Outcome::Retry {
-                    key,
-                    step: attempt as usize - 1,
-                    attempt,
-                    error,
-                })
-            }
-        }
+        } else {
+            Outcome::SentFenceLost { key }
+        })
     }
 
     /// The due time in Unix ms. The ladder stamps `postie-due-at`; the plugin has
@@ -526,14 +449,14 @@ impl Worker {
         let now = now_ms();
         let max = self.topology.max_delay();
         match self.topology.delay() {
-            DelayLayout::Ladder(_) => delay::due_at(headers, timestamp_s, now, max),
+            DelayLayout::Ladder(_) => contract::due_at(headers, timestamp_s, now, max),
             DelayLayout::Plugin => {
-                delay::x_delay(headers, max)?; // refuse a bad x-delay in this mode too
+                contract::x_delay(headers, max)?; // refuse a bad x-delay in this mode too
                 let known = header_int(headers, HEADER_DUE_AT).is_some()
                     || header_int(headers, HEADER_PUBLISHED_AT).is_some()
                     || timestamp_s.is_some();
                 if known {
-                    delay::due_at(headers, timestamp_s, now, max)
+                    contract::due_at(headers, timestamp_s, now, max)
                 } else {
                     Ok(now)
                 }
@@ -549,13 +472,7 @@ impl Worker {
     }
 
     fn parse(&self, body: &[u8]) -> Result<Request, InvalidJob> {
-        Request::parse(
-            body,
-            &ParseRules {
-                max_body_bytes: self.settings.max_body_bytes,
-                default_from: self.default_from.as_deref(),
-            },
-        )
+        Request::parse(body, &ParseRules::from_settings(&self.settings))
     }
 
     /// Runs one database step until PostgreSQL answers, with capped backoff.
@@ -584,7 +501,7 @@ impl Worker {
                         _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                         _ = tokio::time::sleep(backoff) => {}
                     }
-                    backoff = next_backoff(backoff, self.settings.outage_backoff_max);
+                    backoff = next_backoff(backoff, self.settings.worker.outage_backoff_max);
                 }
             }
         }

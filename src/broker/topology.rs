@@ -1,4 +1,4 @@
-//! The broker objects (DESIGN §2), named from one prefix and declared idempotently.
+//! The broker objects, named from one prefix and declared idempotently.
 //!
 //! ```text
 //! plugin:  producers ─▶ <p>.delayed (x-delayed-message) ─────────────────────┐
@@ -20,8 +20,10 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
 
+use super::ladder::Ladder;
+use crate::config::DelayMode;
 use crate::config::{DelaySettings, TopologySettings};
-use crate::delay::{DelayMode, Ladder, PLUGIN_MAX_DELAY};
+use crate::contract::PLUGIN_MAX_DELAY;
 
 /// How `<p>.delayed` holds jobs until due: the resolved delay mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,14 +215,6 @@ impl Topology {
             exchanges.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
         }
         exchanges
-    }
-
-    /// The smallest retry step that is at least `wait`, or the largest one.
-    pub fn step_at_least(&self, wait: Duration) -> usize {
-        self.retry_steps
-            .iter()
-            .position(|step| *step >= wait)
-            .unwrap_or(self.retry_steps.len().saturating_sub(1))
     }
 
     /// Declares everything; safe to run any number of times, from any instance.
@@ -461,15 +455,15 @@ fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
     insert(args, "x-overflow", string("reject-publish"));
 }
 
-fn insert(args: &mut FieldTable, key: &str, value: AMQPValue) {
+pub(super) fn insert(args: &mut FieldTable, key: &str, value: AMQPValue) {
     args.insert(ShortString::from(key), value);
 }
 
-fn string(value: &str) -> AMQPValue {
+pub(super) fn string(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value))
 }
 
-fn classify(what: String, source: lapin::Error) -> TopologyError {
+pub(super) fn classify(what: String, source: lapin::Error) -> TopologyError {
     if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
         let detail = amqp.get_message().to_string();
         match amqp.get_id() {
@@ -482,105 +476,6 @@ fn classify(what: String, source: lapin::Error) -> TopologyError {
     }
     TopologyError::Broker { what, source }
 }
-
-/// Resolves `auto` (DESIGN §4) on throwaway connections, since a failed probe closes
-/// the whole connection: an existing `<p>.delayed` keeps its mode; on a fresh broker,
-/// `plugin` if the plugin is enabled, else `ladder`. Other modes are returned as set.
-pub async fn resolve_mode(
-    configured: DelayMode,
-    settings: &TopologySettings,
-    amqp_url: &secrecy::SecretString,
-    timeout: Duration,
-) -> anyhow::Result<DelayMode> {
-    if configured != DelayMode::Auto {
-        return Ok(configured);
-    }
-    let delayed = format!("{}.delayed", settings.prefix);
-    // Does it exist? (passive declare; a 404 closes only the channel)
-    let conn = crate::amqp::connect(amqp_url, "postie-probe", timeout).await?;
-    let channel = conn.create_channel().await?;
-    let passive = ExchangeDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let exists = channel
-        .exchange_declare(
-            delayed.as_str().into(),
-            ExchangeKind::Direct,
-            passive,
-            FieldTable::default(),
-        )
-        .await
-        .is_ok();
-    if exists {
-        // Redeclaring as direct succeeds only if it is direct (ladder); 406 otherwise.
-        let channel = conn.create_channel().await?;
-        let durable = ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        let is_direct = channel
-            .exchange_declare(
-                delayed.as_str().into(),
-                ExchangeKind::Direct,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .is_ok();
-        let _ = conn.close(200, "probed".into()).await;
-        return Ok(if is_direct {
-            DelayMode::Ladder
-        } else {
-            DelayMode::Plugin
-        });
-    }
-    let _ = conn.close(200, "probed".into()).await;
-    Ok(if probe_plugin(amqp_url, timeout).await? {
-        DelayMode::Plugin
-    } else {
-        DelayMode::Ladder
-    })
-}
-
-/// True if the broker knows the `x-delayed-message` exchange type. Declares and
-/// deletes a throwaway exchange on a throwaway connection.
-pub async fn probe_plugin(
-    amqp_url: &secrecy::SecretString,
-    timeout: Duration,
-) -> anyhow::Result<bool> {
-    let conn = crate::amqp::connect(amqp_url, "postie-probe", timeout).await?;
-    let channel = conn.create_channel().await?;
-    let name = format!("postie.probe.{}", uuid::Uuid::new_v4().simple());
-    let mut args = FieldTable::default();
-    insert(&mut args, "x-delayed-type", string("direct"));
-    let options = ExchangeDeclareOptions {
-        auto_delete: true,
-        ..Default::default()
-    };
-    let result = channel
-        .exchange_declare(
-            name.as_str().into(),
-            ExchangeKind::Custom("x-delayed-message".into()),
-            options,
-            args,
-        )
-        .await;
-    match result {
-        Ok(()) => {
-            let _ = channel
-                .exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
-                .await;
-            let _ = conn.close(200, "probed".into()).await;
-            Ok(true)
-        }
-        Err(e) => match classify(name, e) {
-            TopologyError::PluginMissing { .. } => Ok(false),
-            other => Err(other.into()),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -664,14 +559,5 @@ mod tests {
         assert_eq!(t.retry_queue(1), "p.retry.1");
         assert_eq!(t.queues(), ["p.send", "p.dead", "p.retry.0", "p.retry.1"]);
         assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.retry", "p.dlx"]);
-    }
-
-    #[test]
-    fn picks_the_smallest_step_covering_a_wait() {
-        let t = topology(&[5, 30, 120]);
-        assert_eq!(t.step_at_least(Duration::from_secs(1)), 0);
-        assert_eq!(t.step_at_least(Duration::from_secs(5)), 0);
-        assert_eq!(t.step_at_least(Duration::from_secs(6)), 1);
-        assert_eq!(t.step_at_least(Duration::from_secs(1000)), 2);
     }
 }

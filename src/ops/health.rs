@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::metrics::SharedMetrics;
+use super::metrics::SharedMetrics;
 
 /// Shared health state; cheap to clone.
 #[derive(Clone)]
@@ -69,7 +69,7 @@ impl Health {
                 tracing::info!("PostgreSQL answers again");
                 self.inner
                     .metrics
-                    .reconnected(crate::metrics::Dependency::postgresql);
+                    .reconnected(super::metrics::Dependency::postgresql);
             } else {
                 tracing::error!(
                     "PostgreSQL unavailable: pausing consumption, holding in-flight deliveries"
@@ -80,17 +80,17 @@ impl Health {
     }
 
     /// True while the SMTP circuit is closed.
-    pub fn smtp_up(&self) -> bool {
+    pub fn transport_up(&self) -> bool {
         *self.inner.smtp_up.borrow()
     }
 
     /// An SMTP send reached the relay (any reply): closes the count of failures.
-    pub fn smtp_reached(&self) {
+    pub fn transport_reached(&self) {
         self.inner.smtp_failures.store(0, Ordering::Relaxed);
     }
 
     /// The relay could not be reached. Returns true if this opened the circuit.
-    pub fn smtp_unreachable(&self) -> bool {
+    pub fn transport_unreachable(&self) -> bool {
         let failures = self.inner.smtp_failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures < self.inner.smtp_threshold {
             return false;
@@ -111,7 +111,7 @@ impl Health {
     }
 
     /// The prober reached the relay: closes the circuit.
-    pub fn smtp_recovered(&self) {
+    pub fn transport_recovered(&self) {
         self.inner.smtp_failures.store(0, Ordering::Relaxed);
         if self
             .inner
@@ -122,7 +122,7 @@ impl Health {
             self.inner.metrics.smtp_breaker_open.set(0);
             self.inner
                 .metrics
-                .reconnected(crate::metrics::Dependency::smtp);
+                .reconnected(super::metrics::Dependency::smtp);
             self.update_paused();
         }
     }
@@ -134,21 +134,21 @@ impl Health {
         loop {
             let _ = db.wait_for(|up| *up).await;
             let _ = smtp.wait_for(|up| *up).await;
-            if self.database_up() && self.smtp_up() {
+            if self.database_up() && self.transport_up() {
                 return;
             }
         }
     }
 
     /// Resolves once the SMTP circuit is closed.
-    pub async fn wait_smtp_up(&self) {
+    pub async fn wait_transport_up(&self) {
         let mut smtp = self.inner.smtp_up.subscribe();
         let _ = smtp.wait_for(|up| *up).await;
     }
 
     /// True while the send consumer must not take new work.
     pub fn paused(&self) -> bool {
-        !self.database_up() || !self.smtp_up()
+        !self.database_up() || !self.transport_up()
     }
 
     fn update_paused(&self) {
@@ -180,7 +180,7 @@ impl Health {
         if !self.database_up() {
             reasons.push("database unreachable");
         }
-        if !self.smtp_up() {
+        if !self.transport_up() {
             reasons.push("smtp circuit open");
         }
         reasons
@@ -198,17 +198,17 @@ mod tests {
 
     #[test]
     fn the_breaker_opens_after_the_threshold_and_closes_on_recovery() {
-        let health = Health::new(Arc::new(crate::metrics::Metrics::new()), 3);
+        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()), 3);
         health.set_broker_up(true);
-        assert!(!health.smtp_unreachable());
-        assert!(!health.smtp_unreachable());
-        health.smtp_reached(); // a reply in between resets the count
-        assert!(!health.smtp_unreachable());
-        assert!(!health.smtp_unreachable());
-        assert!(health.smtp_unreachable());
+        assert!(!health.transport_unreachable());
+        assert!(!health.transport_unreachable());
+        health.transport_reached(); // a reply in between resets the count
+        assert!(!health.transport_unreachable());
+        assert!(!health.transport_unreachable());
+        assert!(health.transport_unreachable());
         assert!(health.paused());
         assert_eq!(health.not_ready(), ["smtp circuit open"]);
-        health.smtp_recovered();
+        health.transport_recovered();
         assert!(!health.paused());
         assert!(health.not_ready().is_empty());
         health.set_draining();

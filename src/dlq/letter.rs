@@ -1,33 +1,13 @@
-//! `postie dlq …`: look at the dead letters in `<p>.dead` and move some or all of them
-//! back to `<p>.send`.
-//!
-//! - [`list`] reads dead letters without consuming them: it takes them with
-//!   `basic.get` (manual ack), never acks, and closes its channel, so the broker puts
-//!   every one of them back.
-//! - [`replay`] republishes the dead letters that match a filter straight to
-//!   `<p>.send` (through `<p>.work`, mandatory, publisher confirm) without postie's
-//!   dead-letter headers and retry counter, so each starts a fresh retry cycle; a
-//!   dead letter is acked only after its copy is confirmed. The others go back to the
-//!   queue untouched.
-//!
-//! Both work on a snapshot: at most as many messages as `<p>.dead` held when they
-//! started are looked at, so a replayed job that fails again and comes back while a
-//! replay runs is not picked up a second time.
-//!
-//! Queue names do not depend on the delay mode, so neither needs a probe of the
-//! broker, and a replay reaches `<p>.send` the same way in plugin and ladder mode.
+//! One dead letter as an operator sees it: its key, kind, attempts, time and reason,
+//! read from postie's headers or the broker's `x-death`; the table `postie dlq list`
+//! prints; the headers a replayed copy keeps.
 
 use std::fmt::Write as _;
 
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
 
-use crate::amqp::{self, header_int, header_text};
-use crate::config::Settings;
-use crate::job::{EmailJob, ParseRules};
-use crate::topology::{Topology, ROUTING_KEY};
+use crate::contract::{EmailJob, ParseRules};
+use crate::headers::{self, header_int, header_text};
 
 /// One dead letter as an operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,196 +27,16 @@ pub struct DeadLetterSummary {
     pub dead_at: Option<String>,
 }
 
-/// Which dead letters [`replay`] moves. The default moves every one.
-#[derive(Debug, Clone, Default)]
-pub struct ReplayFilter {
-    /// Only dead letters whose reason or kind contains this text (case-insensitive).
-    pub reason_contains: Option<String>,
-    /// Only dead letters of this idempotency key.
-    pub key: Option<String>,
-    /// Move at most this many.
-    pub limit: Option<usize>,
-}
-
-impl ReplayFilter {
-    /// True if the dead letter should be moved.
-    pub fn matches(&self, letter: &DeadLetterSummary) -> bool {
-        let reason_ok = self.reason_contains.as_deref().is_none_or(|wanted| {
-            let wanted = wanted.to_lowercase();
-            letter.reason.to_lowercase().contains(&wanted)
-                || letter.kind.to_lowercase().contains(&wanted)
-        });
-        let key_ok = self.key.as_deref().is_none_or(|key| letter.key == key);
-        reason_ok && key_ok
-    }
-}
-
-/// What [`replay`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ReplayReport {
-    /// Dead letters republished to `<p>.send` (confirmed) and removed from `<p>.dead`.
-    pub moved: usize,
-    /// Dead letters looked at that did not match the filter, left in `<p>.dead`.
-    pub kept: usize,
-}
-
 /// Headers a replayed job loses: postie's dead-letter headers and its retry counter
 /// (a replay starts a fresh retry cycle), and the broker's own delivery counter.
 const REPLAY_DROPPED_HEADERS: &[&str] = &[
-    amqp::HEADER_DEAD_REASON,
-    amqp::HEADER_DEAD_KIND,
-    amqp::HEADER_DEAD_AT,
-    amqp::HEADER_DEAD_ATTEMPTS,
-    amqp::HEADER_ATTEMPT,
+    headers::HEADER_DEAD_REASON,
+    headers::HEADER_DEAD_KIND,
+    headers::HEADER_DEAD_AT,
+    headers::HEADER_DEAD_ATTEMPTS,
+    headers::HEADER_ATTEMPT,
     "x-delivery-count",
 ];
-
-/// Up to `limit` dead letters from the head of `<p>.dead`, without consuming them.
-pub async fn list(settings: &Settings, limit: usize) -> anyhow::Result<Vec<DeadLetterSummary>> {
-    Ok(peek(settings, limit).await?.1)
-}
-
-/// Like [`list`], and also the number of dead letters in the queue.
-async fn peek(settings: &Settings, limit: usize) -> anyhow::Result<(u32, Vec<DeadLetterSummary>)> {
-    let topology = names(settings);
-    let queue = topology.dead_queue();
-    let rules = parse_rules(settings);
-    let conn = connect(settings).await?;
-    let result = async {
-        // A channel of its own: closing it is what hands the messages back.
-        let channel = conn.create_channel().await?;
-        let depth = depth(&channel, &queue).await?;
-        let mut letters = Vec::new();
-        // Never more than the snapshot: messages held unacked are not handed out
-        // again, but one dead-lettered meanwhile would be.
-        while letters.len() < limit.min(depth as usize) {
-            let Some(delivery) = get(&channel, &queue).await? else {
-                break;
-            };
-            letters.push(summarize(
-                &delivery.data,
-                delivery.properties.headers().as_ref(),
-                &rules,
-            ));
-            // Not acked, on purpose.
-        }
-        // Closing the channel returns every unacked message to the queue. A quorum
-        // queue counts that as a delivery attempt of each message; `<p>.dead` has no
-        // delivery limit, so this is harmless. (Not so on RabbitMQ 4.0 to 4.2: they give
-        // every quorum queue a default limit of 20 and count such returns against it,
-        // so there `<p>.dead` needs an explicit, high limit.)
-        channel.close(200, "listed".into()).await?;
-        Ok::<_, anyhow::Error>((depth, letters))
-    }
-    .await;
-    let _ = conn.close(200, "done".into()).await;
-    result
-}
-
-/// Moves the dead letters that match `filter` back to `<p>.send`, each as a fresh
-/// retry cycle, and leaves the others in `<p>.dead`.
-pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Result<ReplayReport> {
-    let topology = names(settings);
-    let (dead, send) = (topology.dead_queue(), topology.send_queue());
-    let work = topology.work_exchange();
-    let rules = parse_rules(settings);
-    let conn = connect(settings).await?;
-    let mut report = ReplayReport::default();
-    let result = async {
-        let consume = conn.create_channel().await?;
-        let publish = amqp::confirm_channel(&conn).await?;
-        // Fails early, with a clear message, if the work queue is missing.
-        depth(&publish, &send).await?;
-        let snapshot = depth(&consume, &dead).await?;
-        let limit = filter.limit.unwrap_or(usize::MAX);
-        // Non-matching deliveries stay unacked on `consume` until it is closed; they
-        // are not nacked with requeue one by one, since basic.get would hand the same
-        // ones out again and again.
-        let mut examined = 0;
-        while report.moved < limit && examined < snapshot {
-            let Some(delivery) = get(&consume, &dead).await? else {
-                break;
-            };
-            examined += 1;
-            let headers = delivery.properties.headers().as_ref();
-            let summary = summarize(&delivery.data, headers, &rules);
-            if !filter.matches(&summary) {
-                report.kept += 1;
-                continue;
-            }
-            let properties = delivery
-                .properties
-                .clone()
-                .with_delivery_mode(2)
-                .with_headers(replay_headers(headers));
-            // Through `<p>.work`, where due jobs and retries re-enter: its one binding
-            // is `<p>.send` in every delay mode. Not the default exchange, which a
-            // least-privilege user need not be allowed to write to. Mandatory, so a
-            // missing binding is an error, not a silent drop.
-            amqp::publish_confirmed(
-                &publish,
-                &work,
-                ROUTING_KEY,
-                true,
-                &delivery.data,
-                properties,
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("republishing {} to {send}: {e}", summary.key))?;
-            ack(&delivery).await?;
-            report.moved += 1;
-        }
-        // Hands every unmatched dead letter back to `<p>.dead` (see `peek` about
-        // delivery counts).
-        consume.close(200, "replayed".into()).await?;
-        let _ = publish.close(200, "replayed".into()).await;
-        Ok::<_, anyhow::Error>(())
-    }
-    .await;
-    let _ = conn.close(200, "done".into()).await;
-    match result {
-        Ok(()) => Ok(report),
-        Err(e) if report.moved == 0 => Err(e),
-        Err(e) => Err(e.context(format!(
-            "replay stopped after moving {} dead letter(s) to {send}; the rest are still in {dead}",
-            report.moved
-        ))),
-    }
-}
-
-/// `postie dlq list`: prints a table of up to `limit` dead letters.
-pub async fn print_list(settings: &Settings, limit: usize) -> anyhow::Result<()> {
-    let (depth, letters) = peek(settings, limit).await?;
-    let queue = names(settings).dead_queue();
-    match depth {
-        0 => out!("{queue} is empty"),
-        n if (n as usize) > letters.len() => {
-            out!(
-                "{queue}: {n} dead letter(s), the first {} shown",
-                letters.len()
-            )
-        }
-        n => out!("{queue}: {n} dead letter(s)"),
-    }
-    if !letters.is_empty() {
-        print!("{}", table(&letters));
-    }
-    Ok(())
-}
-
-/// `postie dlq replay`: replays and prints the counts.
-pub async fn print_replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Result<()> {
-    let report = replay(settings, filter).await?;
-    let topology = names(settings);
-    out!(
-        "moved {} dead letter(s) to {}; {} not matching the filter left in {}",
-        report.moved,
-        topology.send_queue(),
-        report.kept,
-        topology.dead_queue()
-    );
-    Ok(())
-}
 
 /// The dead letters as a plain-text table, one line each, reason last.
 pub fn table(letters: &[DeadLetterSummary]) -> String {
@@ -283,8 +83,8 @@ pub fn summarize(
     rules: &ParseRules<'_>,
 ) -> DeadLetterSummary {
     let key = key_of(body, rules).unwrap_or_else(|| "-".into());
-    let postie_reason = header_text(headers, amqp::HEADER_DEAD_REASON);
-    let postie_at = header_text(headers, amqp::HEADER_DEAD_AT);
+    let postie_reason = header_text(headers, headers::HEADER_DEAD_REASON);
+    let postie_at = header_text(headers, headers::HEADER_DEAD_AT);
     let broker = last_death(headers);
     // postie's headers say why, unless the broker dead-lettered the message after
     // postie did (say a replay by shovel that then hit the delivery limit).
@@ -316,9 +116,9 @@ pub fn summarize(
         .unwrap_or_else(|| "-".into());
     DeadLetterSummary {
         key,
-        kind: header_text(headers, amqp::HEADER_DEAD_KIND).unwrap_or_else(|| "-".into()),
+        kind: header_text(headers, headers::HEADER_DEAD_KIND).unwrap_or_else(|| "-".into()),
         reason,
-        attempts: header_int(headers, amqp::HEADER_DEAD_ATTEMPTS),
+        attempts: header_int(headers, headers::HEADER_DEAD_ATTEMPTS),
         dead_at: postie_at,
     }
 }
@@ -326,7 +126,7 @@ pub fn summarize(
 /// The headers a replayed copy carries: the original ones minus
 /// [`REPLAY_DROPPED_HEADERS`].
 pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
-    amqp::without(original, REPLAY_DROPPED_HEADERS)
+    headers::without(original, REPLAY_DROPPED_HEADERS)
 }
 
 /// The idempotency key of a body: parsed as a job if it is one, else read from its
@@ -410,59 +210,10 @@ fn shorten(text: &str, width: usize) -> String {
     out
 }
 
-/// The queue names; they do not depend on the delay mode, so no probe is needed.
-fn names(settings: &Settings) -> Topology {
-    Topology::new(&settings.topology, &settings.delay, settings.delay.mode)
-}
-
-fn parse_rules(settings: &Settings) -> ParseRules<'_> {
-    ParseRules {
-        max_body_bytes: settings.worker.max_body_bytes,
-        default_from: settings.smtp.default_from.as_deref(),
-    }
-}
-
-async fn connect(settings: &Settings) -> anyhow::Result<Connection> {
-    amqp::connect(
-        &settings.amqp.url,
-        "postie-dlq",
-        settings.amqp.connect_timeout,
-    )
-    .await
-}
-
-/// Ready messages in `queue` (a passive declare); a missing queue is an error naming it.
-async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let declared = channel
-        .queue_declare(queue.into(), options, FieldTable::default())
-        .await
-        .map_err(|e| anyhow::anyhow!("queue {queue} is not there ({e}); run `postie topology`"))?;
-    Ok(declared.message_count())
-}
-
-/// One message with manual ack, or `None` if the queue is empty.
-async fn get(channel: &Channel, queue: &str) -> anyhow::Result<Option<Delivery>> {
-    let message = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await?;
-    Ok(message.map(|m| m.delivery))
-}
-
-async fn ack(delivery: &Delivery) -> anyhow::Result<()> {
-    if delivery.acker.ack(BasicAckOptions::default()).await? {
-        Ok(())
-    } else {
-        anyhow::bail!("the ack of a moved dead letter was not delivered (channel closed)")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dlq::ReplayFilter;
     use lapin::types::{FieldArray, LongString, ShortString};
 
     const RULES: ParseRules<'static> = ParseRules {
@@ -514,10 +265,10 @@ mod tests {
     #[test]
     fn postie_headers_give_kind_reason_attempts_and_time() {
         let h = table_of(&[
-            (amqp::HEADER_DEAD_REASON, text("550 5.1.1 no such user")),
-            (amqp::HEADER_DEAD_KIND, text("permanent")),
-            (amqp::HEADER_DEAD_AT, text("2024-05-01T12:00:00.5+00:00")),
-            (amqp::HEADER_DEAD_ATTEMPTS, AMQPValue::LongLongInt(1)),
+            (headers::HEADER_DEAD_REASON, text("550 5.1.1 no such user")),
+            (headers::HEADER_DEAD_KIND, text("permanent")),
+            (headers::HEADER_DEAD_AT, text("2024-05-01T12:00:00.5+00:00")),
+            (headers::HEADER_DEAD_ATTEMPTS, AMQPValue::LongLongInt(1)),
             // An older broker event (a retry queue's TTL) does not win.
             ("x-death", x_death("expired", "p.retry.0", 1_714_564_000)),
         ]);
@@ -548,8 +299,8 @@ mod tests {
 
         // Replayed by shovel with stale postie headers, then dead-lettered by the broker.
         let h = table_of(&[
-            (amqp::HEADER_DEAD_REASON, text("old reason")),
-            (amqp::HEADER_DEAD_AT, text("2024-05-01T11:00:00+00:00")),
+            (headers::HEADER_DEAD_REASON, text("old reason")),
+            (headers::HEADER_DEAD_AT, text("2024-05-01T11:00:00+00:00")),
             (
                 "x-death",
                 x_death("delivery_limit", "p.send", 1_714_564_800),
@@ -568,11 +319,11 @@ mod tests {
     #[test]
     fn a_replayed_copy_loses_the_dead_letter_headers_and_the_retry_counter() {
         let h = table_of(&[
-            (amqp::HEADER_DEAD_REASON, text("r")),
-            (amqp::HEADER_DEAD_KIND, text("permanent")),
-            (amqp::HEADER_DEAD_AT, text("2024-05-01T12:00:00Z")),
-            (amqp::HEADER_DEAD_ATTEMPTS, AMQPValue::LongLongInt(4)),
-            (amqp::HEADER_ATTEMPT, AMQPValue::LongLongInt(3)),
+            (headers::HEADER_DEAD_REASON, text("r")),
+            (headers::HEADER_DEAD_KIND, text("permanent")),
+            (headers::HEADER_DEAD_AT, text("2024-05-01T12:00:00Z")),
+            (headers::HEADER_DEAD_ATTEMPTS, AMQPValue::LongLongInt(4)),
+            (headers::HEADER_ATTEMPT, AMQPValue::LongLongInt(3)),
             ("x-delivery-count", AMQPValue::LongLongInt(2)),
             ("traceparent", text("00-abc")),
             ("x-delay", AMQPValue::LongLongInt(5000)),

@@ -1,6 +1,5 @@
-//! The `x-delay` contract (DESIGN §4): reading the header, computing a job's due
-//! time, and — in ladder mode — the binary decomposition of the remaining delay into
-//! a cascade of TTL queues, in the manner of NServiceBus's delayed delivery v2.
+//! Ladder mode's delays: the binary decomposition of the remaining delay into a
+//! cascade of TTL queues, in the manner of NServiceBus's delayed delivery v2.
 //!
 //! The ladder has `levels` topic exchanges and quorum queues, `<p>.delay.<k>`; queue
 //! `k` holds a message for `resolution × 2^k`. A routing key spells the remaining delay
@@ -20,140 +19,7 @@
 
 use std::time::Duration;
 
-use lapin::types::{AMQPValue, FieldTable};
-
-use crate::amqp::header_int;
-use crate::job::InvalidJob;
-
-/// Header the producer may set: its own publish time in Unix milliseconds. It wins
-/// over the AMQP `timestamp` property, which only has seconds.
-pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
-/// Header postie sets when it first sees a job: the due time in Unix milliseconds.
-pub const HEADER_DUE_AT: &str = "postie-due-at";
-/// The producers' delay header (milliseconds).
-pub const HEADER_X_DELAY: &str = "x-delay";
-/// The plugin's limit on `x-delay`: 2^32 - 1 ms (about 49.7 days). Also the longest
-/// TTL RabbitMQ can hold, so the longest ladder level.
-pub const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
-
-/// How delays are honoured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DelayMode {
-    /// Probe the broker at start-up: the exchange already there decides; on a fresh
-    /// broker, `plugin` if the plugin is enabled, else `ladder`.
-    Auto,
-    /// `x-delayed-message` exchange (rabbitmq_delayed_message_exchange).
-    Plugin,
-    /// Plugin-free: intake relay and TTL-queue cascade.
-    Ladder,
-}
-
-impl DelayMode {
-    /// The name used in config and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Plugin => "plugin",
-            Self::Ladder => "ladder",
-        }
-    }
-}
-
-/// Reads `x-delay` in milliseconds: an integer or a numeric string; missing, zero or
-/// negative means now. Floats, garbage and values over `max` are refused, never
-/// truncated.
-pub fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
-    let Some(value) = headers.and_then(|h| h.inner().get(HEADER_X_DELAY)) else {
-        return Ok(0);
-    };
-    let ms: i64 = match value {
-        AMQPValue::Void => 0,
-        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => header_int(headers, HEADER_X_DELAY)
-            .ok_or_else(|| {
-                InvalidJob(format!(
-                    "x-delay {} is not an integer number of milliseconds",
-                    describe(value)
-                ))
-            })?,
-        other => header_int(headers, HEADER_X_DELAY).ok_or_else(|| {
-            InvalidJob(format!(
-                "x-delay {} is not an integer number of milliseconds",
-                describe(other)
-            ))
-        })?,
-    };
-    let ms = ms.max(0) as u64;
-    if ms > max.as_millis() as u64 {
-        return Err(InvalidJob(format!(
-            "x-delay {ms} ms is over the maximum of {} ms ({})",
-            max.as_millis(),
-            humantime::format_duration(max)
-        )));
-    }
-    Ok(ms)
-}
-
-fn describe(value: &AMQPValue) -> String {
-    match value {
-        AMQPValue::LongString(s) => {
-            let text = String::from_utf8_lossy(s.as_bytes());
-            format!("{:?}", text.chars().take(40).collect::<String>())
-        }
-        AMQPValue::ShortString(s) => format!("{:?}", s.as_str()),
-        AMQPValue::Float(f) => f.to_string(),
-        AMQPValue::Double(f) => f.to_string(),
-        other => format!("of type {:?}", other.get_type()),
-    }
-}
-
-/// When the job was handed over, in Unix ms, as best known without ever placing it
-/// later than the truth: `postie-published-at` if given; else the AMQP `timestamp`
-/// (seconds, so the latest millisecond of that second); never after `received_ms`.
-pub fn published_at(
-    headers: Option<&FieldTable>,
-    timestamp_s: Option<u64>,
-    received_ms: i64,
-) -> Result<i64, InvalidJob> {
-    let claimed = match header_int(headers, HEADER_PUBLISHED_AT) {
-        Some(ms) => Some((ms, HEADER_PUBLISHED_AT)),
-        None => timestamp_s.map(|s| {
-            let ms = i64::try_from(s).unwrap_or(i64::MAX).saturating_mul(1000);
-            (ms.saturating_add(999), "the AMQP timestamp")
-        }),
-    };
-    match claimed {
-        None => Ok(received_ms),
-        Some((ms, what)) if ms < received_ms.saturating_sub(PLAUSIBLE_PAST_MS) => Err(InvalidJob(
-            format!("{what} ({ms}) is more than ten years before the job was received"),
-        )),
-        Some((ms, _)) => Ok(ms.min(received_ms)),
-    }
-}
-
-/// How far in the past a publish time may plausibly be (ten years).
-const PLAUSIBLE_PAST_MS: i64 = 3_650 * 86_400_000;
-
-/// The due time in Unix ms: the `postie-due-at` postie stamped earlier, else
-/// published-at + `x-delay`. Times that cannot be true are refused, not clamped.
-pub fn due_at(
-    headers: Option<&FieldTable>,
-    timestamp_s: Option<u64>,
-    received_ms: i64,
-    max: Duration,
-) -> Result<i64, InvalidJob> {
-    if let Some(due) = header_int(headers, HEADER_DUE_AT) {
-        let latest = received_ms.saturating_add(max.as_millis() as i64 + 86_400_000);
-        if due < received_ms.saturating_sub(PLAUSIBLE_PAST_MS) || due > latest {
-            return Err(InvalidJob(format!(
-                "{HEADER_DUE_AT} ({due}) is not a plausible due time"
-            )));
-        }
-        return Ok(due);
-    }
-    let delay = x_delay(headers, max)?;
-    Ok(published_at(headers, timestamp_s, received_ms)?.saturating_add(delay as i64))
-}
+use crate::contract::PLUGIN_MAX_DELAY;
 
 /// Where the relay sends a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,7 +98,7 @@ impl Ladder {
             key.push(if units >> k & 1 == 1 { '1' } else { '0' });
             key.push('.');
         }
-        key.push_str(crate::topology::ROUTING_KEY);
+        key.push_str(super::topology::ROUTING_KEY);
         key
     }
 
@@ -246,90 +112,7 @@ impl Ladder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::{LongString, ShortString};
     use proptest::prelude::*;
-
-    fn headers(pairs: &[(&str, AMQPValue)]) -> FieldTable {
-        let mut h = FieldTable::default();
-        for (k, v) in pairs {
-            h.insert(ShortString::from(*k), v.clone());
-        }
-        h
-    }
-
-    const DAY: Duration = Duration::from_secs(86_400);
-
-    #[test]
-    fn x_delay_accepts_integers_and_numeric_strings_and_clamps_negatives() {
-        let cases = [
-            (AMQPValue::LongInt(1500), 1500),
-            (AMQPValue::LongLongInt(-5), 0),
-            (AMQPValue::LongString(LongString::from("2500")), 2500),
-            (AMQPValue::ShortShortUInt(7), 7),
-        ];
-        for (value, expected) in cases {
-            let h = headers(&[("x-delay", value)]);
-            assert_eq!(x_delay(Some(&h), DAY).unwrap(), expected);
-        }
-        assert_eq!(x_delay(None, DAY).unwrap(), 0);
-    }
-
-    #[test]
-    fn x_delay_refuses_garbage_floats_and_too_large() {
-        for (value, expected) in [
-            (
-                AMQPValue::LongString(LongString::from("soon")),
-                "not an integer",
-            ),
-            (AMQPValue::Double(1.5), "not an integer"),
-            (AMQPValue::Boolean(true), "not an integer"),
-            (
-                AMQPValue::LongLongInt(DAY.as_millis() as i64 + 1),
-                "over the maximum",
-            ),
-        ] {
-            let h = headers(&[("x-delay", value)]);
-            let err = x_delay(Some(&h), DAY).unwrap_err();
-            assert!(err.0.contains(expected), "{err}");
-        }
-    }
-
-    #[test]
-    fn published_at_prefers_the_ms_header_and_never_exceeds_receipt() {
-        let h = headers(&[(HEADER_PUBLISHED_AT, AMQPValue::LongLongInt(1_000_500))]);
-        assert_eq!(published_at(Some(&h), Some(999), 2_000_000), Ok(1_000_500));
-        // Seconds timestamp: the latest ms of that second.
-        assert_eq!(published_at(None, Some(1000), 2_000_000), Ok(1_000_999));
-        // A producer clock ahead of ours: receipt wins.
-        assert_eq!(published_at(None, Some(5000), 2_000_000), Ok(2_000_000));
-        assert_eq!(published_at(None, None, 42), Ok(42));
-        // Garbage is refused, and nothing overflows.
-        let h = headers(&[(HEADER_PUBLISHED_AT, AMQPValue::LongLongInt(i64::MIN))]);
-        assert!(published_at(Some(&h), None, 2_000_000).is_err());
-        assert_eq!(published_at(None, Some(u64::MAX), 2_000_000), Ok(2_000_000));
-    }
-
-    #[test]
-    fn an_implausible_stamped_due_time_is_refused() {
-        for due in [i64::MIN, i64::MAX, -9_000_000_000_000_000] {
-            let h = headers(&[(HEADER_DUE_AT, AMQPValue::LongLongInt(due))]);
-            assert!(
-                due_at(Some(&h), None, 1_800_000_000_000, DAY).is_err(),
-                "{due}"
-            );
-        }
-    }
-
-    #[test]
-    fn due_at_uses_the_stamped_due_time_first() {
-        let h = headers(&[
-            (HEADER_DUE_AT, AMQPValue::LongLongInt(777)),
-            ("x-delay", AMQPValue::LongInt(5000)),
-        ]);
-        assert_eq!(due_at(Some(&h), None, 100, DAY).unwrap(), 777);
-        let h = headers(&[("x-delay", AMQPValue::LongInt(5000))]);
-        assert_eq!(due_at(Some(&h), None, 100, DAY).unwrap(), 5100);
-    }
 
     #[test]
     fn levels_cover_the_maximum_but_no_ttl_exceeds_what_rabbitmq_holds() {

@@ -12,7 +12,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
-use crate::health::Health;
+use super::health::Health;
 
 /// Binds `addr` (failing start-up with a clear line if it cannot) and serves until
 /// `stop` is cancelled. Returns the bound address (useful with port 0).

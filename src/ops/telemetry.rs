@@ -14,8 +14,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::amqp::header_text;
 use crate::config::{LogFormat, LogSettings, OtelSettings};
+use crate::headers::header_text;
 
 /// Flushes and shuts the trace exporter down when dropped (end of `main`).
 pub struct TelemetryGuard {

@@ -1,63 +1,16 @@
-//! The producers' contract (DESIGN §1): one AMQP message in, one validated
-//! [`EmailJob`] out, or an [`InvalidJob`] whose text a person can read.
-//!
-//! Parse, don't validate: every field of [`EmailJob`] can only hold a value that is
-//! safe to put into an email, so later stages never re-check.
+//! The job body (version 1) and cancel requests: parsing and validation.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
-use lettre::message::Mailbox;
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 
-/// Longest accepted key, order id or type.
-const MAX_KEY_LEN: usize = 200;
-/// Longest accepted header value (RFC 5322 line limit).
-const MAX_HEADER_LEN: usize = 998;
+use super::{
+    check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
+};
+use crate::config::Settings;
+
 /// Most recipients (to + cc + bcc) on one job.
 const MAX_RECIPIENTS: usize = 100;
-
-/// Why a message cannot become an email. Its `Display` is the reason stored with
-/// the dead letter.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct InvalidJob(pub String);
-
-fn invalid<T>(reason: impl Into<String>) -> Result<T, InvalidJob> {
-    Err(InvalidJob(reason.into()))
-}
-
-/// The business key that makes two publishes of one event collide.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(String);
-
-impl IdempotencyKey {
-    /// Checks length and characters.
-    pub fn parse(raw: &str) -> Result<Self, InvalidJob> {
-        check_token("key", raw)?;
-        Ok(Self(raw.to_owned()))
-    }
-
-    /// The key as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// The Message-ID every attempt of this key carries: the same key always gives
-    /// the same id, so even a duplicate that slips through can be recognised.
-    pub fn message_id(&self, domain: &str) -> String {
-        let digest = Sha256::digest(self.0.as_bytes());
-        format!("<{}@{domain}>", hex::encode(&digest[..16]))
-    }
-}
-
-impl fmt::Display for IdempotencyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// A validated email job.
 #[derive(Debug, Clone)]
@@ -69,15 +22,15 @@ pub struct EmailJob {
     /// The user the email concerns, if given.
     pub user_id: Option<String>,
     /// Sender (from the job, else `smtp.default_from`).
-    pub from: Mailbox,
+    pub from: Address,
     /// Recipients.
-    pub to: Vec<Mailbox>,
+    pub to: Vec<Address>,
     /// Carbon copies.
-    pub cc: Vec<Mailbox>,
+    pub cc: Vec<Address>,
     /// Blind copies: envelope only, never a header.
-    pub bcc: Vec<Mailbox>,
+    pub bcc: Vec<Address>,
     /// Reply-To.
-    pub reply_to: Option<Mailbox>,
+    pub reply_to: Option<Address>,
     /// Subject, a single line.
     pub subject: String,
     /// Plain-text body.
@@ -102,7 +55,7 @@ impl EmailJob {
                 .chain(&self.cc)
                 .chain(&self.bcc)
                 .next()
-                .map(|m| format!("addr:{}", m.email.to_string().to_lowercase()))
+                .map(|m| format!("addr:{}", m.email.to_lowercase()))
                 .unwrap_or_default(),
         }
     }
@@ -223,6 +176,16 @@ pub struct ParseRules<'a> {
     pub default_from: Option<&'a str>,
 }
 
+impl<'a> ParseRules<'a> {
+    /// The rules `settings` set: `worker.max_body_bytes` and `smtp.default_from`.
+    pub fn from_settings(settings: &'a Settings) -> Self {
+        Self {
+            max_body_bytes: settings.worker.max_body_bytes,
+            default_from: settings.smtp.default_from.as_deref(),
+        }
+    }
+}
+
 /// Headers a producer may not set: postie owns them, or they would change who
 /// receives the email or how it is parsed.
 const RESERVED_HEADERS: &[&str] = &[
@@ -320,12 +283,12 @@ impl EmailJob {
         };
 
         let from = match raw.from.as_deref().or(rules.default_from) {
-            Some(from) => parse_mailbox("from", from)?,
+            Some(from) => Address::parse("from", from)?,
             None => return invalid("no \"from\" and no smtp.default_from configured"),
         };
-        let to = parse_mailboxes("to", &raw.to)?;
-        let cc = parse_mailboxes("cc", &raw.cc)?;
-        let bcc = parse_mailboxes("bcc", &raw.bcc)?;
+        let to = Address::parse_all("to", &raw.to)?;
+        let cc = Address::parse_all("cc", &raw.cc)?;
+        let bcc = Address::parse_all("bcc", &raw.bcc)?;
         let recipients = to.len() + cc.len() + bcc.len();
         if recipients == 0 {
             return invalid("no recipient in \"to\", \"cc\" or \"bcc\"");
@@ -338,7 +301,7 @@ impl EmailJob {
         let reply_to = raw
             .reply_to
             .as_deref()
-            .map(|r| parse_mailbox("reply_to", r))
+            .map(|r| Address::parse("reply_to", r))
             .transpose()?;
 
         check_header_value("subject", &raw.subject)?;
@@ -376,45 +339,6 @@ impl EmailJob {
     }
 }
 
-/// A character that would end or fold a header line, or hide in one.
-fn is_line_breaking(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
-}
-
-fn check_token(field: &str, value: &str) -> Result<(), InvalidJob> {
-    if value.trim().is_empty() {
-        return invalid(format!("\"{field}\" is empty"));
-    }
-    if value.len() > MAX_KEY_LEN {
-        return invalid(format!(
-            "\"{field}\" is {} bytes, over the limit of {MAX_KEY_LEN}",
-            value.len()
-        ));
-    }
-    if value.chars().any(is_line_breaking) {
-        return invalid(format!("\"{field}\" contains a control character"));
-    }
-    Ok(())
-}
-
-fn check_header_value(field: &str, value: &str) -> Result<(), InvalidJob> {
-    if let Some(c) = value.chars().find(|&c| is_line_breaking(c)) {
-        let what = match c {
-            '\r' | '\n' => "CR/LF".to_string(),
-            '\0' => "NUL".to_string(),
-            other => format!("control character U+{:04X}", other as u32),
-        };
-        return invalid(format!("\"{field}\" contains {what}"));
-    }
-    if value.len() > MAX_HEADER_LEN {
-        return invalid(format!(
-            "\"{field}\" is {} bytes, over the limit of {MAX_HEADER_LEN}",
-            value.len()
-        ));
-    }
-    Ok(())
-}
-
 fn check_header_name(name: &str) -> Result<(), InvalidJob> {
     let valid_chars = !name.is_empty()
         && name.len() <= 76
@@ -435,56 +359,6 @@ fn check_header_name(name: &str) -> Result<(), InvalidJob> {
         return invalid(format!("header {name:?} is set by postie, not by the job"));
     }
     Ok(())
-}
-
-fn parse_mailbox(field: &str, raw: &str) -> Result<Mailbox, InvalidJob> {
-    check_header_value(field, raw)?;
-    let mailbox = Mailbox::from_str(raw).map_err(|e| {
-        InvalidJob(format!(
-            "\"{field}\" is not a valid address ({e}): {}",
-            shorten(raw)
-        ))
-    })?;
-    let domain = mailbox.email.domain();
-    if domain.starts_with('[') || !domain.contains('.') {
-        return invalid(format!(
-            "\"{field}\" must use a domain name, not {}",
-            shorten(domain)
-        ));
-    }
-    Ok(mailbox)
-}
-
-fn parse_mailboxes(field: &str, raw: &[String]) -> Result<Vec<Mailbox>, InvalidJob> {
-    raw.iter().map(|r| parse_mailbox(field, r)).collect()
-}
-
-/// `text` made safe for a log line and an AMQP header: control characters and line
-/// separators escaped, and at most `max` bytes (cut on a character boundary).
-pub fn readable(text: &str, max: usize) -> String {
-    let mut out = String::with_capacity(text.len().min(max));
-    for c in text.chars() {
-        let piece = if is_line_breaking(c) || c == '\u{85}' {
-            format!("\\u{{{:04x}}}", c as u32)
-        } else {
-            c.to_string()
-        };
-        if out.len() + piece.len() > max.saturating_sub(3) {
-            out.push('…');
-            break;
-        }
-        out.push_str(&piece);
-    }
-    out
-}
-
-/// At most 80 characters of an offending value for a reason line.
-fn shorten(value: &str) -> String {
-    let mut s: String = value.chars().take(80).collect();
-    if s.len() < value.len() {
-        s.push('…');
-    }
-    s
 }
 
 #[cfg(test)]

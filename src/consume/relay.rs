@@ -1,17 +1,24 @@
-//! Ladder mode's intake relay (DESIGN §4): reads a job's `x-delay` once, fixes its
-//! due time, and routes it into the TTL cascade (or straight to work when due).
-//! The consumer publishes the decision with a confirm before it acks the intake
-//! delivery, so a relay killed mid-stream loses nothing: unacked jobs go back to
-//! `<p>.intake`, and the stamped due time keeps a re-relayed job from drifting later.
+//! Ladder mode's intake relay: reads a job's `x-delay` once, fixes its due time, and
+//! routes it into the TTL cascade (or straight to work when due). The decision is
+//! published with a confirm before the intake delivery is acked, so a relay killed
+//! mid-stream loses nothing: unacked jobs go back to `<p>.intake`, and the stamped
+//! due time keeps a re-relayed job from drifting later.
 
+use lapin::message::Delivery;
 use lapin::types::FieldTable;
+use lapin::Channel;
 
-use crate::delay::{self, Route};
-use crate::topology::{DelayLayout, Topology, ROUTING_KEY};
+use super::Service;
+use crate::broker::ladder::Route;
+use crate::broker::{Acks, DelayLayout, Topology, ROUTING_KEY};
+use crate::contract::{self, readable};
+use crate::headers::{self, HEADER_DUE_AT};
+use crate::ops::metrics::{DeadReason, RouteLabel};
+use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Target};
 
 /// Where one intake delivery goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(super) enum Decision {
     /// Publish to `exchange` with `routing_key`, stamped with `due_ms`.
     Forward {
         /// Target exchange.
@@ -26,13 +33,13 @@ pub enum Decision {
 }
 
 /// Decides the route of an intake delivery received at `now_ms`.
-pub fn decide(
+pub(super) fn decide(
     topology: &Topology,
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     now_ms: i64,
 ) -> Decision {
-    let due_ms = match delay::due_at(headers, timestamp_s, now_ms, topology.max_delay()) {
+    let due_ms = match contract::due_at(headers, timestamp_s, now_ms, topology.max_delay()) {
         Ok(due) => due,
         Err(invalid) => return Decision::Invalid(invalid.0),
     };
@@ -54,11 +61,67 @@ pub fn decide(
     }
 }
 
+impl Service {
+    /// One delivery of `<p>.intake`: recorded as scheduled (when pending jobs are
+    /// tracked), then forwarded into the ladder or to work, or dead-lettered.
+    pub(super) async fn handle_relay(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
+        let props = &delivery.properties;
+        let headers = props.headers().as_ref();
+        let metrics = self.worker.health().metrics();
+        let disposition = match decide(&self.topology, headers, *props.timestamp(), now_ms()) {
+            Decision::Forward {
+                exchange,
+                routing_key,
+                due_ms,
+            } => {
+                if self.settings.delay.track_pending {
+                    if let Some((key, revision)) = contract::peek_key(&delivery.data) {
+                        if self.worker.schedule(&key, revision, due_ms).await.is_err() {
+                            tracing::warn!("stopping: leaving the intake delivery unacked");
+                            return;
+                        }
+                    }
+                }
+                let route = if routing_key == ROUTING_KEY {
+                    "now"
+                } else {
+                    "ladder"
+                };
+                metrics
+                    .relayed
+                    .get_or_create(&RouteLabel {
+                        route: route.into(),
+                    })
+                    .inc();
+                let mut stamped = headers::without(headers, &[]);
+                headers::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
+                Disposition::Republish(Target {
+                    exchange,
+                    routing_key,
+                    headers: stamped,
+                })
+            }
+            Decision::Invalid(reason) => {
+                tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
+                metrics.dead(DeadReason::invalid);
+                Disposition::DeadLetter(dead_letter(
+                    &self.topology,
+                    headers,
+                    DeadKind::Invalid,
+                    &reason,
+                    0,
+                ))
+            }
+        };
+        self.dispose(disposition, &delivery, publish, acks).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DelayMode;
     use crate::config::{DelaySettings, TopologySettings};
-    use crate::delay::DelayMode;
     use lapin::types::AMQPValue;
     use std::time::Duration;
 
@@ -87,7 +150,7 @@ mod tests {
         // 3 s left → 3 units.
         let mut h = x_delay(5_000);
         h.insert(
-            delay::HEADER_PUBLISHED_AT.into(),
+            crate::headers::HEADER_PUBLISHED_AT.into(),
             AMQPValue::LongLongInt(10_000),
         );
         assert_eq!(

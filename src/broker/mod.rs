@@ -1,0 +1,15 @@
+//! Everything RabbitMQ: connections and confirmed publishes, the topology (names,
+//! declaration, the delay-mode probe), ladder mode's TTL cascade, and coalesced acks.
+//! Nothing here knows what a job means; [`crate::consume`] drives it.
+
+pub mod acks;
+pub mod amqp;
+pub mod ladder;
+pub mod probe;
+pub mod topology;
+
+pub use acks::Acks;
+pub use amqp::{confirm_channel, connect, job_properties, open, publish_confirmed, PublishError};
+pub use ladder::Ladder;
+pub use probe::{probe_plugin, resolve_mode, resolve_topology};
+pub use topology::{DelayLayout, Topology, TopologyError, ROUTING_KEY};

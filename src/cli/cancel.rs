@@ -1,0 +1,36 @@
+//! `postie cancel KEY [--revision N]`: cancel a key at once.
+
+use crate::config::Settings;
+use crate::contract::IdempotencyKey;
+use crate::inbox::{Inbox, Status};
+
+/// Arguments of `postie cancel`.
+#[derive(clap::Args)]
+pub struct CancelArgs {
+    /// The idempotency key.
+    key: String,
+    /// Cancel revisions up to this one (default: the newest seen).
+    #[arg(long)]
+    revision: Option<i32>,
+}
+
+/// Cancels the key up to the revision (None: the newest seen) and says what that meant.
+pub(super) async fn run(settings: &Settings, args: &CancelArgs) -> anyhow::Result<()> {
+    let key = IdempotencyKey::parse(&args.key).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let inbox = Inbox::connect(&settings.database).await?;
+    inbox.migrate().await?;
+    let cancelled = inbox.cancel(key.as_str(), args.revision).await?;
+    let what = match cancelled.prior_status {
+        Status::Sent => "already sent: nothing to cancel".to_string(),
+        Status::Sending => {
+            "being sent right now: it may still go out; later deliveries are cancelled".to_string()
+        }
+        Status::New => format!(
+            "not seen yet: kept as a tombstone; a job for it up to revision {} will be skipped",
+            cancelled.covers
+        ),
+        _ => format!("cancelled (revisions up to {})", cancelled.covers),
+    };
+    out!("{key}: {what}");
+    Ok(())
+}

@@ -1,0 +1,75 @@
+//! The `postie` command line: one file per command, each with its clap arguments
+//! and the code that runs it. `main.rs` only loads settings and logging and calls
+//! [`run`].
+
+mod cancel;
+mod dlq;
+mod migrate;
+mod pending;
+mod publish;
+mod serve;
+mod status;
+mod topology;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Settings;
+
+pub use publish::PublishArgs;
+
+/// `postie [--config FILE] COMMAND`.
+#[derive(Parser)]
+#[command(
+    name = "postie",
+    version,
+    about = "Delayed email jobs from RabbitMQ, sent exactly once"
+)]
+pub struct Cli {
+    /// Configuration file (TOML); environment variables POSTIE__SECTION__KEY override it.
+    #[arg(long, global = true, env = "POSTIE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The sub-commands.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Consume jobs and send emails until SIGTERM or Ctrl-C.
+    Serve,
+    /// Apply the database migrations in sql/.
+    Migrate,
+    /// Declare the exchanges and queues (idempotent), or delete them.
+    Topology(topology::TopologyArgs),
+    /// Publish one job to the contract exchange, with a publisher confirm.
+    Publish(PublishArgs),
+    /// Show inbox counts by status and queue depths.
+    Status,
+    /// Cancel a key at once (a tombstone if no job for it was seen yet).
+    Cancel(cancel::CancelArgs),
+    /// List and count scheduled jobs by due time (ladder mode).
+    Pending(pending::PendingArgs),
+    /// Inspect the dead-letter queue, or move dead letters back to be sent.
+    Dlq {
+        /// What to do with the dead letters.
+        #[command(subcommand)]
+        command: dlq::DlqCommand,
+    },
+}
+
+/// Runs `command`.
+pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    match command {
+        Command::Serve => serve::run(settings).await,
+        Command::Migrate => migrate::run(&settings).await,
+        Command::Topology(args) => topology::run(&settings, &args).await,
+        Command::Publish(args) => publish::run(&settings, &args).await,
+        Command::Status => status::run(&settings).await,
+        Command::Cancel(args) => cancel::run(&settings, &args).await,
+        Command::Pending(args) => pending::run(&settings, &args).await,
+        Command::Dlq { command } => dlq::run(&settings, command).await,
+    }
+}

@@ -1,0 +1,110 @@
+//! `postie publish`: one job to the contract exchange, with a publisher confirm.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lapin::types::FieldTable;
+
+use crate::broker::{self, Topology, ROUTING_KEY};
+use crate::config::Settings;
+use crate::contract::{EmailJob, ParseRules};
+use crate::headers::{self, HEADER_PUBLISHED_AT, HEADER_X_DELAY};
+
+/// A job to publish: a JSON file, or fields from flags.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct PublishArgs {
+    /// Read the JSON body from a file (`-` for stdin) instead of the flags below.
+    #[arg(long, conflicts_with_all = ["key", "order_id", "kind", "to", "subject", "text", "html"])]
+    pub file: Option<PathBuf>,
+    /// Idempotency key (default: ORDER_ID:TYPE).
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Order id.
+    #[arg(long)]
+    pub order_id: Option<String>,
+    /// Notification type.
+    #[arg(long = "type")]
+    pub kind: Option<String>,
+    /// Sender (default: smtp.default_from).
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Recipient; repeat for more.
+    #[arg(long)]
+    pub to: Vec<String>,
+    /// Subject line.
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// Plain-text body.
+    #[arg(long)]
+    pub text: Option<String>,
+    /// HTML body.
+    #[arg(long)]
+    pub html: Option<String>,
+    /// Delay before sending, e.g. 90s or 2h (sets x-delay).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub delay: Option<Duration>,
+}
+
+impl PublishArgs {
+    /// The JSON body these arguments describe.
+    pub fn body(&self) -> anyhow::Result<Vec<u8>> {
+        if let Some(path) = &self.file {
+            return Ok(if path.as_os_str() == "-" {
+                let mut buf = Vec::new();
+                std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
+                buf
+            } else {
+                std::fs::read(path)
+                    .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?
+            });
+        }
+        let mut job = serde_json::Map::new();
+        let mut put = |name: &str, value: &Option<String>| {
+            if let Some(v) = value {
+                job.insert(name.into(), v.clone().into());
+            }
+        };
+        put("key", &self.key);
+        put("order_id", &self.order_id);
+        put("type", &self.kind);
+        put("from", &self.from);
+        put("subject", &self.subject);
+        put("text", &self.text);
+        put("html", &self.html);
+        job.insert("to".into(), self.to.clone().into());
+        Ok(serde_json::to_vec(&job)?)
+    }
+}
+
+/// Publishes one job to the contract exchange with a publisher confirm.
+pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Result<()> {
+    let body = args.body()?;
+    // Check locally first, so a typo fails here rather than in the DLQ.
+    let job = EmailJob::parse(&body, &ParseRules::from_settings(settings))
+        .map_err(|e| anyhow::anyhow!("refusing to publish: {e}"))?;
+    // Only the entry exchange's name is needed, and it is the same in every mode.
+    let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
+    let conn = broker::open(&settings.amqp, "postie-publish").await?;
+    let channel = broker::confirm_channel(&conn).await?;
+    let mut table = FieldTable::default();
+    if let Some(delay) = args.delay {
+        headers::set_int(&mut table, HEADER_X_DELAY, delay.as_millis() as i64);
+    }
+    let now = chrono::Utc::now();
+    headers::set_int(&mut table, HEADER_PUBLISHED_AT, now.timestamp_millis());
+    let properties = broker::job_properties()
+        .with_headers(table)
+        .with_timestamp(now.timestamp() as u64);
+    broker::publish_confirmed(
+        &channel,
+        &topology.delayed_exchange(),
+        ROUTING_KEY,
+        false,
+        &body,
+        properties,
+    )
+    .await?;
+    out!("published {} to {}", job.key, topology.delayed_exchange());
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}

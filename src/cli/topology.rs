@@ -1,0 +1,37 @@
+//! `postie topology [--delete]`: declare the exchanges and queues, or delete them.
+
+use crate::broker;
+use crate::config::Settings;
+
+/// Arguments of `postie topology`.
+#[derive(clap::Args)]
+pub struct TopologyArgs {
+    /// Delete every queue and exchange under the prefix instead (loses their messages).
+    #[arg(long)]
+    delete: bool,
+}
+
+/// Declares the topology (or deletes it) and prints the mode and the names.
+pub(super) async fn run(settings: &Settings, args: &TopologyArgs) -> anyhow::Result<()> {
+    let topology = broker::resolve_topology(settings).await?;
+    let conn = broker::open(&settings.amqp, "postie-topology").await?;
+    let channel = conn.create_channel().await?;
+    if args.delete {
+        topology.delete(&channel).await?;
+        out!(
+            "deleted every queue and exchange under {:?}",
+            settings.topology.prefix
+        );
+    } else {
+        topology.declare(&channel).await?;
+        out!(
+            "delay mode: {} (configured: {})",
+            topology.mode_name(),
+            settings.delay.mode.as_str()
+        );
+        out!("exchanges: {}", topology.exchanges().join(", "));
+        out!("queues:    {}", topology.queues().join(", "));
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}

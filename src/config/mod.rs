@@ -1,0 +1,284 @@
+//! Typed settings, loaded in layers: built-in defaults, then an optional file
+//! (`--config` / `POSTIE_CONFIG`), then `POSTIE__SECTION__KEY` environment variables.
+//!
+//! Connection URLs may carry passwords, so they are kept as [`SecretString`] and only
+//! ever shown through [`redact_url`].
+
+use std::path::Path;
+#[cfg(test)]
+use std::path::PathBuf;
+#[cfg(test)]
+use std::time::Duration;
+
+use secrecy::ExposeSecret;
+#[cfg(test)]
+use secrecy::SecretString;
+use serde::Deserialize;
+
+mod database;
+mod sections;
+mod smtp;
+
+pub use database::{database_plan, DbPlan, DbTls};
+pub use sections::*;
+pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
+
+use crate::endpoint::redact_url;
+
+/// Everything postie can be told.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    /// RabbitMQ.
+    pub amqp: AmqpSettings,
+    /// PostgreSQL.
+    pub database: DatabaseSettings,
+    /// SMTP (or the `.eml` file transport).
+    pub smtp: SmtpSettings,
+    /// Exchange and queue names and arguments.
+    pub topology: TopologySettings,
+    /// The consumer and the unit of work.
+    pub worker: WorkerSettings,
+    /// How `x-delay` is honoured.
+    pub delay: DelaySettings,
+    /// The HTTP endpoint (metrics and health).
+    pub http: HttpSettings,
+    /// Logging.
+    pub log: LogSettings,
+    /// OpenTelemetry trace export.
+    pub otel: OtelSettings,
+    /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
+    pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
+}
+/// A configuration problem, worded for one line on stderr.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration error: {0}")]
+pub struct ConfigError(String);
+
+impl Settings {
+    /// Loads defaults, then `file` (if any), then the `POSTIE__…` environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_from(file, None)
+    }
+
+    /// Like [`Settings::load`], with `env` standing in for the process environment
+    /// when given (tests run many configurations in one process).
+    pub fn load_from(
+        file: Option<&Path>,
+        env: Option<std::collections::HashMap<String, String>>,
+    ) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder();
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError(format!(
+                    "config file {} does not exist",
+                    path.display()
+                )));
+            }
+            builder = builder.add_source(config::File::from(path));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix("POSTIE")
+                .prefix_separator("__")
+                .separator("__")
+                .list_separator(",")
+                .with_list_parse_key("topology.retry_steps")
+                .try_parsing(true)
+                .source(env),
+        );
+        let settings: Settings = builder
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .map_err(|e| ConfigError(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Cross-field checks the types cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let fail = |m: String| Err(ConfigError(m));
+        if self.topology.prefix.is_empty()
+            || !self
+                .topology
+                .prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return fail(format!(
+                "topology.prefix {:?} must be non-empty ASCII letters, digits, '.', '_' or '-'",
+                self.topology.prefix
+            ));
+        }
+        if self.topology.retry_steps.iter().any(|d| d.is_zero()) {
+            return fail("topology.retry_steps must all be above zero".into());
+        }
+        if self.delay.resolution.is_zero() || self.delay.max < self.delay.resolution {
+            return fail("delay.resolution must be above zero and below delay.max".into());
+        }
+        for (kind, rule) in &self.throttle {
+            if rule.limit == 0 || rule.window.is_zero() {
+                return fail(format!(
+                    "throttle.{kind}: limit and window must be above zero"
+                ));
+            }
+        }
+        if self.delay.relay_concurrency == 0 {
+            return fail("delay.relay_concurrency must be at least 1".into());
+        }
+        if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
+            return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
+        }
+        if self.worker.lease < self.smtp.timeout * 2 {
+            return fail(format!(
+                "worker.lease ({}) must be at least twice smtp.timeout ({})",
+                humantime::format_duration(self.worker.lease),
+                humantime::format_duration(self.smtp.timeout)
+            ));
+        }
+        for (name, url) in [("amqp.url", &self.amqp.url), ("smtp.url", &self.smtp.url)] {
+            if let Err(e) = url::Url::parse(url.expose_secret()) {
+                return fail(format!(
+                    "{name} {} is not a URL: {e}",
+                    redact_url(url.expose_secret())
+                ));
+            }
+        }
+        // The transport rules, checked here so that a refusal comes before any connection.
+        smtp_endpoint(self.smtp.url.expose_secret())?;
+        if let Some(path) = self.database.ca_file() {
+            if !path.is_file() {
+                return fail(format!(
+                    "database.ca_file {} is not a readable file",
+                    path.display()
+                ));
+            }
+        }
+        database_plan(
+            self.database.url.expose_secret(),
+            self.database.allow_plaintext,
+            self.database.ca_file(),
+        )?;
+        Ok(())
+    }
+
+    /// This instance's name in the inbox `owner` column.
+    pub fn instance_id(&self) -> String {
+        self.worker.instance_id.clone().unwrap_or_else(|| {
+            let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "postie".into());
+            let random = uuid::Uuid::new_v4().simple().to_string();
+            format!("{host}-{}-{}", std::process::id(), &random[..8])
+        })
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        Settings::default().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn environment_overrides_defaults_and_parses_lists() {
+        let env = [
+            ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2m"),
+            ("POSTIE__AMQP__PREFETCH", "7"),
+            ("POSTIE__HTTP__LISTEN", ""),
+            ("POSTIE__SMTP__URL", "file:///tmp/x"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(
+            s.topology.retry_steps,
+            [Duration::from_secs(1), Duration::from_secs(120)]
+        );
+        assert_eq!(s.amqp.prefetch, 7);
+        assert_eq!(s.http.listen, None);
+    }
+
+    #[test]
+    fn bad_values_and_unknown_keys_fail_with_the_key_named() {
+        for (key, value, expected) in [
+            ("POSTIE__SMTP__TIMEOUT", "soon", "smtp.timeout"),
+            ("POSTIE__AMQP__PREFETCH", "lots", "amqp.prefetch"),
+            ("POSTIE__AMQP__PREFECH", "5", "prefech"),
+        ] {
+            let env = [(key.to_string(), value.to_string())].into_iter().collect();
+            let err = Settings::load_from(None, Some(env))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn throttles_are_read_per_type_from_the_environment() {
+        let env = [
+            ("POSTIE__THROTTLE__ORDER_CONFIRMATION__LIMIT", "2"),
+            ("POSTIE__THROTTLE__ORDER_CONFIRMATION__WINDOW", "1h"),
+            ("POSTIE__THROTTLE__ORDER_CONFIRMATION__POLICY", "defer"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        let rule = &s.throttle["order_confirmation"];
+        assert_eq!(
+            (rule.limit, rule.window, rule.policy),
+            (2, Duration::from_secs(3600), ThrottlePolicy::Defer)
+        );
+    }
+
+    #[test]
+    fn lease_must_exceed_smtp_timeout() {
+        let mut s = Settings::default();
+        s.worker.lease = Duration::from_secs(10);
+        let err = s.validate().unwrap_err().to_string();
+        assert!(err.contains("worker.lease"), "{err}");
+    }
+
+    #[test]
+    fn validate_applies_the_transport_rules() {
+        let mut s = Settings::default();
+        s.database.url = SecretString::from("postgres://postie:pw@db.internal/postie");
+        let err = s.validate().unwrap_err().to_string();
+        assert!(err.contains("database.url points at db.internal"), "{err}");
+        s.database.allow_plaintext = true;
+        s.validate().expect("allow_plaintext accepts the risk");
+        s.database.url =
+            SecretString::from("postgres://postie:pw@db.internal/postie?sslmode=verify-ca");
+        s.database.ca_file = Some(PathBuf::from("/nonexistent/ca.pem"));
+        let err = s.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("database.ca_file /nonexistent/ca.pem"),
+            "{err}"
+        );
+        s.database.ca_file = Some(PathBuf::new());
+        let err = s.validate().unwrap_err().to_string();
+        assert!(err.contains("verify-ca"), "{err}");
+
+        let env = [(
+            "POSTIE__SMTP__URL",
+            "smtp://relay.example.com?tls=sometimes",
+        )]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let err = Settings::load_from(None, Some(env))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tls=sometimes"), "{err}");
+        let env = [
+            ("POSTIE__DATABASE__URL", "postgres://a@10.0.0.5/x"),
+            ("POSTIE__DATABASE__ALLOW_PLAINTEXT", "true"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).expect("escape hatch from the environment");
+        assert!(s.database.allow_plaintext);
+    }
+}

@@ -1,0 +1,351 @@
+//! The sections of [`Settings`](super::Settings), each with its defaults and the
+//! meaning of every field. Unknown fields are refused.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use secrecy::SecretString;
+use serde::{Deserialize, Deserializer};
+
+/// How delays are honoured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DelayMode {
+    /// Probe the broker at start-up: the exchange already there decides; on a fresh
+    /// broker, `plugin` if the plugin is enabled, else `ladder`.
+    Auto,
+    /// `x-delayed-message` exchange (rabbitmq_delayed_message_exchange).
+    Plugin,
+    /// Plugin-free: intake relay and TTL-queue cascade.
+    Ladder,
+}
+
+impl DelayMode {
+    /// The name used in config and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Plugin => "plugin",
+            Self::Ladder => "ladder",
+        }
+    }
+}
+
+/// At most `limit` emails of one type per recipient per `window`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThrottleRule {
+    /// Emails allowed per recipient per window.
+    pub limit: u32,
+    /// The sliding window.
+    #[serde(deserialize_with = "duration")]
+    pub window: Duration,
+    /// What to do with one over the limit.
+    pub policy: ThrottlePolicy,
+}
+
+/// What happens to a job over its throttle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThrottlePolicy {
+    /// Record it as `throttled` and ack: never sent.
+    Drop,
+    /// Send it when the window allows (never early).
+    Defer,
+}
+
+/// RabbitMQ connection and consumer settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AmqpSettings {
+    /// `amqp://user:pass@host:port/vhost` or `amqps://…`.
+    pub url: SecretString,
+    /// Unacked deliveries the broker may push to one instance.
+    pub prefetch: u16,
+    /// How long a connection attempt may take.
+    #[serde(deserialize_with = "duration")]
+    pub connect_timeout: Duration,
+}
+
+impl Default for AmqpSettings {
+    fn default() -> Self {
+        Self {
+            url: SecretString::from("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            prefetch: 128,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// PostgreSQL settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseSettings {
+    /// `postgres://user:pass@host:port/db` (key=value strings work too).
+    pub url: SecretString,
+    /// Connections in the pool.
+    pub pool_size: usize,
+    /// Apply the migrations in `sql/` at start-up.
+    pub migrate_on_start: bool,
+    /// How long to wait for a pooled connection or a new one.
+    #[serde(deserialize_with = "duration")]
+    pub connect_timeout: Duration,
+    /// Accept an unencrypted connection to a host that is not this machine (`sslmode`
+    /// absent, `disable` or `prefer`). Off: postie refuses to start instead.
+    pub allow_plaintext: bool,
+    /// PEM file of CA certificates to trust for the server's certificate, on top of the
+    /// system's roots (`sslmode=verify-ca` trusts these alone).
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Default for DatabaseSettings {
+    fn default() -> Self {
+        Self {
+            url: SecretString::from("postgres://postgres@127.0.0.1:5432/postgres"),
+            pool_size: 16,
+            migrate_on_start: true,
+            connect_timeout: Duration::from_secs(5),
+            allow_plaintext: false,
+            ca_file: None,
+        }
+    }
+}
+
+impl DatabaseSettings {
+    /// `ca_file`, unless unset or empty.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.ca_file
+            .as_deref()
+            .filter(|path| !path.as_os_str().is_empty())
+    }
+}
+
+/// SMTP settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SmtpSettings {
+    /// `smtp://host:port` (STARTTLS required, except to this machine; `?tls=none`,
+    /// `?tls=opportunistic` or `?tls=required` to choose), `smtps://host:port`
+    /// (implicit TLS), or `file:///dir` to write `.eml` files. See [`smtp_endpoint`].
+    pub url: SecretString,
+    /// Pooled SMTP connections.
+    pub pool_size: u32,
+    /// Longest wait for the relay on any one SMTP step (connect, each command and
+    /// reply). A send takes a handful of steps, so keep the lease several times longer.
+    #[serde(deserialize_with = "duration")]
+    pub timeout: Duration,
+    /// `From` for jobs that carry none.
+    pub default_from: Option<String>,
+    /// The right-hand side of the Message-ID derived from each job's key.
+    pub message_id_domain: String,
+    /// Consecutive failures to reach the relay that open the circuit breaker
+    /// (consumption pauses until the relay answers).
+    pub breaker_threshold: u32,
+}
+
+impl Default for SmtpSettings {
+    fn default() -> Self {
+        Self {
+            url: SecretString::from("smtp://127.0.0.1:1025"),
+            pool_size: 16,
+            timeout: Duration::from_secs(20),
+            default_from: None,
+            message_id_domain: "postie.local".into(),
+            breaker_threshold: 5,
+        }
+    }
+}
+
+/// Names and arguments of the broker objects.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopologySettings {
+    /// Prefix of every exchange and queue name (`postie` → `postie.send`, …).
+    pub prefix: String,
+    /// Backoff steps: retry queue `n` holds a failed job for `retry_steps[n]`.
+    /// A job gets `retry_steps.len() + 1` attempts before it is dead-lettered.
+    #[serde(deserialize_with = "durations")]
+    pub retry_steps: Vec<Duration>,
+    /// Broker-side safety net: deliveries of one message before the broker itself
+    /// dead-letters it (counts redeliveries after crashes and connection losses).
+    pub delivery_limit: u32,
+}
+
+impl Default for TopologySettings {
+    fn default() -> Self {
+        Self {
+            prefix: "postie".into(),
+            retry_steps: [5, 30, 120, 600, 3600]
+                .into_iter()
+                .map(Duration::from_secs)
+                .collect(),
+            delivery_limit: 50,
+        }
+    }
+}
+
+/// The consumer and the unit of work.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSettings {
+    /// Deliveries processed at the same time by one instance.
+    pub concurrency: usize,
+    /// How long a claim is exclusive. Another instance takes a job over only after
+    /// the lease has expired, so it must be well above `smtp.timeout`.
+    #[serde(deserialize_with = "duration")]
+    pub lease: Duration,
+    /// Largest accepted message body, in bytes.
+    pub max_body_bytes: usize,
+    /// Name of this instance in the inbox `owner` column (default: host-pid-random).
+    pub instance_id: Option<String>,
+    /// Largest wait between tries while a dependency is down.
+    #[serde(deserialize_with = "duration")]
+    pub outage_backoff_max: Duration,
+    /// On SIGTERM: how long in-flight deliveries get to finish before they are
+    /// handed back to the broker unacked.
+    #[serde(deserialize_with = "duration")]
+    pub drain_timeout: Duration,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        Self {
+            concurrency: 64,
+            lease: Duration::from_secs(60),
+            max_body_bytes: 512 * 1024,
+            instance_id: None,
+            outage_backoff_max: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Delays: plugin or ladder mode.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DelaySettings {
+    /// `auto`, `plugin` or `ladder` (see README, "Delays").
+    pub mode: DelayMode,
+    /// Ladder mode: the unit of the TTL cascade. Smaller means more levels; the
+    /// worker waits out the last sub-unit rest, so this is not the lateness.
+    #[serde(deserialize_with = "duration")]
+    pub resolution: Duration,
+    /// Ladder mode: the longest accepted `x-delay`; longer jobs are dead-lettered.
+    /// (Plugin mode: the plugin's 2^32-1 ms.)
+    #[serde(deserialize_with = "duration")]
+    pub max: Duration,
+    /// Ladder mode: intake deliveries relayed at once per instance (and its prefetch).
+    pub relay_concurrency: u16,
+    /// Ladder mode: record each scheduled job in the inbox, for `postie pending`
+    /// and the pending gauge (one upsert per job).
+    pub track_pending: bool,
+}
+
+impl Default for DelaySettings {
+    fn default() -> Self {
+        Self {
+            mode: DelayMode::Auto,
+            resolution: Duration::from_millis(100),
+            max: Duration::from_secs(366 * 86_400),
+            relay_concurrency: 64,
+            track_pending: true,
+        }
+    }
+}
+
+/// HTTP endpoint settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSettings {
+    /// Where `/metrics`, `/healthz` and `/readyz` listen; empty to disable.
+    #[serde(deserialize_with = "optional_addr")]
+    pub listen: Option<SocketAddr>,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
+        }
+    }
+}
+
+/// Log output.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSettings {
+    /// `human` for development, `json` for production.
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `postie=debug,lapin=warn`. `RUST_LOG` wins.
+    /// lapin is off by default: it logs the probe's expected 503 and every
+    /// connection loss as errors, which postie already reports in its own words.
+    pub filter: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Human,
+            filter: "info,lapin=off,tokio_postgres=warn".into(),
+        }
+    }
+}
+
+/// OpenTelemetry: spans per delivery exported over OTLP/HTTP.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OtelSettings {
+    /// OTLP/HTTP traces endpoint, e.g. `http://127.0.0.1:4318/v1/traces`; unset = off.
+    pub endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for OtelSettings {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            service_name: "postie".into(),
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Coloured, one line per event.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text)
+        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}")))
+}
+
+fn optional_addr<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+    let text = Option::<String>::deserialize(d)?.unwrap_or_default();
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    text.trim().parse().map(Some).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "{text:?} is not an address like 127.0.0.1:9090: {e}"
+        ))
+    })
+}
+
+fn durations<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
+    Vec::<String>::deserialize(d)?
+        .iter()
+        .map(|text| {
+            humantime::parse_duration(text).map_err(|e| {
+                serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
+            })
+        })
+        .collect()
+}

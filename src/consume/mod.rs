@@ -1,0 +1,125 @@
+//! `postie serve`: the supervised consume loops.
+//!
+//! One connection per session, one publishing channel with confirms, and one
+//! consuming channel per role: the **send** role (`<p>.send` → [`Worker`]) and, in
+//! ladder mode, the **relay** role (`<p>.intake` → the ladder). Each delivery ends in
+//! a [`Disposition`](crate::work::Disposition), carried out in one place
+//! (`send.rs`): "publish (confirmed) then ack", "ack", or "leave unacked".
+//!
+//! - `session.rs`: the supervisor (connect, declare, run the roles, reconnect).
+//! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
+//! - `send.rs`: the send role's handler, and dispositions carried out.
+//! - `relay.rs`: the relay role (ladder mode).
+//! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
+//!
+//! If the connection, a channel or a consumer is lost, in-flight work finishes or is
+//! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
+//! On stop, consumers are cancelled, in-flight deliveries get the drain timeout to
+//! finish, and the connection is closed cleanly.
+
+mod pollers;
+mod relay;
+mod send;
+mod session;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{self, Topology};
+use crate::config::Settings;
+use crate::inbox::Inbox;
+use crate::mail::Mailer;
+use crate::ops::health::Health;
+use crate::ops::metrics::Metrics;
+use crate::work::Worker;
+
+/// The longest a goodbye (channel or connection close, consumer cancel, ack) may take
+/// before the session moves on: a dead socket must not hold up recovery.
+const GOODBYE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs the service until `stop` is cancelled. Fails fast (one clear error) if a
+/// dependency is unreachable or misconfigured at start-up; after that, outages are
+/// ridden out.
+pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Result<()> {
+    let health = Health::new(Arc::new(Metrics::new()), settings.smtp.breaker_threshold);
+    let http_stop = CancellationToken::new();
+    let _http_guard = http_stop.clone().drop_guard();
+    if let Some(addr) = settings.http.listen {
+        crate::ops::http::start(addr, health.clone(), http_stop.clone()).await?;
+    }
+    let inbox = Inbox::new(&settings.database)?;
+    inbox.check(&settings.database.url).await?;
+    if settings.database.migrate_on_start {
+        for applied in inbox.migrate().await? {
+            tracing::info!(migration = %applied, "applied migration");
+        }
+    }
+    let mailer = Mailer::new(&settings.smtp)?;
+    let topology = broker::resolve_topology(&settings).await?;
+    let owner = settings.instance_id();
+    let connection =
+        broker::connect(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
+    session::declare(&topology, &connection).await?;
+
+    let hard_stop = CancellationToken::new();
+    let settings = Arc::new(settings);
+    let worker = Worker::new(
+        settings.clone(),
+        (inbox, mailer, topology.clone()),
+        owner.clone(),
+        health.clone(),
+        hard_stop.clone(),
+    );
+    let service = Service {
+        worker,
+        topology,
+        settings,
+        owner,
+        hard_stop,
+    };
+    tracing::info!(
+        instance = %service.owner,
+        delay_mode = service.topology.mode_name(),
+        queue = %service.topology.send_queue(),
+        "postie serving"
+    );
+    service.run(connection, stop).await;
+    tracing::info!("postie stopped");
+    Ok(())
+}
+
+/// Why a session with the broker ended.
+enum SessionEnd {
+    /// A stop was asked for; drained.
+    Stopped,
+    /// The connection, a channel or a consumer went away.
+    Lost(String),
+}
+
+/// What a consume loop does with its deliveries.
+#[derive(Clone, Copy, Debug)]
+enum Role {
+    /// `<p>.send`: claim, send, record.
+    Send,
+    /// `<p>.intake`: route into the ladder.
+    Relay,
+}
+
+/// What every consume loop of this instance shares; cheap to clone.
+#[derive(Clone)]
+struct Service {
+    /// The unit of work (and, through it, health and metrics).
+    worker: Worker,
+    /// The broker objects' names.
+    topology: Topology,
+    /// Everything configured.
+    settings: Arc<Settings>,
+    /// This instance's name (connection name, inbox `owner`).
+    owner: String,
+    /// Cancelled when the drain timeout runs out: ends every wait for a dependency,
+    /// so in-flight work gives up and its deliveries return to the queue unacked.
+    hard_stop: CancellationToken,
+}

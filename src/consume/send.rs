@@ -1,0 +1,130 @@
+//! The send role's handler, and the one place a [`Disposition`] is carried out:
+//! publish a copy (confirmed) and then ack, ack alone, or leave the delivery unacked.
+
+use std::time::Duration;
+
+use lapin::message::Delivery;
+use lapin::{BasicProperties, Channel};
+use tracing::Instrument;
+
+use super::Service;
+use crate::broker::{self, Acks, DelayLayout, PublishError};
+use crate::headers::{self, header_int, HEADER_ATTEMPT};
+use crate::ops::health::next_backoff;
+use crate::work::{Disposition, Target};
+
+impl Service {
+    /// One delivery of `<p>.send`: the worker names its outcome, the outcome its
+    /// disposition.
+    pub(super) async fn handle_send(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
+        let headers = delivery.properties.headers().as_ref();
+        let attempt = header_int(headers, HEADER_ATTEMPT).unwrap_or(0);
+        let span = tracing::info_span!(
+            "delivery",
+            key = tracing::field::Empty,
+            attempt,
+            outcome = tracing::field::Empty,
+            redelivered = delivery.redelivered,
+        );
+        // Continue the producer's trace, if the job carries one.
+        let parent = crate::ops::telemetry::parent_context(headers);
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
+        let metrics = self.worker.health().metrics().clone();
+        metrics.jobs_received.inc();
+        metrics.in_flight.inc();
+        let started = std::time::Instant::now();
+        async {
+            let timestamp = *delivery.properties.timestamp();
+            let disposition = match self
+                .worker
+                .process(&delivery.data, headers, timestamp)
+                .await
+            {
+                Ok(outcome) => outcome.settle(&metrics, &self.topology, headers),
+                Err(interrupted) => {
+                    tracing::warn!(%interrupted, "leaving the delivery unacked for redelivery");
+                    Disposition::LeaveUnacked
+                }
+            };
+            if self.dispose(disposition, &delivery, publish, acks).await {
+                metrics
+                    .processing_seconds
+                    .observe(started.elapsed().as_secs_f64());
+            }
+        }
+        .instrument(span)
+        .await;
+        metrics.in_flight.dec();
+    }
+
+    /// Carries out `disposition` for `delivery`; true if the delivery was acked.
+    pub(super) async fn dispose(
+        &self,
+        disposition: Disposition,
+        delivery: &Delivery,
+        publish: &Channel,
+        acks: &Acks,
+    ) -> bool {
+        match disposition {
+            Disposition::LeaveUnacked => return false,
+            Disposition::Ack => {}
+            Disposition::Republish(target) | Disposition::DeadLetter(target) => {
+                if let Err(error) = self.publish_retrying(publish, delivery, target).await {
+                    tracing::warn!(%error, "could not publish the outcome; leaving the delivery unacked");
+                    return false;
+                }
+            }
+        }
+        acks.done(delivery.delivery_tag);
+        true
+    }
+
+    /// Publishes a copy of the delivery (confirmed, persistent) to `target`, retrying
+    /// while the broker refuses it; gives up only if the channel is gone (the delivery
+    /// then returns to its queue by itself) or on hard stop.
+    async fn publish_retrying(
+        &self,
+        publish: &Channel,
+        delivery: &Delivery,
+        target: Target,
+    ) -> Result<(), PublishError> {
+        let Target {
+            exchange,
+            routing_key,
+            headers,
+        } = target;
+        let headers = headers::without(Some(&headers), headers::BROKER_DEATH_HEADERS);
+        let properties: BasicProperties = delivery
+            .properties
+            .clone()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
+        let mandatory = !(exchange == self.topology.delayed_exchange()
+            && self.topology.delay() == DelayLayout::Plugin);
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match broker::publish_confirmed(
+                publish,
+                &exchange,
+                &routing_key,
+                mandatory,
+                &delivery.data,
+                properties.clone(),
+            )
+            .await
+            {
+                Ok(()) => return Ok(()),
+                Err(PublishError::Broker(e)) => return Err(PublishError::Broker(e)),
+                Err(error) => {
+                    tracing::warn!(%error, "republish refused; retrying");
+                    tokio::select! {
+                        _ = self.hard_stop.cancelled() => return Err(error),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = next_backoff(backoff, self.settings.worker.outage_backoff_max);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! The session supervisor: connect (any broker address), declare, run every role's
+//! consume loop on one connection until it is lost or a stop is asked for, then
+//! reconnect with backoff.
+
+use std::time::Duration;
+
+use lapin::Connection;
+use tokio_util::sync::CancellationToken;
+
+use super::stream::Lane;
+use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
+use crate::broker::{self, DelayLayout, Topology};
+use crate::ops::health::next_backoff;
+use crate::ops::metrics::Dependency;
+
+/// How often a consume loop checks that its connection still stands, in case the
+/// consumer stream misses the connection's end.
+const LIVENESS_POLL: Duration = Duration::from_secs(1);
+
+impl Service {
+    /// Serves until `stop`: one session after another, reconnecting with backoff.
+    pub(super) async fn run(&self, first: Connection, stop: CancellationToken) {
+        let mut connection = Some(first);
+        let mut backoff = Duration::from_millis(200);
+        let max_backoff = self.settings.worker.outage_backoff_max;
+        while !stop.is_cancelled() {
+            let conn = match connection.take() {
+                Some(conn) => conn,
+                None => match broker::connect(
+                    &self.settings.amqp.url,
+                    &self.owner,
+                    self.settings.amqp.connect_timeout,
+                )
+                .await
+                {
+                    Ok(conn) => {
+                        tracing::info!("reconnected to RabbitMQ");
+                        self.worker
+                            .health()
+                            .metrics()
+                            .reconnected(Dependency::rabbitmq);
+                        conn
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "RabbitMQ unavailable; retrying");
+                        sleep_unless(&stop, backoff).await;
+                        backoff = next_backoff(backoff, max_backoff);
+                        continue;
+                    }
+                },
+            };
+            let ended = self.session(&conn, &stop).await;
+            self.worker.health().set_broker_up(false);
+            match ended {
+                Ok(SessionEnd::Stopped) => {
+                    bounded(conn.close(200, "postie shutting down".into())).await;
+                    return;
+                }
+                Ok(SessionEnd::Lost(reason)) => {
+                    tracing::warn!(%reason, "lost the broker session; reconnecting");
+                }
+                Err(error) => {
+                    tracing::warn!(error = %crate::describe_error(&error), "broker session failed; reconnecting");
+                }
+            }
+            bounded(conn.close(320, "postie reconnecting".into())).await;
+            backoff = Duration::from_millis(200);
+            sleep_unless(&stop, backoff).await;
+        }
+    }
+
+    /// One connection's worth of work: every role's consume loop, until one is lost
+    /// or a stop is asked for.
+    async fn session(
+        &self,
+        conn: &Connection,
+        stop: &CancellationToken,
+    ) -> anyhow::Result<SessionEnd> {
+        let setup = self.settings.amqp.connect_timeout;
+        within(
+            setup,
+            "declaring the topology",
+            declare(&self.topology, conn),
+        )
+        .await?;
+        let publish = within(setup, "opening the publishing channel", async {
+            Ok(broker::confirm_channel(conn).await?)
+        })
+        .await?;
+        let session_stop = stop.child_token();
+        let lost = CancellationToken::new();
+        watch_connection(conn, lost.clone(), session_stop.clone());
+        within(
+            setup,
+            "starting the depth poller",
+            self.spawn_depth_poller(conn, session_stop.clone()),
+        )
+        .await?;
+        self.worker.health().set_broker_up(true);
+        let send = self.consume_loop(
+            conn,
+            Lane {
+                role: Role::Send,
+                queue: self.topology.send_queue(),
+                prefetch: self.settings.amqp.prefetch,
+                concurrency: self.settings.worker.concurrency,
+            },
+            &publish,
+            (&session_stop, &lost),
+        );
+        let end = if let DelayLayout::Ladder(_) = self.topology.delay() {
+            let concurrency = self.settings.delay.relay_concurrency;
+            let relay = self.consume_loop(
+                conn,
+                Lane {
+                    role: Role::Relay,
+                    queue: self.topology.intake_queue(),
+                    prefetch: concurrency,
+                    concurrency: concurrency as usize,
+                },
+                &publish,
+                (&session_stop, &lost),
+            );
+            tokio::pin!(send, relay);
+            // When one loop ends, the other ends too: drained if this is a stop,
+            // abandoned to redelivery (like the broker's end) if the session is lost.
+            let first = tokio::select! {
+                end = &mut send => { lost.cancel(); let _ = relay.await; end }
+                end = &mut relay => { lost.cancel(); let _ = send.await; end }
+            };
+            first
+        } else {
+            send.await
+        };
+        // Ends the watchdog and the depth poller of this session.
+        session_stop.cancel();
+        let end = end?;
+        bounded(publish.close(200, "done".into())).await;
+        Ok(match end {
+            SessionEnd::Lost(reason) => SessionEnd::Lost(reason),
+            SessionEnd::Stopped if stop.is_cancelled() => SessionEnd::Stopped,
+            SessionEnd::Stopped => SessionEnd::Lost("the session ended".into()),
+        })
+    }
+}
+
+/// Declares the topology on a channel of its own, closed afterwards.
+pub(super) async fn declare(topology: &Topology, conn: &Connection) -> anyhow::Result<()> {
+    let channel = conn.create_channel().await?;
+    topology.declare(&channel).await?;
+    bounded(channel.close(200, "declared".into())).await;
+    Ok(())
+}
+
+/// A session step with a deadline: a broker that accepts the connection but never
+/// answers (still booting, or a half-dead socket) fails the session, which is then
+/// rebuilt with backoff, instead of hanging it.
+pub(super) async fn within<T>(
+    limit: Duration,
+    what: &str,
+    step: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(result) => result,
+        Err(_) => Err(anyhow::anyhow!(
+            "{what}: no answer from RabbitMQ within {}",
+            humantime::format_duration(limit)
+        )),
+    }
+}
+
+/// A goodbye whose result does not matter, given at most [`GOODBYE_TIMEOUT`].
+pub(super) async fn bounded<T>(goodbye: impl std::future::Future<Output = T>) {
+    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, goodbye).await;
+}
+
+/// Cancels `lost` when the connection no longer stands (checked every
+/// [`LIVENESS_POLL`]) or `done` is cancelled: a second way to notice a lost broker,
+/// for when a consumer stream is not told.
+fn watch_connection(conn: &Connection, lost: CancellationToken, done: CancellationToken) {
+    let status = conn.status().clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                _ = tokio::time::sleep(LIVENESS_POLL) => {}
+            }
+            if !status.connected() {
+                tracing::debug!("the RabbitMQ connection no longer stands");
+                lost.cancel();
+                return;
+            }
+        }
+    });
+}
+
+async fn sleep_unless(stop: &CancellationToken, wait: Duration) {
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+}

@@ -1,0 +1,144 @@
+//! One consumer on one queue: bounded concurrency, a pause while a dependency is
+//! down, and on stop a drain (consumer cancelled, in-flight work given the drain
+//! timeout). Deliveries go to the role's handler.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::session::{bounded, within};
+use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
+use crate::broker::Acks;
+
+/// One consume loop's queue and limits.
+pub(super) struct Lane {
+    /// What the loop does with its deliveries.
+    pub(super) role: Role,
+    /// The queue it consumes.
+    pub(super) queue: String,
+    /// Unacked deliveries the broker may push to it.
+    pub(super) prefetch: u16,
+    /// Deliveries handled at the same time.
+    pub(super) concurrency: usize,
+}
+
+impl Service {
+    /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
+    /// in-flight work to redelivery after at most the drain timeout).
+    pub(super) async fn consume_loop(
+        &self,
+        conn: &Connection,
+        lane: Lane,
+        publish: &Channel,
+        (stop, lost): (&CancellationToken, &CancellationToken),
+    ) -> anyhow::Result<SessionEnd> {
+        let Lane {
+            role,
+            queue,
+            prefetch,
+            concurrency,
+        } = lane;
+        let (channel, mut deliveries) = within(
+            self.settings.amqp.connect_timeout,
+            "starting a consumer",
+            async {
+                let channel = conn.create_channel().await?;
+                channel
+                    .basic_qos(prefetch, BasicQosOptions::default())
+                    .await?;
+                let deliveries = channel
+                    .basic_consume(
+                        queue.as_str().into(),
+                        format!("postie-{}-{role:?}", self.owner).into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+                Ok((channel, deliveries))
+            },
+        )
+        .await?;
+        let health = self.worker.health().clone();
+        let (acks, ack_task) = Acks::start(channel.clone());
+        let slots = Arc::new(Semaphore::new(concurrency));
+        let tracker = TaskTracker::new();
+
+        let end = loop {
+            if matches!(role, Role::Send) && health.paused() {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => break SessionEnd::Stopped,
+                    _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
+                    _ = health.wait_dependencies_up() => tracing::info!("dependencies answer again; resuming"),
+                }
+            }
+            let permit = tokio::select! {
+                biased;
+                _ = stop.cancelled() => break SessionEnd::Stopped,
+                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
+                permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+            };
+            let next = tokio::select! {
+                biased;
+                _ = stop.cancelled() => break SessionEnd::Stopped,
+                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
+                next = deliveries.next() => next,
+            };
+            match next {
+                None => {
+                    break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}"))
+                }
+                Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
+                Some(Ok(delivery)) => {
+                    let this = self.clone();
+                    let publish = publish.clone();
+                    let acks = acks.clone();
+                    tracker.spawn(async move {
+                        match role {
+                            Role::Send => this.handle_send(delivery, &publish, &acks).await,
+                            Role::Relay => this.handle_relay(delivery, &publish, &acks).await,
+                        }
+                        drop(permit);
+                    });
+                }
+            }
+        };
+
+        if let SessionEnd::Stopped = end {
+            health.set_draining();
+            // Stop taking work; prefetched but unstarted deliveries go back on close.
+            bounded(channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default())).await;
+            tracker.close();
+            let drain = self.settings.worker.drain_timeout;
+            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+                tracing::warn!("drain timeout: abandoning in-flight deliveries to redelivery");
+                self.hard_stop.cancel();
+                tracker.wait().await;
+            }
+        } else {
+            // The channel is gone, so in-flight deliveries cannot be acked any more;
+            // their outcomes are in the inbox, and the broker redelivers them to be
+            // suppressed. Give them a moment to finish, but never let one that hangs
+            // on the dead connection hold up the next session.
+            tracker.close();
+            let drain = self.settings.worker.drain_timeout;
+            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+                tracing::warn!(
+                    "in-flight deliveries still running after the broker session ended; \
+                     reconnecting without them (the broker redelivers them)"
+                );
+            }
+        }
+        // The acks of everything finished go before the channel closes.
+        drop(acks);
+        ack_task.finish(GOODBYE_TIMEOUT).await;
+        bounded(channel.close(200, "done".into())).await;
+        Ok(end)
+    }
+}

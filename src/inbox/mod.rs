@@ -1,0 +1,151 @@
+//! The PostgreSQL inbox: one row per idempotency key, claimed before any email
+//! leaves and completed (fenced) before the delivery is acked.
+//!
+//! Every call is a single statement in its own implicit transaction, so a claim is
+//! committed before the send starts and a completion is committed before the ack.
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use secrecy::{ExposeSecret, SecretString};
+use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+mod claim;
+mod migrate;
+mod queries;
+mod status;
+mod tls;
+
+pub use claim::Claim;
+pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
+pub use status::Status;
+
+use crate::config::{database_plan, DatabaseSettings, DbTls};
+use crate::endpoint::redact_url;
+use tls::tls_config;
+
+/// PostgreSQL could not be reached, or refused a statement.
+#[derive(Debug, thiserror::Error)]
+#[error("database: {message}")]
+pub struct DbError {
+    message: String,
+    /// The SQLSTATE class (first two characters), when the server answered.
+    class: Option<String>,
+}
+
+impl DbError {
+    /// A statement's result this postie cannot read: a refusal, not an outage.
+    fn refused(message: String) -> Self {
+        Self {
+            message,
+            class: Some("22".into()),
+        }
+    }
+
+    /// True when the database itself is unavailable (no answer, connection errors,
+    /// shutdown, resource exhaustion, serialization conflicts): not the job's fault,
+    /// so wait and retry. False when the server refused the statement for what it
+    /// carried (e.g. class 22, a value out of range), which no retry can fix.
+    pub fn is_outage(&self) -> bool {
+        match self.class.as_deref() {
+            None => true,
+            Some(class) => matches!(class, "08" | "40" | "53" | "55" | "57" | "58" | "XX"),
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for DbError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        // The Display of a db error carries the server message; of an io error, the cause.
+        match e.as_db_error() {
+            Some(db) => Self {
+                message: format!("{}: {}", db.code().code(), db.message()),
+                class: Some(db.code().code().chars().take(2).collect()),
+            },
+            None => Self {
+                message: match std::error::Error::source(&e) {
+                    Some(cause) => format!("{e}: {cause}"),
+                    None => e.to_string(),
+                },
+                class: None,
+            },
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for DbError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            other => Self {
+                message: other.to_string(),
+                class: None,
+            },
+        }
+    }
+}
+
+/// A pool of connections to the inbox database.
+#[derive(Clone)]
+pub struct Inbox {
+    pool: Pool,
+}
+
+impl Inbox {
+    /// Builds the pool (lazily connected). TLS follows `sslmode` in the URL (see
+    /// [`database_plan`]): refused without TLS to a host that is not this machine unless
+    /// `allow_plaintext`; with TLS, the server's certificate is always verified.
+    pub fn new(settings: &DatabaseSettings) -> anyhow::Result<Self> {
+        let plan = database_plan(
+            settings.url.expose_secret(),
+            settings.allow_plaintext,
+            settings.ca_file(),
+        )?;
+        let mut pg = plan.config;
+        pg.connect_timeout(settings.connect_timeout);
+        pg.application_name("postie");
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match plan.tls {
+            DbTls::Off => Manager::from_config(pg, NoTls, manager_config),
+            tls => Manager::from_config(
+                pg,
+                MakeRustlsConnect::new(tls_config(tls, settings.ca_file())?),
+                manager_config,
+            ),
+        };
+        let pool = Pool::builder(manager)
+            .max_size(settings.pool_size)
+            .wait_timeout(Some(settings.connect_timeout))
+            .create_timeout(Some(settings.connect_timeout))
+            .recycle_timeout(Some(settings.connect_timeout))
+            .runtime(Runtime::Tokio1)
+            .build()?;
+        Ok(Self { pool })
+    }
+
+    /// [`Inbox::new`] then [`Inbox::check`]: a pool known to reach the database.
+    pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<Self> {
+        let inbox = Self::new(settings)?;
+        inbox.check(&settings.url).await?;
+        Ok(inbox)
+    }
+
+    /// Connects once and fails with a line naming the (redacted) URL.
+    pub async fn check(&self, url: &SecretString) -> anyhow::Result<()> {
+        let client = self.pool.get().await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to PostgreSQL at {}: {}",
+                redact_url(url.expose_secret()),
+                DbError::from(e)
+            )
+        })?;
+        client.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    /// The pool, for tests and tools that need plain SQL.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+}

@@ -1,0 +1,176 @@
+//! Cancels, the per-type throttle, and what `postie status` and `postie pending` read.
+
+use std::time::Duration;
+
+use super::{DbError, Inbox, Status};
+
+/// What `postie cancel` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cancelled {
+    /// The key's status before the cancel ([`Status::New`] if unknown: a tombstone now).
+    pub prior_status: Status,
+    /// The highest revision the cancel covers.
+    pub covers: i32,
+}
+
+/// The throttle's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Throttle {
+    /// Under the limit; the send is counted.
+    Allowed,
+    /// Over the limit until `next_ms` (Unix ms).
+    Limited {
+        /// When the window allows the next one.
+        next_ms: i64,
+    },
+}
+
+/// One scheduled job (ladder mode).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingJob {
+    /// The key.
+    pub key: String,
+    /// Its revision.
+    pub revision: i32,
+    /// Due time, Unix ms.
+    pub due_ms: i64,
+}
+
+/// Counts for `postie status`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct InboxCounts {
+    /// Rows by status, sorted by status.
+    pub by_status: Vec<(Status, i64)>,
+    /// Suppressed duplicate deliveries, summed.
+    pub duplicates: i64,
+    /// Expired leases taken over, summed.
+    pub takeovers: i64,
+}
+
+impl Inbox {
+    /// Cancels `key` up to `revision` (None: the newest seen); a tombstone if unknown.
+    pub async fn cancel(&self, key: &str, revision: Option<i32>) -> Result<Cancelled, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached("SELECT prior_status, covers FROM postie_cancel($1, $2)")
+            .await?;
+        let row = client.query_one(&stmt, &[&key, &revision]).await?;
+        Ok(Cancelled {
+            prior_status: status_of(row.get(0))?,
+            covers: row.get(1),
+        })
+    }
+
+    /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
+    /// atomic statement (the row lock of `ON CONFLICT DO UPDATE` serialises
+    /// instances): the update happens only if the window has room.
+    pub async fn throttle(
+        &self,
+        kind: &str,
+        recipient: &str,
+        limit: u32,
+        window: Duration,
+    ) -> Result<Throttle, DbError> {
+        let client = self.pool.get().await?;
+        let window_ms = window.as_millis() as i64;
+        let limit = i64::from(limit);
+        let take = client
+            .prepare_cached(
+                "INSERT INTO postie_throttle AS t (kind, recipient, sends)
+                 VALUES ($1, $2, ARRAY[clock_timestamp()])
+                 ON CONFLICT (kind, recipient) DO UPDATE
+                    SET sends = ARRAY(SELECT s FROM unnest(t.sends) s
+                                       WHERE s > clock_timestamp() - $3::bigint * interval '1 millisecond')
+                                || clock_timestamp()
+                  WHERE (SELECT count(*) FROM unnest(t.sends) s
+                          WHERE s > clock_timestamp() - $3::bigint * interval '1 millisecond') < $4
+                 RETURNING 1",
+            )
+            .await?;
+        if client
+            .query_opt(&take, &[&kind, &recipient, &window_ms, &limit])
+            .await?
+            .is_some()
+        {
+            return Ok(Throttle::Allowed);
+        }
+        let next = client
+            .prepare_cached(
+                "SELECT (extract(epoch FROM min(s)) * 1000)::bigint + $3::bigint
+                   FROM postie_throttle t, unnest(t.sends) s
+                  WHERE t.kind = $1 AND t.recipient = $2
+                    AND s > clock_timestamp() - $3 * interval '1 millisecond'",
+            )
+            .await?;
+        let row = client
+            .query_one(&next, &[&kind, &recipient, &window_ms])
+            .await?;
+        let next_ms: Option<i64> = row.get(0);
+        Ok(Throttle::Limited {
+            next_ms: next_ms.unwrap_or_else(|| chrono::Utc::now().timestamp_millis()),
+        })
+    }
+
+    /// Scheduled jobs (ladder mode), soonest first.
+    pub async fn pending(
+        &self,
+        due_before_ms: Option<i64>,
+        key: Option<&str>,
+        limit: i64,
+    ) -> Result<(Vec<PendingJob>, i64), DbError> {
+        let client = self.pool.get().await?;
+        let filter = "status = 'scheduled'
+                      AND ($1::bigint IS NULL OR due_at < to_timestamp($1::bigint / 1000.0))
+                      AND ($2::text IS NULL OR key = $2)";
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT key, revision, (extract(epoch FROM due_at) * 1000)::bigint
+                       FROM postie_inbox WHERE {filter} ORDER BY due_at, key LIMIT $3"
+                ),
+                &[&due_before_ms, &key, &limit],
+            )
+            .await?;
+        let total: i64 = client
+            .query_one(
+                &format!("SELECT count(*) FROM postie_inbox WHERE {filter}"),
+                &[&due_before_ms, &key],
+            )
+            .await?
+            .get(0);
+        let jobs = rows
+            .iter()
+            .map(|r| PendingJob {
+                key: r.get(0),
+                revision: r.get(1),
+                due_ms: r.get(2),
+            })
+            .collect();
+        Ok((jobs, total))
+    }
+
+    /// Counts by status, and the duplicate and takeover totals.
+    pub async fn counts(&self) -> Result<InboxCounts, DbError> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT status, count(*), coalesce(sum(duplicates), 0)::bigint,
+                        coalesce(sum(takeovers), 0)::bigint
+                   FROM postie_inbox GROUP BY status ORDER BY status",
+                &[],
+            )
+            .await?;
+        let mut counts = InboxCounts::default();
+        for row in rows {
+            counts.by_status.push((status_of(row.get(0))?, row.get(1)));
+            counts.duplicates += row.get::<_, i64>(2);
+            counts.takeovers += row.get::<_, i64>(3);
+        }
+        Ok(counts)
+    }
+}
+
+/// Reads a `status` column value.
+fn status_of(text: &str) -> Result<Status, DbError> {
+    Status::parse(text).ok_or_else(|| DbError::refused(format!("unknown inbox status {text:?}")))
+}

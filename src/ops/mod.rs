@@ -1,0 +1,8 @@
+//! Running postie in production: dependency health and the transport's circuit
+//! breaker, Prometheus metrics, the `/metrics` `/healthz` `/readyz` endpoint, and
+//! logs and traces.
+
+pub mod health;
+pub mod http;
+pub mod metrics;
+pub mod telemetry;

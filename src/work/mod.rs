@@ -1,0 +1,20 @@
+//! The unit of work: claim → send → record, one delivery at a time.
+//!
+//! - [`worker`]: the state machine, one delivery's body and headers in, one
+//!   [`Outcome`] out; it never touches the broker.
+//! - [`policy`]: the [`RetryPolicy`], what each failure becomes.
+//! - [`outcome`]: the [`Outcome`]s, and for each its log line, counter and
+//!   [`Disposition`] (what the consume loop does with the delivery).
+
+pub mod outcome;
+pub mod policy;
+pub mod worker;
+
+pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
+pub use policy::{Failure, Next, RetryPolicy};
+pub use worker::{Interrupted, Worker};
+
+/// Now, in Unix milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}

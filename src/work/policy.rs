@@ -1,0 +1,176 @@
+//! The retry policy: what each kind of failure becomes. One table, read top to
+//! bottom, so that a new reply class or a new rule is one arm here and one row in the
+//! tests below.
+//!
+//! | failure | next |
+//! |---|---|
+//! | the transport refused the email for good (SMTP 5xx) | dead-letter now (`permanent`) |
+//! | a transient reply (SMTP 4xx) or the relay unreachable, circuit closed | retry queue `attempt - 1`, or dead-letter (`retries_exhausted`) once every step is used |
+//! | the relay unreachable and the circuit open | hold: claim given back, delivery held until it answers, no attempt counted |
+//! | another instance holds a live lease | defer to the smallest retry step covering the rest of the lease, no attempt counted |
+//! | PostgreSQL unavailable | hold: wait until it answers, no attempt counted |
+
+use std::time::Duration;
+
+use super::DeadKind;
+
+/// A failure on the way from delivery to outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The transport refused this email for good (SMTP 5xx).
+    Refused,
+    /// A transient reply (SMTP 4xx, or the file transport failed).
+    Transient,
+    /// The relay could not be reached; `circuit_open` once the breaker has opened.
+    Unreachable {
+        /// The breaker is open: the relay is down for everyone, not for this job.
+        circuit_open: bool,
+    },
+    /// Another instance holds a live claim on the key for `remaining`.
+    LeaseBusy {
+        /// Time left on the other claim.
+        remaining: Duration,
+    },
+    /// PostgreSQL does not answer.
+    DatabaseDown,
+}
+
+/// What happens next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Back through retry queue `step`, with `attempt` failures counted in this cycle.
+    Retry {
+        /// Retry queue index.
+        step: usize,
+        /// Failed attempts in this cycle, this one included.
+        attempt: u32,
+    },
+    /// To the dead-letter queue now.
+    Dead {
+        /// The reason class.
+        kind: DeadKind,
+        /// Failed attempts in this cycle, this one included.
+        attempts: u32,
+    },
+    /// Park in retry queue `step` without counting an attempt.
+    Defer {
+        /// Retry queue index.
+        step: usize,
+    },
+    /// Not the job's fault: hold the delivery until the dependency answers, without
+    /// counting an attempt.
+    Hold,
+}
+
+/// The backoff steps and the rules above.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    steps: Vec<Duration>,
+}
+
+impl RetryPolicy {
+    /// A policy over the retry queues' TTLs (`topology.retry_steps`): a job gets
+    /// `steps.len() + 1` attempts.
+    pub fn new(steps: &[Duration]) -> Self {
+        Self {
+            steps: steps.to_vec(),
+        }
+    }
+
+    /// What `failure` becomes for a job that had failed `failed_so_far` times in this
+    /// retry cycle.
+    pub fn next(&self, failure: Failure, failed_so_far: u32) -> Next {
+        let attempt = failed_so_far + 1;
+        match failure {
+            Failure::Refused => Next::Dead {
+                kind: DeadKind::Permanent,
+                attempts: attempt,
+            },
+            Failure::Unreachable { circuit_open: true } | Failure::DatabaseDown => Next::Hold,
+            Failure::Transient
+            | Failure::Unreachable {
+                circuit_open: false,
+            } => {
+                if attempt as usize > self.steps.len() {
+                    Next::Dead {
+                        kind: DeadKind::Exhausted,
+                        attempts: attempt,
+                    }
+                } else {
+                    Next::Retry {
+                        step: attempt as usize - 1,
+                        attempt,
+                    }
+                }
+            }
+            Failure::LeaseBusy { remaining } => Next::Defer {
+                step: self.step_at_least(remaining),
+            },
+        }
+    }
+
+    /// The smallest retry step that is at least `wait`, or the largest one.
+    pub fn step_at_least(&self, wait: Duration) -> usize {
+        self.steps
+            .iter()
+            .position(|step| *step >= wait)
+            .unwrap_or(self.steps.len().saturating_sub(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(steps: &[u64]) -> RetryPolicy {
+        RetryPolicy::new(
+            &steps
+                .iter()
+                .map(|s| Duration::from_secs(*s))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn every_failure_maps_to_its_next_step() {
+        use DeadKind::*;
+        use Failure::*;
+        let p = policy(&[5, 30, 120]);
+        let secs = Duration::from_secs;
+        let closed = Unreachable {
+            circuit_open: false,
+        };
+        let open = Unreachable { circuit_open: true };
+        #[rustfmt::skip]
+        let table: &[(Failure, u32, Next)] = &[
+            // failure,                        failed so far, next
+            (Refused,                          0, Next::Dead { kind: Permanent, attempts: 1 }),
+            (Refused,                          2, Next::Dead { kind: Permanent, attempts: 3 }),
+            (Transient,                        0, Next::Retry { step: 0, attempt: 1 }),
+            (Transient,                        2, Next::Retry { step: 2, attempt: 3 }),
+            (Transient,                        3, Next::Dead { kind: Exhausted, attempts: 4 }),
+            (closed,                           1, Next::Retry { step: 1, attempt: 2 }),
+            (closed,                           3, Next::Dead { kind: Exhausted, attempts: 4 }),
+            (open,                             3, Next::Hold),
+            (DatabaseDown,                     3, Next::Hold),
+            (LeaseBusy { remaining: secs(4) }, 0, Next::Defer { step: 0 }),
+            (LeaseBusy { remaining: secs(31) },2, Next::Defer { step: 2 }),
+        ];
+        for &(failure, failed, expected) in table {
+            assert_eq!(
+                p.next(failure, failed),
+                expected,
+                "{failure:?} after {failed}"
+            );
+        }
+    }
+
+    #[test]
+    fn picks_the_smallest_step_covering_a_wait() {
+        let t = policy(&[5, 30, 120]);
+        assert_eq!(t.step_at_least(Duration::from_secs(1)), 0);
+        assert_eq!(t.step_at_least(Duration::from_secs(5)), 0);
+        assert_eq!(t.step_at_least(Duration::from_secs(6)), 1);
+        assert_eq!(t.step_at_least(Duration::from_secs(1000)), 2);
+    }
+}
