@@ -4,6 +4,10 @@
 //! lettre's pooled async transport or a raw TCP socket, and inspects and controls it
 //! through its HTTP control API. The process is killed when the [`Sink`] guard drops.
 
+#[allow(dead_code, unreachable_pub)]
+#[path = "support/sink.rs"]
+mod sink_client;
+
 use std::io::{BufRead as _, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -42,7 +46,7 @@ impl Sink {
 
     /// Spawns a sink with extra arguments and waits for its address line.
     fn spawn_with(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_postie-smtp-sink"))
+        let mut child = Command::new(sink_client::binary())
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -1,8 +1,15 @@
-//! Client for the `postie-smtp-sink` process: start it, read what it received,
-//! and tell it which faults to inject.
+//! Client for the `postie-smtp-sink` process: find or build it, start it, read what
+//! it received, and tell it which faults to inject.
+//!
+//! The sink is its own workspace crate (tests/smtp-sink), so Cargo does not build it
+//! for postie's tests and `CARGO_BIN_EXE_postie-smtp-sink` does not exist: the tests
+//! build it themselves, once per test process, with [`binary`]. `tests/smtp_sink.rs`
+//! includes this file too (`#[path]`).
 
 use std::io::BufRead;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -36,6 +43,63 @@ pub struct SinkStats {
     pub connections: u64,
 }
 
+/// The `postie-smtp-sink` executable, built on first use.
+///
+/// `POSTIE_SMTP_SINK=/path/to/postie-smtp-sink` uses that file instead. Otherwise this
+/// runs `cargo build -p postie-smtp-sink` (with `$CARGO`, as Cargo sets it for tests;
+/// `--release` when this test binary is optimised, so both come from one profile) and
+/// takes the executable's path from Cargo's JSON artifact messages rather than
+/// guessing the target directory's layout. Cargo leaves the build once it is done
+/// (a no-op build takes a fraction of a second).
+///
+/// The nested build uses the same target directory as the `cargo test` that runs
+/// us. That does not deadlock: `cargo test` releases the target directory's lock once
+/// the test binaries are built, before it runs them (checked with cargo 1.95: a test
+/// calling this while `cargo test` runs completes).
+pub fn binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| match std::env::var_os("POSTIE_SMTP_SINK") {
+        Some(path) => PathBuf::from(path),
+        None => build_binary(),
+    })
+}
+
+/// Builds the sink with Cargo and returns the path of its executable.
+fn build_binary() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "build",
+        "--locked",
+        "-p",
+        "postie-smtp-sink",
+        "--bin",
+        "postie-smtp-sink",
+        "--message-format=json-render-diagnostics",
+    ]);
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .expect("run cargo to build postie-smtp-sink");
+    assert!(
+        out.status.success(),
+        "cargo build -p postie-smtp-sink failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One JSON object per line; the binary's "compiler-artifact" names the executable.
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|msg| msg["reason"] == "compiler-artifact")
+        .filter(|msg| msg["target"]["name"] == "postie-smtp-sink")
+        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .expect("cargo reported the postie-smtp-sink executable")
+}
+
 /// A running sink process, killed on drop.
 pub struct SmtpSink {
     child: Child,
@@ -47,7 +111,7 @@ pub struct SmtpSink {
 impl SmtpSink {
     /// Starts a sink on ephemeral ports.
     pub async fn start() -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_postie-smtp-sink"))
+        let mut child = Command::new(binary())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
