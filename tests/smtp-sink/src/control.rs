@@ -13,6 +13,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use crate::faults::FaultRule;
+use crate::quota::{QuotaConfig, QuotaView};
 use crate::state::{AppState, Stats};
 
 /// Shared state as seen by handlers.
@@ -34,6 +35,7 @@ fn router(state: Arc<AppState>) -> Router {
             "/faults",
             get(list_faults).put(set_faults).delete(clear_faults),
         )
+        .route("/quota", get(quota).put(set_quota).delete(clear_quota))
         .with_state(state)
 }
 
@@ -86,4 +88,29 @@ async fn set_faults(State(state): Shared, body: Bytes) -> Response {
 /// `DELETE /faults`.
 async fn clear_faults(State(state): Shared) -> Json<serde_json::Value> {
     Json(json!({ "deleted": state.set_rules(Vec::new()) }))
+}
+
+/// `GET /quota`: the settings and the counters.
+async fn quota(State(state): Shared) -> Json<QuotaView> {
+    Json(state.quota())
+}
+
+/// `PUT /quota`: replaces the settings; answers like `GET /quota`, or 400.
+async fn set_quota(State(state): Shared, body: Bytes) -> Response {
+    let config = serde_json::from_slice::<QuotaConfig>(&body)
+        .map_err(|e| e.to_string())
+        .and_then(|config| config.validate().map(|()| config));
+    match config {
+        Ok(config) => {
+            state.set_quota(config);
+            Json(state.quota()).into_response()
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, format!("invalid quota: {e}\n")).into_response(),
+    }
+}
+
+/// `DELETE /quota`: quota mode off (the counters carry on).
+async fn clear_quota(State(state): Shared) -> Json<QuotaView> {
+    state.set_quota(QuotaConfig::new(None));
+    Json(state.quota())
 }

@@ -92,7 +92,7 @@ impl From<Action> for ActionSpec {
 }
 
 /// Checks that a reply is a single line starting with a 2xx-5xx code.
-fn validate_reply(reply: &str) -> Result<(), String> {
+pub(crate) fn validate_reply(reply: &str) -> Result<(), String> {
     let code_ok = reply.len() >= 3
         && reply.as_bytes()[..3].iter().all(u8::is_ascii_digit)
         && matches!(reply.as_bytes()[0], b'2'..=b'5')

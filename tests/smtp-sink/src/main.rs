@@ -5,7 +5,9 @@
 //! directory) and exposes what it received over a small HTTP control API. Faults
 //! (rejections, dropped connections, delays) can be injected at each stage of the
 //! SMTP conversation through the same API, which lets tests reproduce transient
-//! failures and "accepted but the reply was lost" situations.
+//! failures and "accepted but the reply was lost" situations. In quota mode it accepts
+//! at most R messages per second and refuses the rest as Amazon SES does (`454 4.7.0
+//! Throttling failure: Maximum sending rate exceeded.`), for tests of rate limiting.
 //!
 //! On startup, once both listeners are bound, the process prints exactly one line,
 //! `smtp=127.0.0.1:PORT control=127.0.0.1:PORT`, to stdout. It then serves until it
@@ -15,6 +17,7 @@
 //! - `GET /messages[?raw=true]`, `DELETE /messages`
 //! - `GET /stats`
 //! - `GET /faults`, `PUT /faults` (JSON array of rules), `DELETE /faults`
+//! - `GET /quota`, `PUT /quota` (JSON settings), `DELETE /quota` (quota mode off)
 //! - `GET /health`
 //!
 //! A fault rule looks like
@@ -23,12 +26,25 @@
 //! `data_end` (reply after the final dot), and `action` is one of `{"reply": LINE}`,
 //! `{"drop": true, "deliver": BOOL}` or `{"delay_ms": N}`. Rules are checked in order;
 //! the first active match fires, and `times` (if present) counts down to 0.
+//!
+//! Quota mode (`--quota-per-second R` at startup, or `PUT /quota` with
+//! `{"per_second": R}`; `{"per_second": null}` or `DELETE /quota` turns it off, and an
+//! optional `"reply": LINE` replaces the 454 reply) admits at most R messages in any
+//! one-second window. It is checked when the final dot arrives, after any `data_end`
+//! fault rule: a message over the quota gets the reply and is not recorded (a `drop`
+//! rule with `deliver` then drops without recording). `GET /quota` (and `PUT /quota`)
+//! answer with the settings and counters:
+//! `{"per_second": 5, "reply": "454 4.7.0 …", "accepted": 10, "throttled": 15,
+//! "accepted_per_second": [{"second": 1764510000, "accepted": 5}, …]}`, where
+//! `accepted_per_second` counts every recorded message by Unix second, quota or not.
+//! See the `quota` module.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod control;
 mod faults;
+mod quota;
 mod smtp;
 mod state;
 
@@ -44,7 +60,7 @@ use tokio::net::TcpListener;
 #[derive(Debug, Parser)]
 #[command(
     name = "postie-smtp-sink",
-    about = "In-memory SMTP sink with fault injection"
+    about = "In-memory SMTP sink with fault injection and a quota mode"
 )]
 struct Args {
     /// Address the SMTP listener binds to.
@@ -56,6 +72,11 @@ struct Args {
     /// If set, every accepted message is also written to `DIR/<seq>.eml`.
     #[arg(long, value_name = "DIR")]
     maildir: Option<PathBuf>,
+    /// Quota mode: accept at most R messages in any one-second window and answer the
+    /// rest `454 4.7.0 Throttling failure: Maximum sending rate exceeded.` (changeable
+    /// at runtime with `PUT /quota`).
+    #[arg(long, value_name = "R")]
+    quota_per_second: Option<u32>,
 }
 
 #[tokio::main]
@@ -65,7 +86,8 @@ async fn main() -> anyhow::Result<()> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating maildir {}", dir.display()))?;
     }
-    let state = Arc::new(state::AppState::new(args.maildir));
+    let quota = quota::QuotaConfig::new(args.quota_per_second);
+    let state = Arc::new(state::AppState::new(args.maildir, quota));
 
     let smtp = TcpListener::bind(args.smtp)
         .await

@@ -268,7 +268,7 @@ impl Session {
         }
     }
 
-    /// Applies `data_end` faults, then records the message and acknowledges it.
+    /// Applies `data_end` faults, then records the message (quota permitting) and answers.
     async fn finish_data(&mut self, body: Vec<u8>) -> io::Result<Flow> {
         // Rules see the transaction's recipients, so evaluate before ending it.
         let fault = self.fault(Stage::DataEnd, None).await?;
@@ -278,17 +278,22 @@ impl Session {
             Fault::Replied => return Ok(Flow::Continue),
             Fault::Dropped { deliver } => {
                 if deliver {
-                    self.deliver(tx, body).await;
+                    // Over the quota, it is not recorded either (and counts as throttled).
+                    let _ = self.deliver(tx, body).await;
                 }
                 return Ok(Flow::Close);
             }
         }
-        let seq = self.deliver(tx, body).await;
-        self.answer(&format!("250 2.0.0 Ok: queued as {seq}")).await
+        match self.deliver(tx, body).await {
+            Ok(seq) => self.answer(&format!("250 2.0.0 Ok: queued as {seq}")).await,
+            // Over the quota: the transaction is over, the session goes on.
+            Err(throttled) => self.answer(&throttled).await,
+        }
     }
 
-    /// Records a message (and writes the maildir copy); returns its sequence number.
-    async fn deliver(&self, tx: Transaction, body: Vec<u8>) -> u64 {
+    /// Records a message (and writes the maildir copy) unless it is over the quota;
+    /// returns its sequence number, or the reply for a throttled message.
+    async fn deliver(&self, tx: Transaction, body: Vec<u8>) -> Result<u64, String> {
         let size = body.len();
         let mut raw = into_lossy_string(body);
         // Stored messages can be many; don't keep the read buffer's slack.
@@ -299,19 +304,19 @@ impl Session {
             mail_from: tx.mail_from,
             rcpt_to: tx.rcpts,
             subject: header_value(&raw, "Subject").unwrap_or_default(),
-            received_at_ms: chrono::Utc::now().timestamp_millis(),
+            received_at_ms: 0,
             size,
         };
         let Some(dir) = self.state.maildir.as_ref() else {
             return self.state.record(meta, raw);
         };
         let copy = raw.clone();
-        let seq = self.state.record(meta, raw);
+        let seq = self.state.record(meta, raw)?;
         let path = dir.join(format!("{seq}.eml"));
         if let Err(e) = tokio::fs::write(&path, copy).await {
             crate::warn(format_args!("writing {}: {e}", path.display()));
         }
-        seq
+        Ok(seq)
     }
 
     /// Asks Linux to acknowledge incoming segments immediately.

@@ -1,4 +1,4 @@
-//! Shared state: recorded messages, fault rules and counters.
+//! Shared state: recorded messages, fault rules, the quota and counters.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use serde::Serialize;
 
 use crate::faults::{Action, FaultRule, Stage};
+use crate::quota::{Quota, QuotaConfig, QuotaView};
 
 /// Message metadata, as listed by `GET /messages`.
 #[derive(Debug, Clone, Serialize)]
@@ -21,7 +22,8 @@ pub(crate) struct MessageMeta {
     pub(crate) rcpt_to: Vec<String>,
     /// Unfolded, trimmed, undecoded value of the `Subject` header, or `""`.
     pub(crate) subject: String,
-    /// Unix time in milliseconds when the final dot was received.
+    /// Unix time in milliseconds when the final dot was received (set by
+    /// [`AppState::record`], on the quota's clock).
     pub(crate) received_at_ms: i64,
     /// Size of the message in bytes after dot-unstuffing.
     pub(crate) size: usize,
@@ -78,6 +80,8 @@ struct Store {
 pub(crate) struct AppState {
     store: Mutex<Store>,
     rules: Mutex<Vec<FaultRule>>,
+    /// Quota mode and the per-second counts; locked before `store` when both are.
+    quota: Mutex<Quota>,
     /// Event counters.
     pub(crate) counters: Counters,
     /// Optional directory receiving `<seq>.eml` copies.
@@ -90,29 +94,49 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl AppState {
-    /// Creates empty state.
-    pub(crate) fn new(maildir: Option<PathBuf>) -> Self {
+    /// Creates empty state with these quota settings.
+    pub(crate) fn new(maildir: Option<PathBuf>, quota: QuotaConfig) -> Self {
         Self {
             store: Mutex::new(Store {
                 next_seq: 1,
                 messages: Vec::new(),
             }),
             rules: Mutex::new(Vec::new()),
+            quota: Mutex::new(Quota::new(quota)),
             counters: Counters::default(),
             maildir,
         }
     }
 
-    /// Records a message, assigning its sequence number, and returns that number.
-    pub(crate) fn record(&self, mut meta: MessageMeta, raw: String) -> u64 {
+    /// Records a message unless it is over the quota, assigning its sequence number
+    /// and arrival time; returns that number, or the reply for a throttled message.
+    ///
+    /// The quota's decision and the recording happen under the quota's lock, at one
+    /// instant, so the per-second counts never exceed the quota.
+    pub(crate) fn record(&self, mut meta: MessageMeta, raw: String) -> Result<u64, String> {
+        let mut quota = lock(&self.quota);
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        quota.admit(now_ms)?;
+        meta.received_at_ms = now_ms;
         let mut store = lock(&self.store);
         let seq = store.next_seq;
         store.next_seq += 1;
         meta.seq = seq;
         store.messages.push(Recorded { meta, raw });
         drop(store);
+        drop(quota);
         self.counters.accepted.fetch_add(1, Ordering::Relaxed);
-        seq
+        Ok(seq)
+    }
+
+    /// The quota's settings and counters.
+    pub(crate) fn quota(&self) -> QuotaView {
+        lock(&self.quota).view()
+    }
+
+    /// Replaces the quota's settings (the counters carry on).
+    pub(crate) fn set_quota(&self, config: QuotaConfig) {
+        lock(&self.quota).set_config(config);
     }
 
     /// Serializes all recorded messages as a JSON array.
