@@ -1,5 +1,5 @@
 //! Client for the `postie-smtp-sink` process: find or build it, start it, read what
-//! it received, and tell it which faults to inject.
+//! it received, tell it which faults to inject, and switch its quota mode.
 //!
 //! The sink is its own workspace crate (tests/smtp-sink), so Cargo does not build it
 //! for postie's tests and `CARGO_BIN_EXE_postie-smtp-sink` does not exist: the tests
@@ -100,6 +100,60 @@ fn build_binary() -> PathBuf {
         .expect("cargo reported the postie-smtp-sink executable")
 }
 
+/// The reply of a sink in quota mode to a message over the quota (Amazon SES's words).
+pub const THROTTLE_REPLY: &str = "454 4.7.0 Throttling failure: Maximum sending rate exceeded.";
+
+/// The sink's quota mode and its counters (`GET /quota`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct SinkQuota {
+    /// Messages accepted per one-second window; `None` when quota mode is off.
+    pub per_second: Option<u32>,
+    /// The reply to a message over the quota.
+    pub reply: String,
+    /// Messages recorded (quota mode or not).
+    pub accepted: u64,
+    /// Messages refused because they were over the quota.
+    pub throttled: u64,
+    /// Recorded messages by wall-clock second, oldest first (seconds with none left out).
+    pub accepted_per_second: Vec<SecondCount>,
+}
+
+/// Messages the sink recorded in one wall-clock second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct SecondCount {
+    /// Unix time in seconds.
+    pub second: i64,
+    /// Messages recorded in that second.
+    pub accepted: u64,
+}
+
+impl SinkQuota {
+    /// Most messages recorded in one wall-clock second (0 if none). For the busiest
+    /// sliding 1,000 ms, see [`busiest_window`] over the messages' arrival times.
+    pub fn busiest_second(&self) -> u64 {
+        self.accepted_per_second
+            .iter()
+            .map(|s| s.accepted)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Most messages received within any 1,000 ms (a sliding window over `received_at_ms`).
+pub fn busiest_window(messages: &[SinkMessage]) -> usize {
+    let mut times: Vec<i64> = messages.iter().map(|m| m.received_at_ms).collect();
+    times.sort_unstable();
+    let mut busiest = 0;
+    let mut start = 0;
+    for (end, &t) in times.iter().enumerate() {
+        while times[start] <= t - 1000 {
+            start += 1;
+        }
+        busiest = busiest.max(end - start + 1);
+    }
+    busiest
+}
+
 /// A running sink process, killed on drop.
 pub struct SmtpSink {
     child: Child,
@@ -111,7 +165,14 @@ pub struct SmtpSink {
 impl SmtpSink {
     /// Starts a sink on ephemeral ports.
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts a sink on ephemeral ports with extra arguments, e.g.
+    /// `["--quota-per-second", "40"]`.
+    pub async fn start_with(args: &[&str]) -> Self {
         let mut child = Command::new(binary())
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -197,6 +258,36 @@ impl SmtpSink {
     /// Removes every fault rule.
     pub async fn clear_faults(&self) {
         self.set_faults(Value::Array(vec![])).await;
+    }
+
+    /// Turns quota mode on (at most `per_second` messages in any one-second window,
+    /// [`THROTTLE_REPLY`] to the rest) or, with `None`, off; returns the new state.
+    pub async fn set_quota(&self, per_second: Option<u32>) -> SinkQuota {
+        let resp = self
+            .http
+            .put(format!("http://{}/quota", self.control))
+            .json(&serde_json::json!({ "per_second": per_second }))
+            .send()
+            .await
+            .expect("sink control");
+        assert!(
+            resp.status().is_success(),
+            "sink refused the quota: {}",
+            resp.status()
+        );
+        resp.json().await.expect("sink quota JSON")
+    }
+
+    /// Quota mode and its counters: accepted, throttled, accepted per second.
+    pub async fn quota(&self) -> SinkQuota {
+        self.http
+            .get(format!("http://{}/quota", self.control))
+            .send()
+            .await
+            .expect("sink control")
+            .json()
+            .await
+            .expect("sink quota JSON")
     }
 }
 
