@@ -16,7 +16,8 @@
 //! tracked whether or not a quota is set, so turning it on mid-run counts them too.
 //!
 //! The per-second histogram counts every recorded message, with or without a quota,
-//! so a test can find the busiest second of a run.
+//! so a test can find the busiest second of a run. These counters are served by
+//! `GET /quota`; `GET /stats` keeps its four counters as they were.
 
 use std::collections::{BTreeMap, VecDeque};
 
