@@ -10,12 +10,13 @@ FROM rust:1-bookworm AS builder
 WORKDIR /build
 
 # 1. Dependencies only: build against stand-in sources so this layer is cached until
-#    Cargo.toml or Cargo.lock change. Every target the manifest names must exist
-#    (src/bin/postie-smtp-sink.rs is the second binary).
+#    the manifests or Cargo.lock change. Cargo.toml is a workspace: every member's
+#    manifest must be present for it (and --locked) to resolve, but only postie, the
+#    default member, is built; the other members' sources are not needed.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src/bin \
+COPY tests/smtp-sink/Cargo.toml tests/smtp-sink/Cargo.toml
+RUN mkdir -p src \
  && echo 'fn main() {}' > src/main.rs \
- && echo 'fn main() {}' > src/bin/postie-smtp-sink.rs \
  && touch src/lib.rs \
  && cargo build --release --locked --bin postie \
  && rm -rf src \

@@ -6,21 +6,21 @@ CARGO ?= cargo
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
 
-build: ## release build of postie and the test SMTP sink
+build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sink, themselves)
 	$(CARGO) build --release --locked
 
-test: ## the whole test suite (needs RabbitMQ and PostgreSQL on 127.0.0.1)
-	$(CARGO) test --locked --all-targets
+test: ## the whole test suite (needs RabbitMQ and PostgreSQL on 127.0.0.1), with the SMTP sink's unit tests
+	$(CARGO) test --locked --workspace --all-targets
 
 demo: ## migrate, serve, publish a few jobs, show the delivered emails
 	bash scripts/demo.sh
 
 fmt: ## format the code
-	$(CARGO) fmt
+	$(CARGO) fmt --all
 
 lint: ## formatting and clippy, warnings are errors
-	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets --locked -- -D warnings
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 check: lint test ## what CI checks
 

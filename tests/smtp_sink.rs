@@ -4,6 +4,10 @@
 //! lettre's pooled async transport or a raw TCP socket, and inspects and controls it
 //! through its HTTP control API. The process is killed when the [`Sink`] guard drops.
 
+#[allow(dead_code, unreachable_pub)]
+#[path = "support/sink.rs"]
+mod sink_client;
+
 use std::io::{BufRead as _, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -42,7 +46,7 @@ impl Sink {
 
     /// Spawns a sink with extra arguments and waits for its address line.
     fn spawn_with(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_postie-smtp-sink"))
+        let mut child = Command::new(sink_client::binary())
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -600,4 +604,244 @@ async fn maildir_receives_eml_copies() {
     assert_eq!(written, raw);
     drop(sink);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A pooled lettre transport for a sink started through the shared client.
+fn mailer_at(addr: &str) -> AsyncSmtpTransport<Tokio1Executor> {
+    let port = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("smtp port");
+    AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous("127.0.0.1")
+        .port(port)
+        .timeout(Some(TIMEOUT))
+        .build()
+}
+
+/// Asserts that a send was refused with the quota's 454 reply.
+fn assert_throttled(result: &Result<(), SmtpError>, what: &str) {
+    let err = result
+        .as_ref()
+        .expect_err(&format!("{what}: over the quota"));
+    assert!(err.is_transient(), "{what}: {err}");
+    assert_eq!(
+        err.status().map(|c| c.to_string()).as_deref(),
+        Some("454"),
+        "{what}: {err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("Throttling failure: Maximum sending rate exceeded."),
+        "{what}: {err}"
+    );
+}
+
+#[tokio::test]
+async fn quota_flag_throttles_a_burst_then_admits_after_the_window() {
+    let sink = sink_client::SmtpSink::start_with(&["--quota-per-second", "5"]).await;
+    let mailer = mailer_at(sink.smtp_addr());
+
+    let started = Instant::now();
+    let mut results = Vec::new();
+    for i in 0..20 {
+        results.push(
+            send(
+                &mailer,
+                "q@example.net",
+                &format!("<burst-{i}@postie.test>"),
+            )
+            .await,
+        );
+    }
+    let elapsed = started.elapsed();
+    // The quota holds for any one-second window; the exact split below needs the
+    // burst to fit in one (it takes a few ms per send on loopback).
+    assert!(
+        elapsed < Duration::from_millis(900),
+        "20 sends took {elapsed:?}: too slow for one quota window"
+    );
+    for (i, result) in results.iter().enumerate() {
+        if i < 5 {
+            assert!(result.is_ok(), "send {i} within the quota: {result:?}");
+        } else {
+            assert_throttled(result, &format!("send {i}"));
+        }
+    }
+    let q = sink.quota().await;
+    assert_eq!(q.per_second, Some(5));
+    assert_eq!(q.reply, sink_client::THROTTLE_REPLY);
+    assert_eq!((q.accepted, q.throttled), (5, 15), "{q:?}");
+    assert_eq!(sink.count().await, 5, "throttled messages are not recorded");
+
+    // Once the burst's second has passed, new messages are accepted again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for i in 0..5 {
+        send(
+            &mailer,
+            "q@example.net",
+            &format!("<later-{i}@postie.test>"),
+        )
+        .await
+        .expect("accepted in a new window");
+    }
+
+    let q = sink.quota().await;
+    assert_eq!((q.accepted, q.throttled), (10, 15), "{q:?}");
+    let per_second: u64 = q.accepted_per_second.iter().map(|s| s.accepted).sum();
+    assert_eq!(per_second, 10, "{q:?}");
+    assert!(q.busiest_second() <= 5, "{q:?}");
+    assert!(
+        q.accepted_per_second
+            .windows(2)
+            .all(|w| w[0].second < w[1].second),
+        "oldest first: {q:?}"
+    );
+    let messages = sink.messages(false).await;
+    assert_eq!(messages.len(), 10);
+    assert_eq!(sink_client::busiest_window(&messages), 5);
+    assert_eq!(sink.stats().await.accepted, 10);
+}
+
+#[tokio::test]
+async fn quota_set_at_runtime_through_the_typed_client() {
+    let sink = sink_client::SmtpSink::start().await;
+    let mailer = mailer_at(sink.smtp_addr());
+    let q = sink.quota().await;
+    assert_eq!((q.per_second, q.accepted, q.throttled), (None, 0, 0));
+
+    let started = Instant::now();
+    for i in 0..3 {
+        send(&mailer, "r@example.net", &format!("<free-{i}@postie.test>"))
+            .await
+            .expect("no quota");
+    }
+    // The three just accepted count against a quota turned on within their second.
+    let q = sink.set_quota(Some(3)).await;
+    assert_eq!(q.per_second, Some(3));
+    let over = send(&mailer, "r@example.net", "<over@postie.test>").await;
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_millis(900),
+        "4 sends took {elapsed:?}: too slow for one quota window"
+    );
+    assert_throttled(&over, "fourth message within a second");
+
+    let q = sink.set_quota(None).await;
+    assert_eq!(q.per_second, None);
+    for i in 0..10 {
+        send(&mailer, "r@example.net", &format!("<off-{i}@postie.test>"))
+            .await
+            .expect("quota off");
+    }
+    let q = sink.quota().await;
+    assert_eq!((q.accepted, q.throttled), (13, 1), "{q:?}");
+    assert_eq!(q.accepted, sink.stats().await.accepted);
+    assert_eq!(
+        q.accepted_per_second
+            .iter()
+            .map(|s| s.accepted)
+            .sum::<u64>(),
+        q.accepted
+    );
+}
+
+#[tokio::test]
+async fn quota_over_raw_smtp_replies_after_the_final_dot_and_keeps_the_session() {
+    let sink = Sink::spawn();
+    let status = sink
+        .http
+        .put(format!("{}/quota", sink.control))
+        .json(&json!({"per_second": 1}))
+        .send()
+        .await
+        .expect("PUT /quota")
+        .status();
+    assert_eq!(status, 200);
+
+    let mut c = sink.raw().await;
+    assert!(c.line().await.starts_with("220 "));
+    c.send("EHLO t\r\n").await;
+    assert_eq!(c.reply().await.len(), 4);
+    let transaction = "MAIL FROM:<a@b>\r\nRCPT TO:<c@d>\r\nDATA\r\n";
+    c.send(transaction).await;
+    for _ in 0..2 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert!(c.line().await.starts_with("354 "));
+    c.send("Subject: one\r\n\r\nx\r\n.\r\n").await;
+    assert_eq!(c.line().await, "250 2.0.0 Ok: queued as 1");
+
+    // The second message in the same second: MAIL, RCPT and DATA pass, the final dot
+    // gets the throttling reply (as SES answers after DATA).
+    c.send(transaction).await;
+    for _ in 0..2 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert!(c.line().await.starts_with("354 "));
+    c.send("Subject: two\r\n\r\nx\r\n.\r\n").await;
+    assert_eq!(
+        c.line().await,
+        "454 4.7.0 Throttling failure: Maximum sending rate exceeded."
+    );
+    // The transaction is over, the session is not.
+    c.send("RCPT TO:<c@d>\r\nNOOP\r\n").await;
+    assert!(c.line().await.starts_with("503 "), "transaction ended");
+    assert!(c.line().await.starts_with("250 "));
+
+    let quota = sink.get_json("/quota").await;
+    assert_eq!(quota["per_second"], 1);
+    assert_eq!(quota["accepted"], 1);
+    assert_eq!(quota["throttled"], 1);
+    assert_eq!(quota["accepted_per_second"][0]["accepted"], 1);
+    assert_eq!(sink.messages(false).await.len(), 1);
+
+    // A custom reply; 0 throttles everything.
+    let status = sink
+        .http
+        .put(format!("{}/quota", sink.control))
+        .json(&json!({"per_second": 0, "reply": "421 4.7.0 slow down"}))
+        .send()
+        .await
+        .expect("PUT /quota")
+        .status();
+    assert_eq!(status, 200);
+    c.send(transaction).await;
+    for _ in 0..2 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert!(c.line().await.starts_with("354 "));
+    c.send("Subject: three\r\n\r\nx\r\n.\r\n").await;
+    assert_eq!(c.line().await, "421 4.7.0 slow down");
+
+    for bad in [
+        json!({"per_second": -1}),
+        json!({"per_second": 5, "reply": "250 2.0.0 fine"}),
+        json!({"per_second": 5, "reply": "oops"}),
+        json!({"per_sec": 5}),
+        json!("five"),
+    ] {
+        let status = sink
+            .http
+            .put(format!("{}/quota", sink.control))
+            .json(&bad)
+            .send()
+            .await
+            .expect("PUT /quota")
+            .status();
+        assert_eq!(status, 400, "{bad}");
+    }
+    assert_eq!(sink.get_json("/quota").await["per_second"], 0, "unchanged");
+
+    sink.delete("/quota").await;
+    let quota = sink.get_json("/quota").await;
+    assert!(quota["per_second"].is_null(), "{quota}");
+    assert_eq!(quota["throttled"], 2, "counters carry on: {quota}");
+    c.send(transaction).await;
+    for _ in 0..2 {
+        assert!(c.line().await.starts_with("250 "));
+    }
+    assert!(c.line().await.starts_with("354 "));
+    c.send("Subject: four\r\n\r\nx\r\n.\r\n").await;
+    assert_eq!(c.line().await, "250 2.0.0 Ok: queued as 2");
 }
