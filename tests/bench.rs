@@ -173,7 +173,10 @@ struct Report {
     /// Index of the round with the median 1-process ratio: the tables show it.
     median: usize,
     sink: Measured,
-    /// The delayed path (once, after the rounds), against the median round's bound.
+    /// The relay alone (once, after the rounds): intake → confirmed republish into
+    /// the ladder + pending record, by one postie process.
+    relay: Measured,
+    /// The delayed path (once, after the rounds), against its own bound.
     delayed: Vec<EndToEnd>,
     backlogs: Vec<Backlog>,
 }
@@ -185,6 +188,20 @@ impl Report {
 
     fn fair_bound(&self) -> f64 {
         self.shown().fair_bound()
+    }
+
+    /// The delayed path's bound: the median round's legs and the relay leg taking
+    /// turns, 1 / (1/C_broker + 1/C_db + 1/C_smtp + 1/C_relay).
+    fn delayed_bound(&self) -> f64 {
+        1.0 / (1.0 / self.fair_bound() + 1.0 / self.relay.rate())
+    }
+
+    /// The bound `e` is held to.
+    fn bound_of(&self, e: &EndToEnd) -> f64 {
+        match e.entry {
+            Entry::Send => self.fair_bound(),
+            Entry::Delayed => self.delayed_bound(),
+        }
     }
 
     /// The runs in the tables: the median round's send path, then the delayed path.
@@ -457,6 +474,76 @@ async fn sink_leg(n: usize, concurrency: usize) -> Measured {
     leg
 }
 
+/// The relay alone: `n` jobs pre-published to `<p>.delayed` with a delay long enough
+/// that none comes due, then one postie process relays them into the ladder (each a
+/// pending record and a confirmed republish); timed from its start until the intake
+/// is empty and the ladder holds them all.
+async fn relay_leg(n: usize) -> Measured {
+    let env = TestEnv::new("benchrelay").await;
+    let conn = broker_connection("postie-bench").await;
+    let publisher = broker::confirm_channel(&conn).await.unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), AMQPValue::LongLongInt(PENDING_DELAY_MS));
+    for chunk in bodies(n, "relay").collect::<Vec<_>>().chunks(1000) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for body in chunk {
+            confirms.push(
+                publisher
+                    .basic_publish(
+                        env.topology.delayed_exchange().as_str().into(),
+                        ROUTING_KEY.into(),
+                        Default::default(),
+                        body,
+                        broker::job_properties().with_headers(headers.clone()),
+                    )
+                    .await
+                    .expect("publish"),
+            );
+        }
+        for confirm in confirms {
+            assert!(confirm.await.expect("confirm").is_ack());
+        }
+    }
+    let probe = conn.create_channel().await.unwrap();
+    let intake = [env.topology.intake_queue()];
+    assert_eq!(depth(&probe, &intake).await as usize, n);
+    let DelayLayout::Ladder(ladder) = env.topology.delay() else {
+        panic!("the tests run in ladder mode");
+    };
+    let levels: Vec<String> = (0..ladder.levels())
+        .map(|k| env.topology.delay_level(k))
+        .collect();
+    let extra = support::bench::extra_postie_env();
+    let extra: Vec<(&str, &str)> = extra
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let before = CpuSnapshot::take();
+    let started = Instant::now();
+    let mut postie = env.spawn_process(&extra);
+    loop {
+        if depth(&probe, &intake).await == 0 && depth(&probe, &levels).await >= n as u64 {
+            break;
+        }
+        if let Ok(Some(status)) = postie.child.try_wait() {
+            panic!("postie exited early ({status}):\n{}", postie.log());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120 + n as u64 / 10),
+            "the relay did not park {n} jobs"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let leg = Measured::new(
+        "relay: intake → ladder (+ pending record), 1 process",
+        n,
+        &before,
+    );
+    drop(postie);
+    let _ = conn.close(200, "done".into()).await;
+    leg
+}
+
 /// `n` jobs pre-published to `entry`, then drained by `instances` postie processes:
 /// timed from their start until the sink has accepted `n` emails.
 async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
@@ -649,6 +736,7 @@ async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
     order.sort_by(|&a, &b| measured[a].ratio().total_cmp(&measured[b].ratio()));
     let median = order[order.len() / 2];
     let sink = sink_leg(n, defaults.concurrency).await;
+    let relay = relay_leg(n).await;
     let mut delayed = Vec::new();
     for instances in [1, 3] {
         delayed.push(end_to_end(n, instances, Entry::Delayed).await);
@@ -665,6 +753,7 @@ async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
         rounds: measured,
         median,
         sink,
+        relay,
         delayed,
         backlogs,
     }
@@ -725,7 +814,7 @@ fn markdown(r: &Report) -> String {
         }
         let _ = writeln!(w);
     }
-    let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ fair bound | postie CPU/email | postie peak RSS | lost | duplicates |");
+    let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ its bound (send: fair, delayed: delayed-path) | postie CPU/email | postie peak RSS | lost | duplicates |");
     let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|");
     for e in r.runs() {
         let rss: Vec<String> = e
@@ -740,7 +829,7 @@ fn markdown(r: &Report) -> String {
             e.run.label,
             e.run.rate(),
             e.run.cpu.wall_s,
-            e.run.rate() / bound,
+            e.run.rate() / r.bound_of(e),
             cpu_s * 1000.0 / e.run.n as f64,
             rss.join(" / "),
             e.lost,
@@ -757,6 +846,12 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(
         w,
         "| **fair bound** 1 / (1/C_broker + 1/C_db + 1/C_smtp) | **{bound:.0}** |"
+    );
+    let _ = writeln!(w, "| {} | {:.0} |", r.relay.label, r.relay.rate());
+    let _ = writeln!(
+        w,
+        "| **delayed-path bound** 1 / (1/C_broker + 1/C_db + 1/C_smtp + 1/C_relay) | **{:.0}** |",
+        r.delayed_bound()
     );
     for leg in [&r.sink, &r.broker_publish] {
         let _ = writeln!(
@@ -780,6 +875,7 @@ fn markdown(r: &Report) -> String {
         &shown.smtp,
         &r.sink,
         &r.broker_publish,
+        &r.relay,
     ]
     .into_iter()
     .chain(r.runs().map(|e| &e.run));
@@ -860,6 +956,7 @@ fn json(r: &Report) -> serde_json::Value {
             let mut v = e.run.json();
             v["instances"] = e.instances.into();
             v["ratio_to_fair_bound"] = round3(e.run.rate() / bound).into();
+            v["ratio_to_its_bound"] = round3(e.run.rate() / r.bound_of(e)).into();
             v["postie_cpu_s"] = e
                 .postie_cpu_s
                 .iter()
@@ -898,9 +995,10 @@ fn json(r: &Report) -> serde_json::Value {
         "legs": {
             "broker": r.shown().broker.json(), "database": r.shown().database.json(),
             "smtp": r.shown().smtp.json(),
-            "sink": r.sink.json(), "broker_publish": r.broker_publish.json(),
+            "sink": r.sink.json(), "broker_publish": r.broker_publish.json(), "relay": r.relay.json(),
         },
         "fair_bound_per_s": round3(bound),
+        "delayed_bound_per_s": round3(r.delayed_bound()),
         "rounds": rounds,
         "median_round": r.median + 1,
         "end_to_end": runs,
@@ -919,6 +1017,10 @@ fn assert_sane(r: &Report) {
         assert_eq!((e.lost, e.duplicates), (0, 0), "{}", e.run.label);
         assert!(e.run.rate() / r.fair_bound() > 0.0, "{}", e.run.label);
     }
+    assert!(
+        r.delayed_bound() > 0.0 && r.relay.n > 0,
+        "relay leg measured"
+    );
     for b in &r.backlogs {
         let l = &b.lateness;
         assert_eq!(

@@ -1,26 +1,105 @@
-//! Delay benchmark (ladder mode): lateness of N jobs with delays spread uniformly
-//! over 0–60 s, and RabbitMQ's memory with P jobs pending in the ladder.
+//! Delay benchmark (ladder mode): the producers' publish rate into `<p>.delayed` (one
+//! confirm at a time, and with windows of confirms in flight), the lateness of N jobs
+//! with delays spread uniformly over 0–60 s (published with pipelined confirms), and
+//! with P jobs pending in the ladder: how long the relay takes to park them, RabbitMQ's
+//! memory per pending job, and the lateness of jobs due soon behind them.
 //!
-//! `make bench-delay` runs the full size (N = 10,000, P = 100,000; override with
-//! POSTIE_BENCH_JOBS / POSTIE_BENCH_PENDING) and writes target/bench/delay.json.
-//! The smoke version below runs with the tests so the harness cannot rot.
+//! `make bench-delay` runs the full size (N = 10,000, P = 1,000,000, 5,000 publishes
+//! per window; override with POSTIE_BENCH_JOBS / POSTIE_BENCH_PENDING /
+//! POSTIE_BENCH_PUBLISH) and writes target/bench/delay.json. The smoke version below
+//! runs with the tests so the harness cannot rot.
 
 mod support;
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use support::bench::{broker_memory, env_usize, publish_delayed, Lateness};
-use support::{eventually, TestEnv};
+use lapin::types::{AMQPValue, FieldTable};
+use postie::broker::{self, ROUTING_KEY};
+use support::bench::{broker_connection, broker_memory, env_usize, publish_delayed, Lateness};
+use support::{eventually, job, TestEnv};
+
+/// Jobs due soon, published behind the pending backlog.
+const BEHIND_JOBS: usize = 200;
+/// Their delays are spread over 0 to this, ms.
+const BEHIND_SPREAD_MS: i64 = 5_000;
 
 struct Report {
+    publish: Vec<PublishRate>,
     lateness: Lateness,
     spread_ms: i64,
     pending: usize,
+    parked_s: f64,
     broker_mem_before: u64,
     broker_mem_pending: u64,
+    behind: Lateness,
 }
 
-async fn run(jobs: usize, pending: usize, spread_ms: i64) -> Report {
+/// Jobs/s a producer gets into `<p>.delayed` with `window` confirms in flight.
+struct PublishRate {
+    window: usize,
+    jobs: usize,
+    per_s: f64,
+}
+
+/// Publishes `jobs` delayed jobs (9 min: none comes due) with at most `window`
+/// unconfirmed at a time, as a producer would: window 1 waits for each confirm.
+async fn publish_rate(env: &TestEnv, jobs: usize, window: usize) -> PublishRate {
+    let conn = broker_connection("postie-bench-producer").await;
+    let channel = broker::confirm_channel(&conn).await.unwrap();
+    let exchange = env.topology.delayed_exchange();
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), AMQPValue::LongLongInt(540_000));
+    let bodies: Vec<Vec<u8>> = (0..jobs)
+        .map(|i| {
+            job(&format!("pub{window}-{i}"), "bench@example.com")
+                .to_string()
+                .into_bytes()
+        })
+        .collect();
+    let mut in_flight: VecDeque<lapin::PublisherConfirm> = VecDeque::with_capacity(window);
+    let started = Instant::now();
+    for body in &bodies {
+        if in_flight.len() == window {
+            let confirm = in_flight.pop_front().unwrap();
+            assert!(confirm.await.expect("confirm").is_ack(), "nacked");
+        }
+        let confirm = channel
+            .basic_publish(
+                exchange.as_str().into(),
+                ROUTING_KEY.into(),
+                Default::default(),
+                body,
+                broker::job_properties().with_headers(headers.clone()),
+            )
+            .await
+            .expect("publish");
+        in_flight.push_back(confirm);
+    }
+    for confirm in in_flight {
+        assert!(confirm.await.expect("confirm").is_ack(), "nacked");
+    }
+    let per_s = jobs as f64 / started.elapsed().as_secs_f64();
+    let _ = conn.close(200, "done".into()).await;
+    PublishRate {
+        window,
+        jobs,
+        per_s,
+    }
+}
+
+/// The publish rates, on a topology of their own (no postie running).
+async fn publish_rates(jobs: usize) -> Vec<PublishRate> {
+    let env = TestEnv::new("benchpublish").await;
+    let mut rates = Vec::new();
+    for window in [1, 100, 1_000] {
+        rates.push(publish_rate(&env, jobs, window).await);
+    }
+    rates
+}
+
+async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> Report {
+    let publish = publish_rates(publishes).await;
     let env = TestEnv::new("benchdelay").await;
     let mut extra = support::bench::extra_postie_env();
     extra.push(("RUST_LOG".into(), "warn".into()));
@@ -45,31 +124,51 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64) -> Report {
     // Memory with `pending` jobs parked in the ladder (due in 9 minutes).
     let broker_mem_before = broker_memory().await;
     let started = Instant::now();
-    publish_delayed(&env, "pend", std::iter::repeat_n(540_000, pending)).await;
+    publish_delayed(&env, "pend", std::iter::repeat_n(3_600_000, pending)).await;
     let intake = &env.topology.intake_queue();
     eventually(
         "the relay to park every pending job",
-        Duration::from_secs(900),
+        Duration::from_secs(900 + pending as u64 / 500),
         move || async move { (envr.depth(intake).await == 0).then_some(()) },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    let parked_s = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(6)).await;
     let broker_mem_pending = broker_memory().await;
-    eprintln!(
-        "parked {pending} jobs in {:.1}s",
-        started.elapsed().as_secs_f64()
-    );
+    eprintln!("parked {pending} jobs in {parked_s:.1}s");
+
+    // Jobs due within seconds, behind the backlog.
+    let before = env.sink.count().await;
+    let step = BEHIND_SPREAD_MS / (BEHIND_JOBS as i64 - 1);
+    let due = publish_delayed(&env, "behind", (0..BEHIND_JOBS as i64).map(|i| i * step)).await;
+    env.wait_for_emails(
+        "every job due behind the backlog",
+        before + BEHIND_JOBS,
+        Duration::from_secs(300),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let behind = Lateness::measure(&due, &env.sink.messages(false).await);
     Report {
+        publish,
         lateness,
         spread_ms,
         pending,
+        parked_s,
         broker_mem_before,
         broker_mem_pending,
+        behind,
     }
 }
 
 fn print(report: &Report) {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!("| producer: confirms in flight | jobs | jobs/s into postie.delayed (ladder) |");
+    println!("|---:|---:|---:|");
+    for p in &report.publish {
+        println!("| {} | {} | {:.0} |", p.window, p.jobs, p.per_s);
+    }
+    println!();
     println!("| jobs | delays | lateness p50 | p99 | max | early | lost | duplicates |");
     println!("|---|---|---|---|---|---|---|---|");
     let l = &report.lateness;
@@ -85,30 +184,44 @@ fn print(report: &Report) {
         l.duplicates
     );
     println!();
-    println!("| pending in ladder | broker memory before | with them pending |");
-    println!("|---|---|---|");
+    let b = &report.behind;
+    println!("| pending in ladder | parked in | broker memory before | with them pending | per pending job | {BEHIND_JOBS} jobs due in 0–{} s behind them: p50 | p99 | max | early | lost | duplicates |", BEHIND_SPREAD_MS / 1000);
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| {} | {:.1} MiB | {:.1} MiB |",
+        "| {} | {:.1} s | {:.1} MiB | {:.1} MiB | {:.0} B | {} ms | {} ms | {} ms | {} | {} | {} |",
         report.pending,
+        report.parked_s,
         mib(report.broker_mem_before),
-        mib(report.broker_mem_pending)
+        mib(report.broker_mem_pending),
+        (report.broker_mem_pending as f64 - report.broker_mem_before as f64)
+            / report.pending.max(1) as f64,
+        b.p50_ms,
+        b.p99_ms,
+        b.max_ms,
+        b.early,
+        b.lost,
+        b.duplicates
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_bench_smoke() {
-    let report = run(200, 2_000, 3_000).await;
+    let report = run(200, 2_000, 3_000, 200).await;
     print(&report);
     let l = &report.lateness;
     assert_eq!((l.early, l.lost, l.duplicates), (0, 0, 0));
+    let b = &report.behind;
+    assert_eq!((b.early, b.lost, b.duplicates), (0, 0, 0));
+    assert!(report.publish.iter().all(|p| p.per_s > 0.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: make bench-delay"]
 async fn delay_bench_full() {
     let jobs = env_usize("POSTIE_BENCH_JOBS", 10_000);
-    let pending = env_usize("POSTIE_BENCH_PENDING", 100_000);
-    let report = run(jobs, pending, 60_000).await;
+    let pending = env_usize("POSTIE_BENCH_PENDING", 1_000_000);
+    let publishes = env_usize("POSTIE_BENCH_PUBLISH", 5_000);
+    let report = run(jobs, pending, 60_000, publishes).await;
     print(&report);
     std::fs::create_dir_all("target/bench").unwrap();
     let l = &report.lateness;
@@ -116,8 +229,11 @@ async fn delay_bench_full() {
         "jobs": l.jobs, "spread_ms": report.spread_ms,
         "lateness_ms": {"p50": l.p50_ms, "p99": l.p99_ms, "max": l.max_ms},
         "early": l.early, "lost": l.lost, "duplicates": l.duplicates,
-        "pending": report.pending,
+        "pending": report.pending, "parked_s": report.parked_s,
         "broker_mem_used_bytes": {"before": report.broker_mem_before, "pending": report.broker_mem_pending},
+        "behind": {"jobs": report.behind.jobs, "lateness_ms": {"p50": report.behind.p50_ms, "p99": report.behind.p99_ms, "max": report.behind.max_ms},
+                   "early": report.behind.early, "lost": report.behind.lost, "duplicates": report.behind.duplicates},
+        "publish_per_s": report.publish.iter().map(|p| serde_json::json!({"window": p.window, "jobs": p.jobs, "per_s": p.per_s})).collect::<Vec<_>>(),
     });
     std::fs::write(
         "target/bench/delay.json",
@@ -125,4 +241,6 @@ async fn delay_bench_full() {
     )
     .unwrap();
     assert_eq!((l.early, l.lost, l.duplicates), (0, 0, 0));
+    let b = &report.behind;
+    assert_eq!((b.early, b.lost, b.duplicates), (0, 0, 0));
 }

@@ -9,7 +9,7 @@
 //! - `session.rs`: the supervisor (connect, declare, run the roles, reconnect).
 //! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
 //! - `send.rs`: the send role's handler, and dispositions carried out.
-//! - `relay.rs`: the relay role (ladder mode).
+//! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //!
 //! If the connection, a channel or a consumer is lost, in-flight work finishes or is
@@ -19,6 +19,7 @@
 
 mod pollers;
 mod relay;
+mod scheduler;
 mod send;
 mod session;
 mod stream;
@@ -74,6 +75,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         hard_stop.clone(),
     );
     let service = Service {
+        scheduler: scheduler::Scheduler::start(worker.clone()),
         worker,
         topology,
         settings,
@@ -113,6 +115,8 @@ enum Role {
 struct Service {
     /// The unit of work (and, through it, health and metrics).
     worker: Worker,
+    /// Ladder mode: records scheduled jobs in batches.
+    scheduler: scheduler::Scheduler,
     /// The broker objects' names.
     topology: Topology,
     /// Everything configured.

@@ -76,7 +76,12 @@ impl Service {
             } => {
                 if self.settings.delay.track_pending {
                     if let Some((key, revision)) = contract::peek_key(&delivery.data) {
-                        if self.worker.schedule(&key, revision, due_ms).await.is_err() {
+                        if self
+                            .scheduler
+                            .schedule(&key, revision, due_ms)
+                            .await
+                            .is_err()
+                        {
                             tracing::warn!("stopping: leaving the intake delivery unacked");
                             return;
                         }

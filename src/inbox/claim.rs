@@ -78,6 +78,40 @@ impl Inbox {
         Ok(())
     }
 
+    /// Ladder mode: records many scheduled jobs in one statement and one commit, with
+    /// the rules of `postie_schedule` (a newer or equal revision replaces a scheduled,
+    /// cancelled-before or retrying row; a sent or in-flight row is left alone). A key
+    /// given twice keeps its highest revision. Keys are written in order, so that two
+    /// instances' batches lock rows in the same order and cannot deadlock.
+    pub async fn schedule_many(&self, jobs: &[(String, i32, i64)]) -> Result<(), DbError> {
+        let mut newest: std::collections::BTreeMap<&str, (i32, i64)> = Default::default();
+        for (key, revision, due_ms) in jobs {
+            let entry = newest.entry(key.as_str()).or_insert((*revision, *due_ms));
+            if *revision >= entry.0 {
+                *entry = (*revision, *due_ms);
+            }
+        }
+        let keys: Vec<&str> = newest.keys().copied().collect();
+        let revisions: Vec<i32> = newest.values().map(|v| v.0).collect();
+        let dues: Vec<i64> = newest.values().map(|v| v.1).collect();
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "INSERT INTO postie_inbox AS i (key, status, revision, due_at)
+                 SELECT k, 'scheduled', r, to_timestamp(d / 1000.0)
+                   FROM unnest($1::text[], $2::int[], $3::bigint[]) AS t(k, r, d)
+                 ON CONFLICT (key) DO UPDATE
+                    SET status = 'scheduled', due_at = EXCLUDED.due_at,
+                        revision = EXCLUDED.revision, updated_at = now()
+                  WHERE i.status IN ('scheduled', 'cancelled', 'retrying')
+                    AND EXCLUDED.revision >= i.revision
+                    AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",
+            )
+            .await?;
+        client.execute(&stmt, &[&keys, &revisions, &dues]).await?;
+        Ok(())
+    }
+
     /// Records a job dropped by the throttle.
     pub async fn mark_throttled(&self, key: &str, fence: i64) -> Result<bool, DbError> {
         self.complete(

@@ -51,7 +51,7 @@ enum Stop {
 
 /// The worker stopped waiting for PostgreSQL because the process is shutting down;
 /// the delivery must be left unacked so the broker hands it to someone else.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("interrupted by shutdown while waiting for the database")]
 pub struct Interrupted;
 
@@ -90,21 +90,26 @@ impl Worker {
         }
     }
 
-    /// Ladder mode: records a job the relay scheduled, riding out a database outage.
-    pub async fn schedule(
-        &self,
-        key: &IdempotencyKey,
-        revision: i32,
-        due_ms: i64,
-    ) -> Result<(), Interrupted> {
-        match self
-            .db("schedule", || {
-                self.inbox.schedule(key.as_str(), revision, due_ms)
-            })
-            .await
-        {
-            Ok(()) | Err(Stop::Refused(_)) => Ok(()), // refused: not listed as pending, still relayed
+    /// Ladder mode: records a batch of scheduled jobs (key, revision, due ms) in one
+    /// commit, riding out a database outage. If PostgreSQL refuses the batch for what
+    /// one job carried, each is tried alone, so only that one goes unlisted (it is
+    /// still relayed).
+    pub async fn schedule_many(&self, jobs: &[(String, i32, i64)]) -> Result<(), Interrupted> {
+        match self.db("schedule", || self.inbox.schedule_many(jobs)).await {
+            Ok(()) => Ok(()),
             Err(Stop::Interrupted) => Err(Interrupted),
+            Err(Stop::Refused(_)) => {
+                for (key, revision, due_ms) in jobs {
+                    match self
+                        .db("schedule", || self.inbox.schedule(key, *revision, *due_ms))
+                        .await
+                    {
+                        Ok(()) | Err(Stop::Refused(_)) => {}
+                        Err(Stop::Interrupted) => return Err(Interrupted),
+                    }
+                }
+                Ok(())
+            }
         }
     }
 
