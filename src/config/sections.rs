@@ -240,6 +240,14 @@ pub struct DelaySettings {
     /// Ladder mode: record each scheduled job in the inbox, for `postie pending`
     /// and the pending gauge (one upsert per job).
     pub track_pending: bool,
+    /// Ladder mode, with `track_pending`: keep each scheduled job's body in the inbox
+    /// until it is finished, and let the maintenance instance re-publish a job that is
+    /// overdue by more than `reconcile_grace` and has not reached the inbox (a broker
+    /// node lost with the job inside; see README, "Broker sizing").
+    pub reconcile: bool,
+    /// How overdue a scheduled job must be before the reconciler re-publishes it.
+    #[serde(deserialize_with = "duration")]
+    pub reconcile_grace: Duration,
 }
 
 impl Default for DelaySettings {
@@ -250,6 +258,8 @@ impl Default for DelaySettings {
             max: Duration::from_secs(366 * 86_400),
             relay_concurrency: 64,
             track_pending: true,
+            reconcile: true,
+            reconcile_grace: Duration::from_secs(60),
         }
     }
 }

@@ -18,6 +18,7 @@
 //! finish, and the connection is closed cleanly.
 
 mod pollers;
+mod reconcile;
 mod relay;
 mod scheduler;
 mod send;

@@ -76,12 +76,9 @@ impl Service {
             } => {
                 if self.settings.delay.track_pending {
                     if let Some((key, revision)) = contract::peek_key(&delivery.data) {
-                        if self
-                            .scheduler
-                            .schedule(&key, revision, due_ms)
-                            .await
-                            .is_err()
-                        {
+                        let body = self.settings.delay.reconcile.then(|| delivery.data.clone());
+                        let recorded = self.scheduler.schedule(&key, revision, due_ms, body);
+                        if recorded.await.is_err() {
                             tracing::warn!("stopping: leaving the intake delivery unacked");
                             return;
                         }

@@ -10,6 +10,7 @@
 use tokio::sync::{mpsc, oneshot};
 
 use crate::contract::IdempotencyKey;
+use crate::inbox::Scheduled;
 use crate::work::{Interrupted, Worker};
 
 /// The most jobs written in one statement.
@@ -17,7 +18,7 @@ const BATCH_MAX: usize = 512;
 
 /// One job to record, and where to say it is done.
 struct Request {
-    job: (String, i32, i64),
+    job: Scheduled,
     done: oneshot::Sender<Result<(), Interrupted>>,
 }
 
@@ -45,19 +46,24 @@ impl Scheduler {
         Self { requests }
     }
 
-    /// Records `key` (at `revision`, due at `due_ms`) as scheduled; returns once it is
-    /// committed, or `Interrupted` if the process is stopping.
+    /// Records `key` (at `revision`, due at `due_ms`, with its body when given) as
+    /// scheduled; returns once it is committed, or `Interrupted` if the process is
+    /// stopping.
     pub(super) async fn schedule(
         &self,
         key: &IdempotencyKey,
         revision: i32,
         due_ms: i64,
+        body: Option<Vec<u8>>,
     ) -> Result<(), Interrupted> {
         let (done, answer) = oneshot::channel();
-        let request = Request {
-            job: (key.as_str().to_owned(), revision, due_ms),
-            done,
+        let job = Scheduled {
+            key: key.as_str().to_owned(),
+            revision,
+            due_ms,
+            body,
         };
+        let request = Request { job, done };
         self.requests.send(request).await.map_err(|_| Interrupted)?;
         answer.await.unwrap_or(Err(Interrupted))
     }

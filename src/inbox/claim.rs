@@ -6,6 +6,20 @@ use std::time::Duration;
 
 use super::{DbError, Inbox};
 
+/// A job the relay routed into the ladder, to be recorded as scheduled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scheduled {
+    /// The idempotency key.
+    pub key: String,
+    /// Its revision.
+    pub revision: i32,
+    /// Due time, Unix ms.
+    pub due_ms: i64,
+    /// The job as published, kept until it is finished so that the reconciler can
+    /// re-publish it (None: not kept, `delay.reconcile = false`).
+    pub body: Option<Vec<u8>>,
+}
+
 /// What a claim found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -68,54 +82,46 @@ impl Inbox {
         })
     }
 
-    /// Ladder mode: records a job the relay scheduled (pending visibility).
-    pub async fn schedule(&self, key: &str, revision: i32, due_ms: i64) -> Result<(), DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached("SELECT postie_schedule($1, $2, $3)")
-            .await?;
-        client.execute(&stmt, &[&key, &revision, &due_ms]).await?;
-        Ok(())
-    }
-
-    /// Ladder mode: records many scheduled jobs in one statement and one commit, with
+    /// Ladder mode: records scheduled jobs in one statement and one commit, with
     /// the rules of `postie_schedule` (a newer or equal revision replaces a scheduled,
     /// cancelled-before or retrying row; a sent or in-flight row is left alone). A key
     /// given twice keeps its highest revision. Keys are written in order, so that two
     /// instances' batches lock rows in the same order and cannot deadlock.
-    pub async fn schedule_many(&self, jobs: &[(String, i32, i64)]) -> Result<(), DbError> {
-        let mut newest: std::collections::BTreeMap<&str, (i32, i64)> = Default::default();
-        for (key, revision, due_ms) in jobs {
-            let entry = newest.entry(key.as_str()).or_insert((*revision, *due_ms));
-            if *revision >= entry.0 {
-                *entry = (*revision, *due_ms);
+    pub async fn schedule_many(&self, jobs: &[Scheduled]) -> Result<(), DbError> {
+        let mut newest: std::collections::BTreeMap<&str, &Scheduled> = Default::default();
+        for job in jobs {
+            let entry = newest.entry(job.key.as_str()).or_insert(job);
+            if job.revision >= entry.revision {
+                *entry = job;
             }
         }
         let keys: Vec<&str> = newest.keys().copied().collect();
-        let revisions: Vec<i32> = newest.values().map(|v| v.0).collect();
-        let dues: Vec<i64> = newest.values().map(|v| v.1).collect();
+        let revisions: Vec<i32> = newest.values().map(|j| j.revision).collect();
+        let dues: Vec<i64> = newest.values().map(|j| j.due_ms).collect();
+        let bodies: Vec<Option<&[u8]>> = newest.values().map(|j| j.body.as_deref()).collect();
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
-                "INSERT INTO postie_inbox AS i (key, status, revision, due_at)
-                 SELECT k, 'scheduled', r, to_timestamp(d / 1000.0)
-                   FROM unnest($1::text[], $2::int[], $3::bigint[]) AS t(k, r, d)
+                "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body)
+                 SELECT k, 'scheduled', r, to_timestamp(d / 1000.0), b
+                   FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bytea[]) AS t(k, r, d, b)
                  ON CONFLICT (key) DO UPDATE
                     SET status = 'scheduled', due_at = EXCLUDED.due_at,
-                        revision = EXCLUDED.revision, updated_at = now()
+                        revision = EXCLUDED.revision, body = EXCLUDED.body,
+                        reconciled_at = NULL, updated_at = now()
                   WHERE i.status IN ('scheduled', 'cancelled', 'retrying')
                     AND EXCLUDED.revision >= i.revision
                     AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",
             )
             .await?;
-        client.execute(&stmt, &[&keys, &revisions, &dues]).await?;
+        client.execute(&stmt, &[&keys, &revisions, &dues, &bodies]).await?;
         Ok(())
     }
 
     /// Records a job dropped by the throttle.
     pub async fn mark_throttled(&self, key: &str, fence: i64) -> Result<bool, DbError> {
         self.complete(
-            "UPDATE postie_inbox SET status = 'throttled', updated_at = now(),
+            "UPDATE postie_inbox SET status = 'throttled', updated_at = now(), body = NULL,
                     owner = NULL, lease_until = NULL, last_error = $3
               WHERE key = $1 AND fence = $2",
             key,
@@ -150,7 +156,7 @@ impl Inbox {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
-                "UPDATE postie_inbox SET status = 'sent', sent_at = clock_timestamp(),
+                "UPDATE postie_inbox SET status = 'sent', sent_at = clock_timestamp(), body = NULL,
                         updated_at = now(), attempts = attempts + 1, owner = NULL,
                         lease_until = NULL, message_id = $3, last_error = NULL,
                         due_at = to_timestamp($4::bigint / 1000.0)
@@ -183,7 +189,7 @@ impl Inbox {
     /// Records a dead letter after an SMTP attempt.
     pub async fn mark_dead(&self, key: &str, fence: i64, error: &str) -> Result<bool, DbError> {
         self.complete(
-            "UPDATE postie_inbox SET status = 'dead', updated_at = now(),
+            "UPDATE postie_inbox SET status = 'dead', updated_at = now(), body = NULL,
                     attempts = attempts + 1, owner = NULL, lease_until = NULL, last_error = $3
               WHERE key = $1 AND fence = $2",
             key,

@@ -12,11 +12,13 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 mod claim;
 mod migrate;
 mod queries;
+mod reconcile;
 mod status;
 mod tls;
 
-pub use claim::Claim;
+pub use claim::{Claim, Scheduled};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
+pub use reconcile::Overdue;
 pub use status::Status;
 
 use crate::config::{database_plan, DatabaseSettings, DbTls};

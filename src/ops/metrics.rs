@@ -98,6 +98,8 @@ pub struct Metrics {
     pub invalid_jobs: Counter,
     /// Jobs relayed into the ladder or straight to work.
     pub relayed: Family<RouteLabel, Counter>,
+    /// Ladder mode: overdue scheduled jobs the reconciler re-published.
+    pub reconciled: Counter,
     /// One SMTP send, seconds.
     pub smtp_send_seconds: Histogram,
     /// One delivery from receipt to ack, seconds.
@@ -145,6 +147,7 @@ impl Metrics {
             dead_lettered: Family::default(),
             invalid_jobs: Counter::default(),
             relayed: Family::default(),
+            reconciled: Counter::default(),
             smtp_send_seconds: seconds(0.001, 16),
             processing_seconds: seconds(0.001, 18),
             lateness_seconds: seconds(0.005, 16),
@@ -203,6 +206,11 @@ impl Metrics {
             "relayed",
             "Ladder mode: jobs relayed from intake, by route",
             m.relayed.clone(),
+        );
+        registry.register(
+            "reconciled",
+            "Ladder mode: overdue scheduled jobs re-published by the reconciler",
+            m.reconciled.clone(),
         );
         registry.register(
             "smtp_send_duration_seconds",

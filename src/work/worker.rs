@@ -25,7 +25,7 @@ use crate::broker::{DelayLayout, Topology};
 use crate::config::{Settings, ThrottlePolicy};
 use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
 use crate::headers::{header_int, HEADER_ATTEMPT, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
-use crate::inbox::{Claim, DbError, Inbox, Throttle};
+use crate::inbox::{Claim, DbError, Inbox, Scheduled, Throttle};
 use crate::mail::{Mailer, SendError};
 use crate::ops::health::{next_backoff, Health};
 
@@ -90,18 +90,19 @@ impl Worker {
         }
     }
 
-    /// Ladder mode: records a batch of scheduled jobs (key, revision, due ms) in one
-    /// commit, riding out a database outage. If PostgreSQL refuses the batch for what
+    /// Ladder mode: records a batch of scheduled jobs in one commit, riding out a database outage. If PostgreSQL refuses the batch for what
     /// one job carried, each is tried alone, so only that one goes unlisted (it is
     /// still relayed).
-    pub async fn schedule_many(&self, jobs: &[(String, i32, i64)]) -> Result<(), Interrupted> {
+    pub async fn schedule_many(&self, jobs: &[Scheduled]) -> Result<(), Interrupted> {
         match self.db("schedule", || self.inbox.schedule_many(jobs)).await {
             Ok(()) => Ok(()),
             Err(Stop::Interrupted) => Err(Interrupted),
             Err(Stop::Refused(_)) => {
-                for (key, revision, due_ms) in jobs {
+                for job in jobs {
                     match self
-                        .db("schedule", || self.inbox.schedule(key, *revision, *due_ms))
+                        .db("schedule", || {
+                            self.inbox.schedule_many(std::slice::from_ref(job))
+                        })
                         .await
                     {
                         Ok(()) | Err(Stop::Refused(_)) => {}

@@ -1,0 +1,60 @@
+//! Ladder mode's reconciler: PostgreSQL is the schedule of record, the ladder the
+//! transport. A job the relay recorded as scheduled that is overdue by more than
+//! `delay.reconcile_grace` and has not reached the inbox (RabbitMQ 3.10–4.x can strand
+//! expired messages in a lost node's at-least-once dead-letter process) is published
+//! again, straight to the send path, stamped with its due time. Never early: only
+//! overdue jobs are re-published, and the worker still checks the due time. The inbox
+//! claim keeps the later arrival of the original from sending twice.
+//!
+//! One pass runs on the maintenance instance (one at a time) every interval.
+
+use lapin::types::FieldTable;
+use lapin::Connection;
+
+use super::Service;
+use crate::broker::{self, ROUTING_KEY};
+use crate::headers::{self, HEADER_DUE_AT};
+use crate::ops::metrics::Metrics;
+
+/// Jobs re-published per pass at most.
+const PASS_LIMIT: i64 = 1_000;
+
+impl Service {
+    /// One reconciler pass on `conn`; the number of jobs re-published.
+    pub(super) async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
+        if !self.settings.delay.reconcile || !self.settings.delay.track_pending {
+            return Ok(0);
+        }
+        let inbox = self.worker.inbox();
+        let overdue = inbox
+            .overdue(self.settings.delay.reconcile_grace, PASS_LIMIT)
+            .await?;
+        if overdue.is_empty() {
+            return Ok(0);
+        }
+        let channel = broker::confirm_channel(conn).await?;
+        let exchange = self.topology.work_exchange();
+        let mut published = Vec::with_capacity(overdue.len());
+        for job in &overdue {
+            let mut table = FieldTable::default();
+            headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
+            let properties = broker::job_properties().with_headers(table);
+            broker::publish_confirmed(&channel, &exchange, ROUTING_KEY, true, &job.body, properties)
+                .await?;
+            published.push(job.key.clone());
+        }
+        let _ = channel.close(200, "reconciled".into()).await;
+        inbox.mark_reconciled(&published).await?;
+        count(self.worker.health().metrics(), published.len());
+        tracing::warn!(
+            jobs = published.len(),
+            oldest_due_ms = overdue[0].due_ms,
+            "re-published scheduled jobs the ladder had not delivered (overdue past the grace)"
+        );
+        Ok(published.len())
+    }
+}
+
+fn count(metrics: &Metrics, n: usize) {
+    metrics.reconciled.inc_by(n as u64);
+}
