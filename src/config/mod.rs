@@ -47,6 +47,8 @@ pub struct Settings {
     pub log: LogSettings,
     /// OpenTelemetry trace export.
     pub otel: OtelSettings,
+    /// Retention of finished inbox rows and the pruning that enforces it.
+    pub inbox: InboxSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -121,6 +123,16 @@ impl Settings {
                     "throttle.{kind}: limit and window must be above zero"
                 ));
             }
+        }
+        if self.inbox.retention.is_zero()
+            || self.inbox.tombstone_retention().is_zero()
+            || self.inbox.prune_interval.is_zero()
+            || self.inbox.prune_batch == 0
+        {
+            return fail(
+                "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
+                    .into(),
+            );
         }
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
