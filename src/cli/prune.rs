@@ -16,7 +16,11 @@ pub(super) async fn run(settings: &Settings, args: &PruneArgs) -> anyhow::Result
     let inbox = Inbox::connect(&settings.database).await?;
     let plan = PrunePlan::from_settings(settings, args.dry_run);
     let pruned = inbox.prune(&plan).await?;
-    let verb = if args.dry_run { "would delete" } else { "deleted" };
+    let verb = if args.dry_run {
+        "would delete"
+    } else {
+        "deleted"
+    };
     out!(
         "{verb}: {} finished rows (older than {}), {} tombstones (older than {}), {} throttle rows",
         pruned.finished,

@@ -367,9 +367,11 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
 fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     match Option::<String>::deserialize(d)?.filter(|t| !t.trim().is_empty()) {
         None => Ok(None),
-        Some(text) => humantime::parse_duration(text.trim()).map(Some).map_err(|e| {
-            serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
-        }),
+        Some(text) => humantime::parse_duration(text.trim())
+            .map(Some)
+            .map_err(|e| {
+                serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
+            }),
     }
 }
 

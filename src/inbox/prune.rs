@@ -87,8 +87,11 @@ impl Inbox {
                 &[&ms(plan.retention), &ms(plan.tombstone_retention)],
             )
             .await?;
-        let (finished_cutoff, tombstone_cutoff, now): (DateTime<Utc>, DateTime<Utc>, DateTime<Utc>) =
-            (row.get(0), row.get(1), row.get(2));
+        let (finished_cutoff, tombstone_cutoff, now): (
+            DateTime<Utc>,
+            DateTime<Utc>,
+            DateTime<Utc>,
+        ) = (row.get(0), row.get(1), row.get(2));
         drop(client);
         for (tombstones, cutoff) in [(false, finished_cutoff), (true, tombstone_cutoff)] {
             let class = if tombstones {
@@ -96,14 +99,18 @@ impl Inbox {
             } else {
                 format!("{FINISHED} AND NOT {TOMBSTONE}")
             };
-            let n = self.prune_inbox(&class, cutoff, plan, &mut pruned.statements).await?;
+            let n = self
+                .prune_inbox(&class, cutoff, plan, &mut pruned.statements)
+                .await?;
             if tombstones {
                 pruned.tombstones = n;
             } else {
                 pruned.finished = n;
             }
         }
-        pruned.throttle = self.prune_throttle(plan, now, &mut pruned.statements).await?;
+        pruned.throttle = self
+            .prune_throttle(plan, now, &mut pruned.statements)
+            .await?;
         pruned.took = started.elapsed();
         Ok(pruned)
     }
@@ -171,7 +178,11 @@ impl Inbox {
         statements: &mut u64,
     ) -> Result<u64, DbError> {
         let client = self.pool.get().await?;
-        let kinds: Vec<&str> = plan.throttle_windows.iter().map(|(k, _)| k.as_str()).collect();
+        let kinds: Vec<&str> = plan
+            .throttle_windows
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect();
         let windows: Vec<i64> = plan.throttle_windows.iter().map(|(_, w)| ms(*w)).collect();
         let expired = "(SELECT max(s) FROM unnest(t.sends) s) < $3::timestamptz
                 - coalesce((SELECT w FROM unnest($4::text[], $5::bigint[]) AS x(k, w)
