@@ -245,6 +245,35 @@ mod tests {
     }
 
     #[test]
+    fn inbox_retention_is_read_and_tombstones_default_to_it() {
+        let env = [("POSTIE__INBOX__RETENTION", "7d")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.inbox.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(s.inbox.tombstone_retention(), s.inbox.retention);
+        let env = [
+            ("POSTIE__INBOX__TOMBSTONE_RETENTION", "1h"),
+            ("POSTIE__INBOX__PRUNE_INTERVAL", "1s"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.inbox.tombstone_retention(), Duration::from_secs(3600));
+        assert_eq!(s.inbox.retention, Duration::from_secs(30 * 86_400));
+        let env = [("POSTIE__INBOX__RETENTION", "0s")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let err = Settings::load_from(None, Some(env))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("inbox.retention"), "{err}");
+    }
+
+    #[test]
     fn lease_must_exceed_smtp_timeout() {
         let mut s = Settings::default();
         s.worker.lease = Duration::from_secs(10);
