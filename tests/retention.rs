@@ -348,3 +348,84 @@ async fn size(env: &TestEnv) -> (i64, i64, i64) {
         .unwrap();
     (row.get(0), row.get(1), row.get(2))
 }
+
+/// The database leg of `make bench` (claim + mark sent, 16 tasks) with the inbox
+/// pre-filled with 10^5 and 10^6 sent rows (`POSTIE_PREFILL=100000,1000000,...`).
+/// Slow and disk-hungry: `cargo test --release --test retention -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn database_leg_with_a_prefilled_inbox() {
+    use postie::inbox::{Claim, Inbox};
+    const N: usize = 5_000;
+    const TASKS: usize = 16;
+    let sizes: Vec<i64> = std::env::var("POSTIE_PREFILL")
+        .unwrap_or_else(|_| "0,100000,1000000".into())
+        .split(',')
+        .map(|s| s.trim().parse().expect("a row count"))
+        .collect();
+    let env = TestEnv::new("prefill").await;
+    let settings = env.settings();
+    let inbox = Inbox::new(&settings.database).unwrap();
+    inbox.migrate().await.unwrap();
+    let lease = settings.worker.lease;
+    let mut filled = 0i64;
+    for (round, size) in sizes.into_iter().enumerate() {
+        if size > filled {
+            env.db()
+                .await
+                .execute(
+                    "INSERT INTO postie_inbox (key, status, message_id, sent_at, updated_at)
+                     SELECT 'fill-' || g || ':order-confirmation', 'sent',
+                            '<fill-' || g || '@postie.local>', now(), now()
+                       FROM generate_series($1::bigint + 1, $2::bigint) g",
+                    &[&filled, &size],
+                )
+                .await
+                .unwrap();
+            env.db()
+                .await
+                .batch_execute("VACUUM ANALYZE postie_inbox")
+                .await
+                .unwrap();
+            filled = size;
+        }
+        let started = Instant::now();
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let (inbox, next) = (inbox.clone(), next.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= N {
+                            return;
+                        }
+                        let key = format!("db-{round}-{i}");
+                        let Claim::Claimed { fence, .. } =
+                            inbox.claim(&key, "bench", lease, 0).await.unwrap()
+                        else {
+                            panic!("{key} was not claimable");
+                        };
+                        let due = chrono::Utc::now().timestamp_millis();
+                        assert!(inbox
+                            .mark_sent(&key, fence, &message_id(&key), due)
+                            .await
+                            .unwrap());
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let (total, _, indexes) = size(&env).await;
+        eprintln!(
+            "FIGURES prefill: {filled} rows before: claim + mark_sent {:.0}/s ({N} keys, {TASKS} tasks); \
+             postie_inbox {:.0} MB ({:.0} MB indexes)",
+            N as f64 / seconds,
+            total as f64 / 1_048_576.0,
+            indexes as f64 / 1_048_576.0
+        );
+    }
+}

@@ -4,8 +4,9 @@
 //!
 //! Every DELETE re-checks its condition on the live row, so a row that changed since
 //! the batch was chosen (a `dead` key claimed again, a throttle row just taken) is
-//! left alone. A claim racing the deletion of its key sees it as `busy` for 1 ms and
-//! claims it again as new: a pruned key is a new key.
+//! left alone. A claim racing the deletion of its key (`postie_claim` finds no row
+//! after its insert conflicted) answers `busy` for 1 ms: the job is deferred to the
+//! first retry step and then claimed as a new key, as any job whose key was pruned.
 
 use std::time::{Duration, Instant};
 
