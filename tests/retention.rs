@@ -369,8 +369,8 @@ async fn database_leg_with_a_prefilled_inbox() {
     inbox.migrate().await.unwrap();
     let lease = settings.worker.lease;
     let mut filled = 0i64;
-    for (round, size) in sizes.into_iter().enumerate() {
-        if size > filled {
+    for (round, rows) in sizes.into_iter().enumerate() {
+        if rows > filled {
             env.db()
                 .await
                 .execute(
@@ -378,7 +378,7 @@ async fn database_leg_with_a_prefilled_inbox() {
                      SELECT 'fill-' || g || ':order-confirmation', 'sent',
                             '<fill-' || g || '@postie.local>', now(), now()
                        FROM generate_series($1::bigint + 1, $2::bigint) g",
-                    &[&filled, &size],
+                    &[&filled, &rows],
                 )
                 .await
                 .unwrap();
@@ -387,7 +387,7 @@ async fn database_leg_with_a_prefilled_inbox() {
                 .batch_execute("VACUUM ANALYZE postie_inbox")
                 .await
                 .unwrap();
-            filled = size;
+            filled = rows;
         }
         let started = Instant::now();
         let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
