@@ -6,6 +6,7 @@ mod cancel;
 mod dlq;
 mod migrate;
 mod pending;
+mod prune;
 mod publish;
 mod serve;
 mod status;
@@ -52,6 +53,8 @@ pub enum Command {
     Cancel(cancel::CancelArgs),
     /// List and count scheduled jobs by due time (ladder mode).
     Pending(pending::PendingArgs),
+    /// Delete finished rows older than inbox.retention (one pass; --dry-run counts).
+    Prune(prune::PruneArgs),
     /// Inspect the dead-letter queue, or move dead letters back to be sent.
     Dlq {
         /// What to do with the dead letters.
@@ -70,6 +73,7 @@ pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Status => status::run(&settings).await,
         Command::Cancel(args) => cancel::run(&settings, &args).await,
         Command::Pending(args) => pending::run(&settings, &args).await,
+        Command::Prune(args) => prune::run(&settings, &args).await,
         Command::Dlq { command } => dlq::run(&settings, command).await,
     }
 }

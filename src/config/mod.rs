@@ -47,6 +47,8 @@ pub struct Settings {
     pub log: LogSettings,
     /// OpenTelemetry trace export.
     pub otel: OtelSettings,
+    /// Retention of finished inbox rows and the pruning that enforces it.
+    pub inbox: InboxSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -121,6 +123,16 @@ impl Settings {
                     "throttle.{kind}: limit and window must be above zero"
                 ));
             }
+        }
+        if self.inbox.retention.is_zero()
+            || self.inbox.tombstone_retention().is_zero()
+            || self.inbox.prune_interval.is_zero()
+            || self.inbox.prune_batch == 0
+        {
+            return fail(
+                "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
+                    .into(),
+            );
         }
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
@@ -230,6 +242,35 @@ mod tests {
             (rule.limit, rule.window, rule.policy),
             (2, Duration::from_secs(3600), ThrottlePolicy::Defer)
         );
+    }
+
+    #[test]
+    fn inbox_retention_is_read_and_tombstones_default_to_it() {
+        let env = [("POSTIE__INBOX__RETENTION", "7d")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.inbox.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(s.inbox.tombstone_retention(), s.inbox.retention);
+        let env = [
+            ("POSTIE__INBOX__TOMBSTONE_RETENTION", "1h"),
+            ("POSTIE__INBOX__PRUNE_INTERVAL", "1s"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.inbox.tombstone_retention(), Duration::from_secs(3600));
+        assert_eq!(s.inbox.retention, Duration::from_secs(30 * 86_400));
+        let env = [("POSTIE__INBOX__RETENTION", "0s")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let err = Settings::load_from(None, Some(env))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("inbox.retention"), "{err}");
     }
 
     #[test]

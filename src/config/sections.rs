@@ -264,6 +264,43 @@ impl Default for DelaySettings {
     }
 }
 
+/// Retention of finished inbox rows, enforced by the singleton maintenance task.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InboxSettings {
+    /// Finished rows (`sent`, `dead`, `cancelled`, `throttled`) untouched for this
+    /// long are deleted: a key is sent at most once within this window. In-flight rows
+    /// (`scheduled`, `sending`, `retrying`) are never deleted.
+    #[serde(deserialize_with = "duration")]
+    pub retention: Duration,
+    /// Tombstones (cancels of keys never seen as jobs); unset = `retention`.
+    #[serde(deserialize_with = "optional_duration")]
+    pub tombstone_retention: Option<Duration>,
+    /// How often the maintenance instance prunes.
+    #[serde(deserialize_with = "duration")]
+    pub prune_interval: Duration,
+    /// Rows deleted per statement (each its own short transaction).
+    pub prune_batch: u32,
+}
+
+impl Default for InboxSettings {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(30 * 86_400),
+            tombstone_retention: None,
+            prune_interval: Duration::from_secs(60),
+            prune_batch: 5_000,
+        }
+    }
+}
+
+impl InboxSettings {
+    /// `tombstone_retention`, defaulting to `retention`.
+    pub fn tombstone_retention(&self) -> Duration {
+        self.tombstone_retention.unwrap_or(self.retention)
+    }
+}
+
 /// HTTP endpoint settings.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -335,6 +372,17 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text)
         .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}")))
+}
+
+fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    match Option::<String>::deserialize(d)?.filter(|t| !t.trim().is_empty()) {
+        None => Ok(None),
+        Some(text) => humantime::parse_duration(text.trim())
+            .map(Some)
+            .map_err(|e| {
+                serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
+            }),
+    }
 }
 
 fn optional_addr<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {

@@ -11,12 +11,14 @@
 //! - `send.rs`: the send role's handler, and dispositions carried out.
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
+//! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
 //!
 //! If the connection, a channel or a consumer is lost, in-flight work finishes or is
 //! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
 //! On stop, consumers are cancelled, in-flight deliveries get the drain timeout to
 //! finish, and the connection is closed cleanly.
 
+mod maintenance;
 mod pollers;
 mod reconcile;
 mod relay;
@@ -89,7 +91,10 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         queue = %service.topology.send_queue(),
         "postie serving"
     );
+    let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
+    // `stop` is cancelled by now: maintenance ends and releases its lock.
+    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, maintenance).await;
     tracing::info!("postie stopped");
     Ok(())
 }

@@ -90,12 +90,6 @@ impl Service {
         let session_stop = stop.child_token();
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
-        within(
-            setup,
-            "starting the depth poller",
-            self.spawn_depth_poller(conn, session_stop.clone()),
-        )
-        .await?;
         self.worker.health().set_broker_up(true);
         let send = self.consume_loop(
             conn,
@@ -132,7 +126,7 @@ impl Service {
         } else {
             send.await
         };
-        // Ends the watchdog and the depth poller of this session.
+        // Ends the watchdog of this session.
         session_stop.cancel();
         let end = end?;
         bounded(publish.close(200, "done".into())).await;

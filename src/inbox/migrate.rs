@@ -15,6 +15,7 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "drop_status_index",
         include_str!("../../sql/0003_drop_status_index.sql"),
     ),
+    (4, "retention", include_str!("../../sql/0004_retention.sql")),
     (7, "reconcile", include_str!("../../sql/0007_reconcile.sql")),
 ];
 

@@ -11,12 +11,14 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 mod claim;
 mod migrate;
+mod prune;
 mod queries;
 mod reconcile;
 mod status;
 mod tls;
 
 pub use claim::{Claim, Scheduled};
+pub use prune::{PrunePlan, Pruned};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
 pub use reconcile::Overdue;
 pub use status::Status;
@@ -90,6 +92,8 @@ impl From<deadpool_postgres::PoolError> for DbError {
 #[derive(Clone)]
 pub struct Inbox {
     pool: Pool,
+    /// How to open a connection outside the pool (the maintenance lock holder).
+    direct: (tokio_postgres::Config, Option<MakeRustlsConnect>),
 }
 
 impl Inbox {
@@ -108,13 +112,13 @@ impl Inbox {
         let manager_config = ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         };
-        let manager = match plan.tls {
-            DbTls::Off => Manager::from_config(pg, NoTls, manager_config),
-            tls => Manager::from_config(
-                pg,
-                MakeRustlsConnect::new(tls_config(tls, settings.ca_file())?),
-                manager_config,
-            ),
+        let tls = match plan.tls {
+            DbTls::Off => None,
+            tls => Some(MakeRustlsConnect::new(tls_config(tls, settings.ca_file())?)),
+        };
+        let manager = match tls.clone() {
+            None => Manager::from_config(pg.clone(), NoTls, manager_config),
+            Some(tls) => Manager::from_config(pg.clone(), tls, manager_config),
         };
         let pool = Pool::builder(manager)
             .max_size(settings.pool_size)
@@ -123,7 +127,29 @@ impl Inbox {
             .recycle_timeout(Some(settings.connect_timeout))
             .runtime(Runtime::Tokio1)
             .build()?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            direct: (pg, tls),
+        })
+    }
+
+    /// A connection of its own, outside the pool: what it holds (an advisory lock)
+    /// is released when it is dropped or its process dies.
+    pub async fn dedicated(&self) -> Result<tokio_postgres::Client, DbError> {
+        let (pg, tls) = &self.direct;
+        let client = match tls {
+            None => {
+                let (client, conn) = pg.connect(NoTls).await?;
+                tokio::spawn(conn);
+                client
+            }
+            Some(tls) => {
+                let (client, conn) = pg.connect(tls.clone()).await?;
+                tokio::spawn(conn);
+                client
+            }
+        };
+        Ok(client)
     }
 
     /// [`Inbox::new`] then [`Inbox::check`]: a pool known to reach the database.

@@ -77,6 +77,13 @@ pub struct PolicyLabel {
     pub policy: String,
 }
 
+/// What a prune deleted: `finished`, `tombstone` or `throttle` rows.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrunedLabel {
+    /// The kind of row.
+    pub kind: String,
+}
+
 /// Every metric postie exports.
 pub struct Metrics {
     registry: Registry,
@@ -124,6 +131,14 @@ pub struct Metrics {
     pub stale: Counter,
     /// Ladder mode: jobs scheduled and not yet sent or cancelled (polled).
     pub pending: Gauge,
+    /// Rows deleted by retention, by kind.
+    pub pruned: Family<PrunedLabel, Counter>,
+    /// One prune pass, seconds.
+    pub prune_seconds: Histogram,
+    /// The inbox's rows, the planner's estimate (maintenance instance only).
+    pub inbox_rows: Gauge,
+    /// 1 on the instance running singleton maintenance, else 0.
+    pub maintenance_leader: Gauge,
 }
 
 impl Default for Metrics {
@@ -160,6 +175,10 @@ impl Metrics {
             cancelled: Counter::default(),
             stale: Counter::default(),
             pending: Gauge::default(),
+            pruned: Family::default(),
+            prune_seconds: seconds(0.001, 20),
+            inbox_rows: Gauge::default(),
+            maintenance_leader: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -271,6 +290,26 @@ impl Metrics {
             "pending",
             "Ladder mode: scheduled jobs not yet sent or cancelled (polled)",
             m.pending.clone(),
+        );
+        registry.register(
+            "pruned_rows",
+            "Rows deleted by retention, by kind",
+            m.pruned.clone(),
+        );
+        registry.register(
+            "prune_duration_seconds",
+            "One prune pass",
+            m.prune_seconds.clone(),
+        );
+        registry.register(
+            "inbox_rows",
+            "Inbox rows, planner estimate (maintenance instance)",
+            m.inbox_rows.clone(),
+        );
+        registry.register(
+            "maintenance_leader",
+            "1 on the instance running singleton maintenance",
+            m.maintenance_leader.clone(),
         );
         Self { registry, ..m }
     }

@@ -1,0 +1,198 @@
+//! Singleton maintenance: retention (`inbox::prune`), the queue-depth poller and the
+//! pending gauge run on exactly one instance at a time.
+//!
+//! The instance that holds a PostgreSQL advisory lock leads. The lock is taken on a
+//! connection of its own, outside the pool, and held for as long as that connection
+//! lives: when the instance dies (even by SIGKILL) the server ends the session and
+//! releases the lock, and another instance, trying every [`TRY_EVERY`], takes over.
+//! Two leaders at once (a lock connection lost while a pass runs) are harmless:
+//! every prune statement re-checks its rows, and polling is read-only.
+
+use std::time::{Duration, Instant};
+
+use lapin::Connection;
+use tokio_util::sync::CancellationToken;
+
+use super::pollers::DEPTH_POLL;
+use super::session::bounded;
+use super::Service;
+use crate::broker;
+use crate::inbox::PrunePlan;
+use crate::ops::metrics::PrunedLabel;
+
+/// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie").
+const MAINTENANCE_LOCK: i64 = 0x706f_7374_6965 + 1;
+/// How often a standby instance tries the lock.
+const TRY_EVERY: Duration = Duration::from_secs(2);
+/// How often the leader checks that its lock connection still stands.
+const TICK: Duration = Duration::from_secs(1);
+
+impl Service {
+    /// Runs maintenance whenever this instance holds the lock, until `stop`.
+    pub(super) fn spawn_maintenance(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let service = self.clone();
+        tokio::spawn(async move {
+            let mut standby: Option<tokio_postgres::Client> = None;
+            while !stop.is_cancelled() {
+                match service.try_lead(&mut standby).await {
+                    Ok(Some(client)) => {
+                        let why = service.lead(&client, &stop).await;
+                        service.step_down(why);
+                        // Dropping the client closes its session: the lock is released.
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        tracing::debug!(%error, "maintenance lock not tried");
+                        standby = None;
+                    }
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(TRY_EVERY) => {}
+                }
+            }
+        })
+    }
+
+    /// Tries the lock on the standby connection (opened if needed); the connection,
+    /// if the lock was granted.
+    async fn try_lead(
+        &self,
+        standby: &mut Option<tokio_postgres::Client>,
+    ) -> Result<Option<tokio_postgres::Client>, crate::inbox::DbError> {
+        let client = match standby.take() {
+            Some(client) if !client.is_closed() => client,
+            _ => self.worker.inbox().dedicated().await?,
+        };
+        let granted: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&MAINTENANCE_LOCK])
+            .await?
+            .get(0);
+        if granted {
+            return Ok(Some(client));
+        }
+        *standby = Some(client);
+        Ok(None)
+    }
+
+    /// Leads until `stop` or until the lock connection is lost; why it ended.
+    async fn lead(&self, lock: &tokio_postgres::Client, stop: &CancellationToken) -> String {
+        let metrics = self.worker.health().metrics().clone();
+        metrics.maintenance_leader.set(1);
+        tracing::info!(instance = %self.owner, "running maintenance (pruning, queue depths)");
+        let interval = self.settings.inbox.prune_interval;
+        let (mut next_prune, mut next_poll) = (Instant::now(), Instant::now());
+        let mut amqp: Option<Connection> = None;
+        loop {
+            if lock.is_closed() || lock.simple_query("SELECT 1").await.is_err() {
+                bounded(close(amqp)).await;
+                return "lost the maintenance lock connection".into();
+            }
+            if Instant::now() >= next_poll {
+                next_poll = Instant::now() + DEPTH_POLL;
+                amqp = self.poll(amqp).await;
+            }
+            if Instant::now() >= next_prune {
+                self.prune_pass().await;
+                next_prune = Instant::now() + interval;
+            }
+            tokio::select! {
+                _ = stop.cancelled() => {
+                    bounded(close(amqp)).await;
+                    return "stopping".into();
+                }
+                _ = tokio::time::sleep(TICK) => {}
+            }
+        }
+    }
+
+    /// Clears what only the leader reports, so that a sum over instances stays right.
+    fn step_down(&self, why: String) {
+        let metrics = self.worker.health().metrics();
+        metrics.maintenance_leader.set(0);
+        metrics.queue_depth.clear();
+        metrics.pending.set(0);
+        metrics.inbox_rows.set(0);
+        tracing::info!(reason = %why, "maintenance handed over");
+    }
+
+    /// One poll of queue depths and the pending gauge on a broker connection of the
+    /// maintenance task's own (opened as needed, dropped on error).
+    async fn poll(&self, conn: Option<Connection>) -> Option<Connection> {
+        let conn = match conn.filter(|c| c.status().connected()) {
+            Some(conn) => conn,
+            None => {
+                let name = format!("{}-maintenance", self.owner);
+                match broker::open(&self.settings.amqp, &name).await {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        tracing::debug!(%error, "queue depths not polled");
+                        return None;
+                    }
+                }
+            }
+        };
+        let polled = async {
+            let channel = conn.create_channel().await?;
+            let result = self.poll_depths(&channel).await;
+            if result.is_ok() {
+                bounded(channel.close(200, "polled".into())).await;
+            }
+            result
+        };
+        match tokio::time::timeout(self.settings.amqp.connect_timeout, polled).await {
+            Ok(Ok(())) => Some(conn),
+            Ok(Err(error)) => {
+                // A missing queue closes the channel, not the connection.
+                tracing::debug!(%error, "queue depth poll failed");
+                Some(conn)
+            }
+            Err(_) => {
+                bounded(close(Some(conn))).await;
+                None
+            }
+        }
+    }
+
+    /// One prune pass, counted and timed.
+    async fn prune_pass(&self) {
+        let metrics = self.worker.health().metrics();
+        let inbox = self.worker.inbox();
+        let plan = PrunePlan::from_settings(&self.settings, false);
+        match inbox.prune(&plan).await {
+            Ok(pruned) => {
+                for (kind, n) in [
+                    ("finished", pruned.finished),
+                    ("tombstone", pruned.tombstones),
+                    ("throttle", pruned.throttle),
+                ] {
+                    metrics
+                        .pruned
+                        .get_or_create(&PrunedLabel { kind: kind.into() })
+                        .inc_by(n);
+                }
+                metrics.prune_seconds.observe(pruned.took.as_secs_f64());
+                let total = pruned.finished + pruned.tombstones + pruned.throttle;
+                if total > 0 {
+                    tracing::info!(
+                        finished = pruned.finished,
+                        tombstones = pruned.tombstones,
+                        throttle = pruned.throttle,
+                        seconds = pruned.took.as_secs_f64(),
+                        "pruned expired rows"
+                    );
+                }
+            }
+            Err(error) => tracing::warn!(%error, "prune failed; trying again next interval"),
+        }
+        if let Ok(rows) = inbox.rows_estimate().await {
+            metrics.inbox_rows.set(rows);
+        }
+    }
+}
+
+async fn close(conn: Option<Connection>) {
+    if let Some(conn) = conn {
+        let _ = conn.close(200, "maintenance done".into()).await;
+    }
+}
