@@ -351,10 +351,17 @@ async fn jobs_lost_from_the_ladder_are_re_published_after_the_grace() {
     }
     // Wait until every job is parked in the ladder and recorded with its body.
     let envr = &env;
-    eventually("every job scheduled with its body", Duration::from_secs(60), move || async move {
-        (envr.inbox_count("status = 'scheduled' AND body IS NOT NULL").await == JOBS as i64)
-            .then_some(())
-    })
+    eventually(
+        "every job scheduled with its body",
+        Duration::from_secs(60),
+        move || async move {
+            (envr
+                .inbox_count("status = 'scheduled' AND body IS NOT NULL")
+                .await
+                == JOBS as i64)
+                .then_some(())
+        },
+    )
     .await;
     // The ladder loses them all.
     let broker::DelayLayout::Ladder(ladder) = env.topology.delay() else {
@@ -387,7 +394,11 @@ async fn jobs_lost_from_the_ladder_are_re_published_after_the_grace() {
         lateness.iter().all(|&late| late >= 2_000),
         "re-published before the grace ran out: {lateness:?}"
     );
-    assert_eq!(env.inbox_count("body IS NOT NULL").await, 0, "bodies kept after sending");
+    assert_eq!(
+        env.inbox_count("body IS NOT NULL").await,
+        0,
+        "bodies kept after sending"
+    );
     assert_eq!(env.inbox_count("status = 'sent'").await, JOBS as i64);
     eprintln!(
         "FIGURES reconcile: {JOBS} jobs lost from the ladder, all re-published and sent once; lateness ms min {} max {}",

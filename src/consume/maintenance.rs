@@ -79,9 +79,10 @@ impl Service {
     async fn lead(&self, lock: &tokio_postgres::Client, stop: &CancellationToken) -> String {
         let metrics = self.worker.health().metrics().clone();
         metrics.maintenance_leader.set(1);
-        tracing::info!(instance = %self.owner, "running maintenance (pruning, queue depths)");
+        tracing::info!(instance = %self.owner, "running maintenance (pruning, the reconciler, queue depths)");
         let interval = self.settings.inbox.prune_interval;
         let (mut next_prune, mut next_poll) = (Instant::now(), Instant::now());
+        let mut next_reconcile = Instant::now();
         let mut amqp: Option<Connection> = None;
         loop {
             if lock.is_closed() || lock.simple_query("SELECT 1").await.is_err() {
@@ -95,6 +96,10 @@ impl Service {
             if Instant::now() >= next_prune {
                 self.prune_pass().await;
                 next_prune = Instant::now() + interval;
+            }
+            if Instant::now() >= next_reconcile {
+                next_reconcile = Instant::now() + self.reconcile_every();
+                amqp = self.reconcile(amqp).await;
             }
             tokio::select! {
                 _ = stop.cancelled() => {
@@ -116,22 +121,32 @@ impl Service {
         tracing::info!(reason = %why, "maintenance handed over");
     }
 
+    /// The maintenance task's own broker connection: `conn` if it still stands, else a
+    /// new one (None, logged with `what`, if the broker does not answer).
+    pub(super) async fn maintenance_connection(
+        &self,
+        conn: Option<Connection>,
+        what: &str,
+    ) -> Option<Connection> {
+        if let Some(conn) = conn.filter(|c| c.status().connected()) {
+            return Some(conn);
+        }
+        let name = format!("{}-maintenance", self.owner);
+        match broker::open(&self.settings.amqp, &name).await {
+            Ok(conn) => Some(conn),
+            Err(error) => {
+                tracing::debug!(%error, "{what}");
+                None
+            }
+        }
+    }
+
     /// One poll of queue depths and the pending gauge on a broker connection of the
     /// maintenance task's own (opened as needed, dropped on error).
     async fn poll(&self, conn: Option<Connection>) -> Option<Connection> {
-        let conn = match conn.filter(|c| c.status().connected()) {
-            Some(conn) => conn,
-            None => {
-                let name = format!("{}-maintenance", self.owner);
-                match broker::open(&self.settings.amqp, &name).await {
-                    Ok(conn) => conn,
-                    Err(error) => {
-                        tracing::debug!(%error, "queue depths not polled");
-                        return None;
-                    }
-                }
-            }
-        };
+        let conn = self
+            .maintenance_connection(conn, "queue depths not polled")
+            .await?;
         let polled = async {
             let channel = conn.create_channel().await?;
             let result = self.poll_depths(&channel).await;

@@ -6,13 +6,16 @@
 //! overdue jobs are re-published, and the worker still checks the due time. The inbox
 //! claim keeps the later arrival of the original from sending twice.
 //!
-//! One pass runs on the maintenance instance (one at a time) every interval.
+//! A pass runs on the maintenance instance (one at a time) every half grace period,
+//! between 1 and 30 s.
+
+use std::time::Duration;
 
 use lapin::types::FieldTable;
 use lapin::Connection;
 
 use super::Service;
-use crate::broker::{self, ROUTING_KEY};
+use crate::broker::{self, DelayLayout, ROUTING_KEY};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::Metrics;
 
@@ -20,11 +23,32 @@ use crate::ops::metrics::Metrics;
 const PASS_LIMIT: i64 = 1_000;
 
 impl Service {
-    /// One reconciler pass on `conn`; the number of jobs re-published.
-    pub(super) async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
-        if !self.settings.delay.reconcile || !self.settings.delay.track_pending {
-            return Ok(0);
+    /// How often the maintenance instance runs a pass.
+    pub(super) fn reconcile_every(&self) -> Duration {
+        (self.settings.delay.reconcile_grace / 2)
+            .clamp(Duration::from_secs(1), Duration::from_secs(30))
+    }
+
+    /// A pass on the maintenance connection (opened if needed); the connection, if it
+    /// still stands.
+    pub(super) async fn reconcile(&self, conn: Option<Connection>) -> Option<Connection> {
+        if !self.settings.delay.reconcile
+            || !self.settings.delay.track_pending
+            || !matches!(self.topology.delay(), DelayLayout::Ladder(_))
+        {
+            return conn;
         }
+        let conn = self
+            .maintenance_connection(conn, "reconciler pass skipped")
+            .await?;
+        if let Err(error) = self.reconcile_pass(&conn).await {
+            tracing::warn!(error = %crate::describe_error(&error), "reconciler pass failed; trying again next time");
+        }
+        Some(conn)
+    }
+
+    /// One reconciler pass on `conn`; the number of jobs re-published.
+    async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
         let inbox = self.worker.inbox();
         let overdue = inbox
             .overdue(self.settings.delay.reconcile_grace, PASS_LIMIT)
@@ -39,8 +63,15 @@ impl Service {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
             let properties = broker::job_properties().with_headers(table);
-            broker::publish_confirmed(&channel, &exchange, ROUTING_KEY, true, &job.body, properties)
-                .await?;
+            broker::publish_confirmed(
+                &channel,
+                &exchange,
+                ROUTING_KEY,
+                true,
+                &job.body,
+                properties,
+            )
+            .await?;
             published.push(job.key.clone());
         }
         let _ = channel.close(200, "reconciled".into()).await;

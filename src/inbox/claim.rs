@@ -114,7 +114,9 @@ impl Inbox {
                     AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",
             )
             .await?;
-        client.execute(&stmt, &[&keys, &revisions, &dues, &bodies]).await?;
+        client
+            .execute(&stmt, &[&keys, &revisions, &dues, &bodies])
+            .await?;
         Ok(())
     }
 
