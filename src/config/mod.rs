@@ -16,10 +16,12 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod database;
+mod rate;
 mod sections;
 mod smtp;
 
 pub use database::{database_plan, DbPlan, DbTls};
+pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 
@@ -83,6 +85,7 @@ impl Settings {
                 .separator("__")
                 .list_separator(",")
                 .with_list_parse_key("topology.retry_steps")
+                .with_list_parse_key("smtp.throttle_patterns")
                 .try_parsing(true)
                 .source(env),
         );
@@ -121,6 +124,9 @@ impl Settings {
                     "throttle.{kind}: limit and window must be above zero"
                 ));
             }
+        }
+        if self.smtp.rate_burst == Some(0) {
+            return fail("smtp.rate_burst must be at least 1".into());
         }
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());

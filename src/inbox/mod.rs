@@ -12,6 +12,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 mod claim;
 mod migrate;
 mod queries;
+mod rate;
 mod status;
 mod tls;
 
