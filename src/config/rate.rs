@@ -31,7 +31,9 @@ impl SendRate {
             _ => return Err(bad()),
         };
         if count == 0 {
-            return Err(format!("{text:?}: a rate must be above zero (unset it to turn the limit off)"));
+            return Err(format!(
+                "{text:?}: a rate must be above zero (unset it to turn the limit off)"
+            ));
         }
         Ok(Self { count, per_seconds })
     }
@@ -54,7 +56,9 @@ pub(super) fn optional_rate<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Se
     if text.trim().is_empty() || text.trim().eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    SendRate::parse(&text).map(Some).map_err(serde::de::Error::custom)
+    SendRate::parse(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 #[cfg(test)]

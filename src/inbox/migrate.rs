@@ -15,7 +15,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "drop_status_index",
         include_str!("../../sql/0003_drop_status_index.sql"),
     ),
-    (5, "rate_limit", include_str!("../../sql/0005_rate_limit.sql")),
+    (
+        5,
+        "rate_limit",
+        include_str!("../../sql/0005_rate_limit.sql"),
+    ),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -22,11 +22,11 @@ impl Inbox {
         let stmt = client
             .prepare_cached(
                 "INSERT INTO postie_rate_limit AS r (name, tat)
-                 VALUES ($1, now() + make_interval(secs => $2))
+                 VALUES ($1, now() + make_interval(secs => $2::float8))
                  ON CONFLICT (name) DO UPDATE
-                    SET tat = greatest(r.tat, now()) + make_interval(secs => $2)
+                    SET tat = greatest(r.tat, now()) + make_interval(secs => $2::float8)
                  RETURNING greatest(0, extract(epoch FROM
-                    r.tat - make_interval(secs => $2) - now()) - $3)::float8",
+                    r.tat - make_interval(secs => $2::float8) - now())::float8 - $3::float8)",
             )
             .await?;
         let span = f64::from(tokens) / per_second;

@@ -146,12 +146,36 @@ pub struct RateMetrics {
 impl RateMetrics {
     fn register(&self, registry: &mut Registry) {
         let r = registry;
-        r.register("rate_limit_per_second", "smtp.rate_limit in emails per second (0: none)", self.limit.clone());
-        r.register("adaptive_rate_per_second", "This instance's adaptive send-rate cap (0: no cap)", self.adaptive.clone());
-        r.register("smtp_throttle_replies", "SMTP replies classed as throttles (smtp.throttle_patterns)", self.throttle_replies.clone());
-        r.register("rate_wait_seconds", "Time a job waited for its turn to send, before its claim", self.wait_seconds.clone());
-        r.register("rate_limit_leases", "Slices of tokens leased from PostgreSQL (one statement each)", self.leases.clone());
-        r.register("rate_limit_tokens", "Tokens leased from PostgreSQL", self.tokens.clone());
+        r.register(
+            "rate_limit_per_second",
+            "smtp.rate_limit in emails per second (0: none)",
+            self.limit.clone(),
+        );
+        r.register(
+            "adaptive_rate_per_second",
+            "This instance's adaptive send-rate cap (0: no cap)",
+            self.adaptive.clone(),
+        );
+        r.register(
+            "smtp_throttle_replies",
+            "SMTP replies classed as throttles (smtp.throttle_patterns)",
+            self.throttle_replies.clone(),
+        );
+        r.register(
+            "rate_wait_seconds",
+            "Time a job waited for its turn to send, before its claim",
+            self.wait_seconds.clone(),
+        );
+        r.register(
+            "rate_limit_leases",
+            "Slices of tokens leased from PostgreSQL (one statement each)",
+            self.leases.clone(),
+        );
+        r.register(
+            "rate_limit_tokens",
+            "Tokens leased from PostgreSQL",
+            self.tokens.clone(),
+        );
     }
 }
 

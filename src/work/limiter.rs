@@ -6,9 +6,10 @@
 //!
 //! - **Fleet limit.** One GCRA row per topology prefix (`inbox::rate`). An instance
 //!   reserves a slice of `max(1, rate × 100 ms)` tokens (at most 1,000, at most the
-//!   burst) with one statement, waits for the slice's turn, and spends it; leftovers
-//!   expire after one slice's time, so no instance sits on old tokens. An instance
-//!   that dies strands at most the one slice it holds.
+//!   burst) with one statement, waits for the slice's turn, and spends its tokens
+//!   one `1 / rate` apart; leftovers expire when their turn has passed, so no
+//!   instance saves tokens up. An instance that dies strands at most the one slice
+//!   it holds.
 //! - **Adaptive cap.** Uncapped until the relay throttles. The first throttle caps
 //!   the instance at [`DECREASE`] × the rate it achieved over the last second; each
 //!   later throttle multiplies the cap by [`DECREASE`] (at most once per
@@ -51,7 +52,9 @@ impl FleetRate {
     pub fn new(per_second: f64, burst: Option<u32>) -> Self {
         let one_second = per_second.ceil().max(1.0);
         let burst = burst.map(f64::from).unwrap_or(one_second).max(1.0);
-        let slice = (per_second * SLICE_TIME).round().clamp(1.0, f64::from(SLICE_MAX));
+        let slice = (per_second * SLICE_TIME)
+            .round()
+            .clamp(1.0, f64::from(SLICE_MAX));
         let slice = slice.min(burst) as u32;
         let tolerance = ((burst - one_second).max(0.0) / per_second).min(86_400.0);
         Self {
@@ -59,11 +62,6 @@ impl FleetRate {
             slice,
             tolerance: Duration::from_secs_f64(tolerance),
         }
-    }
-
-    /// How long leased tokens stay usable.
-    fn slice_life(&self) -> Duration {
-        Duration::from_secs_f64((f64::from(self.slice) / self.per_second).max(SLICE_TIME))
     }
 }
 
@@ -92,7 +90,10 @@ impl Aimd {
 
     /// The relay throttled a send at `now`: true if the cap was cut.
     pub fn on_throttle(&mut self, now: Instant) -> bool {
-        if self.last_cut.is_some_and(|at| now.duration_since(at) < CUT_EVERY) {
+        if self
+            .last_cut
+            .is_some_and(|at| now.duration_since(at) < CUT_EVERY)
+        {
             return false;
         }
         self.forget(now);
@@ -117,7 +118,7 @@ struct Fleet {
     inbox: Inbox,
     name: String,
     rate: FleetRate,
-    /// Tokens left from the last slice, and until when they may be used.
+    /// Tokens left from the last slice, and when the next one may be used.
     left: tokio::sync::Mutex<(u32, Instant)>,
 }
 
@@ -181,28 +182,35 @@ impl Limiter {
     }
 
     /// Takes one token of the fleet limit (if one is set), leasing a new slice from
-    /// PostgreSQL when this instance's is used up, and waiting for its turn.
+    /// PostgreSQL when this instance's is used up, and waiting for its turn. The
+    /// tokens of a slice are spread over its span, so the fleet sends at an even pace.
     pub async fn fleet_token(&self) -> Result<(), DbError> {
         let Some(fleet) = &self.inner.fleet else {
             return Ok(());
         };
         let started = Instant::now();
-        let mut left = fleet.left.lock().await;
-        if left.0 > 0 && Instant::now() < left.1 {
-            left.0 -= 1;
-            return Ok(());
-        }
         let rate = fleet.rate;
-        let wait = fleet
-            .inbox
-            .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
-            .await?;
-        let metrics = &self.inner.metrics.rate;
-        metrics.leases.inc();
-        metrics.tokens.inc_by(u64::from(rate.slice));
-        tokio::time::sleep(wait).await;
-        *left = (rate.slice - 1, Instant::now() + rate.slice_life());
-        drop(left);
+        let step = Duration::from_secs_f64(1.0 / rate.per_second);
+        let mut slice = fleet.left.lock().await;
+        let (left, next) = *slice;
+        // Leftovers of a slice are only good during its span: an idle instance does
+        // not save tokens up.
+        if left > 0 && Instant::now() <= next + step {
+            tokio::time::sleep_until(next.into()).await;
+            *slice = (left - 1, next + step);
+        } else {
+            let wait = fleet
+                .inbox
+                .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
+                .await?;
+            let metrics = &self.inner.metrics.rate;
+            metrics.leases.inc();
+            metrics.tokens.inc_by(u64::from(rate.slice));
+            let start = Instant::now() + wait;
+            tokio::time::sleep_until(start.into()).await;
+            *slice = (rate.slice - 1, start + step);
+        }
+        drop(slice);
         self.observe_wait(started);
         Ok(())
     }
@@ -261,7 +269,6 @@ mod tests {
         assert_eq!(b.tolerance, Duration::from_secs(2));
         // Below 1/s: one email in any second, no run-ahead.
         assert_eq!(FleetRate::new(0.25, None).tolerance, Duration::ZERO);
-        assert_eq!(r.slice_life(), Duration::from_millis(100));
     }
 
     #[test]
