@@ -235,7 +235,12 @@ async fn a_killed_instance_strands_at_most_one_slice() {
         after.len() as f64 / 10.0
     );
     assert_eq!(f.dead, 0, "dead-lettered");
-    assert!(f.busiest <= 33, "busiest 1000 ms: {} sends", f.busiest);
+    // Start-up bunching as in the first test; never over the quota.
+    assert!(
+        f.busiest <= QUOTA as usize,
+        "busiest 1000 ms: {} sends",
+        f.busiest
+    );
     assert!(
         after.len() >= 240,
         "the fleet slowed to {}/10 s",

@@ -7,8 +7,8 @@
 //! - **Fleet limit.** One GCRA row per topology prefix (`inbox::rate`). An instance
 //!   reserves a slice of `max(1, rate × 100 ms)` tokens (at most 1,000, at most the
 //!   burst) with one statement, waits for the slice's turn, and spends its tokens
-//!   one `1 / rate` apart; leftovers expire one slice's span after their turn, so
-//!   no instance saves tokens up. An instance that dies strands at most the one slice
+//!   one `1 / rate` apart; leftovers expire shortly after their turn, so no
+//!   instance saves tokens up. An instance that dies strands at most the one slice
 //!   it holds.
 //! - **Adaptive cap.** Uncapped until the relay throttles. The first throttle caps
 //!   the instance at [`DECREASE`] × the rate it achieved over the last second; each
@@ -193,11 +193,11 @@ impl Limiter {
         let step = Duration::from_secs_f64(1.0 / rate.per_second);
         let mut slice = fleet.left.lock().await;
         let (left, next) = *slice;
-        // Leftovers of a slice are good for one slice's span after their turn (a job
-        // may come a little late; the catch-up is at most one slice), not longer: an
-        // idle instance does not save tokens up.
-        let span = step * rate.slice;
-        if left > 0 && Instant::now() <= next + span {
+        // Leftovers of a slice stay good a little after their turn (one step, at
+        // least 20 ms: a job may come late, at 2,000/s by more than a step), not
+        // longer: an idle instance does not save tokens up, nor bunch them.
+        let grace = step.max(Duration::from_millis(20));
+        if left > 0 && Instant::now() <= next + grace {
             tokio::time::sleep_until(next.into()).await;
             *slice = (left - 1, next + step);
         } else {
