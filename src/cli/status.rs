@@ -17,6 +17,15 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     }
     out!("  duplicates suppressed: {}", counts.duplicates);
     out!("  leases taken over:     {}", counts.takeovers);
+    let limit = settings
+        .smtp
+        .rate_limit
+        .map_or("none".to_string(), |r| r.to_string());
+    let last_minute = inbox.sent_last_minute().await?;
+    out!(
+        "send rate: {last_minute} sent in the last 60 s ({:.1}/s); limit {limit}",
+        last_minute as f64 / 60.0
+    );
 
     let topology = broker::resolve_topology(settings).await?;
     out!("delay mode: {}", topology.mode_name());

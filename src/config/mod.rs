@@ -16,10 +16,12 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod database;
+mod rate;
 mod sections;
 mod smtp;
 
 pub use database::{database_plan, DbPlan, DbTls};
+pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 
@@ -85,6 +87,7 @@ impl Settings {
                 .separator("__")
                 .list_separator(",")
                 .with_list_parse_key("topology.retry_steps")
+                .with_list_parse_key("smtp.throttle_patterns")
                 .try_parsing(true)
                 .source(env),
         );
@@ -133,6 +136,9 @@ impl Settings {
                 "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
                     .into(),
             );
+        }
+        if self.smtp.rate_burst == Some(0) {
+            return fail("smtp.rate_burst must be at least 1".into());
         }
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());

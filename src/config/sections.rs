@@ -142,6 +142,16 @@ pub struct SmtpSettings {
     /// Consecutive failures to reach the relay that open the circuit breaker
     /// (consumption pauses until the relay answers).
     pub breaker_threshold: u32,
+    /// Fleet-wide send rate (`14/s`, `600/m`, `50000/h`), shared through PostgreSQL;
+    /// unset = no limit.
+    #[serde(deserialize_with = "super::rate::optional_rate")]
+    pub rate_limit: Option<super::SendRate>,
+    /// Most emails in any one second under `rate_limit`; default (unset) one second's
+    /// worth, no burst. Above that, an idle fleet may send the difference at once.
+    pub rate_burst: Option<u32>,
+    /// A 421/451/454 reply whose text contains one of these (case-insensitive) is a
+    /// throttle: the job keeps its attempt count and the instance slows down.
+    pub throttle_patterns: Vec<String>,
 }
 
 impl Default for SmtpSettings {
@@ -153,6 +163,11 @@ impl Default for SmtpSettings {
             default_from: None,
             message_id_domain: "postie.local".into(),
             breaker_threshold: 5,
+            rate_limit: None,
+            rate_burst: None,
+            throttle_patterns: ["throttl", "rate", "too many", "try again later"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }

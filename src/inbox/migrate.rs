@@ -16,6 +16,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../sql/0003_drop_status_index.sql"),
     ),
     (4, "retention", include_str!("../../sql/0004_retention.sql")),
+    (
+        5,
+        "rate_limit",
+        include_str!("../../sql/0005_rate_limit.sql"),
+    ),
     (7, "reconcile", include_str!("../../sql/0007_reconcile.sql")),
 ];
 

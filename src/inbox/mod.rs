@@ -13,6 +13,7 @@ mod claim;
 mod migrate;
 mod prune;
 mod queries;
+mod rate;
 mod reconcile;
 mod status;
 mod tls;

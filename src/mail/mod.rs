@@ -25,6 +25,10 @@ pub enum SendError {
     /// The server answered 4xx (or the file transport failed): try again later.
     #[error("transient: {0}")]
     Transient(String),
+    /// The server is throttling this sender (421/451/454 matching
+    /// `smtp.throttle_patterns`): not this email's fault; slow down and try again soon.
+    #[error("throttled: {0}")]
+    Throttled(String),
     /// The relay could not be reached, dropped the connection or timed out.
     #[error("unreachable: {0}")]
     Unreachable(String),
@@ -37,7 +41,10 @@ impl SendError {
     /// What went wrong, without the class.
     pub fn detail(&self) -> &str {
         match self {
-            Self::Transient(text) | Self::Unreachable(text) | Self::Permanent(text) => text,
+            Self::Transient(text)
+            | Self::Throttled(text)
+            | Self::Unreachable(text)
+            | Self::Permanent(text) => text,
         }
     }
 }

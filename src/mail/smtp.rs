@@ -15,7 +15,7 @@ use crate::config::{SmtpEndpoint, SmtpSecurity, SmtpSettings};
 use crate::endpoint::is_loopback_host;
 
 /// lettre's pooled SMTP client towards one relay.
-pub(super) struct SmtpRelay(AsyncSmtpTransport<Tokio1Executor>);
+pub(super) struct SmtpRelay(AsyncSmtpTransport<Tokio1Executor>, ThrottleReplies);
 
 impl SmtpRelay {
     /// Builds the client (no connection yet). `smtp://` to a host other than this
@@ -63,7 +63,10 @@ impl SmtpRelay {
             builder =
                 builder.credentials(Credentials::new(user, password.expose_secret().to_owned()));
         }
-        Ok(Self(builder.build()))
+        Ok(Self(
+            builder.build(),
+            ThrottleReplies::new(&settings.throttle_patterns),
+        ))
     }
 }
 
@@ -74,7 +77,7 @@ impl Transport for SmtpRelay {
                 .send(email.clone())
                 .await
                 .map(|_| ())
-                .map_err(classify)
+                .map_err(|e| classify(e, &self.1))
         }
         .boxed()
     }
@@ -85,7 +88,28 @@ impl Transport for SmtpRelay {
     }
 }
 
-fn classify(e: lettre::transport::smtp::Error) -> SendError {
+/// `smtp.throttle_patterns`, lower-cased: which transient replies are throttles.
+pub(super) struct ThrottleReplies(Vec<String>);
+
+impl ThrottleReplies {
+    pub(super) fn new(patterns: &[String]) -> Self {
+        Self(
+            patterns
+                .iter()
+                .map(|p| p.to_lowercase())
+                .filter(|p| !p.is_empty())
+                .collect(),
+        )
+    }
+
+    /// A 421, 451 or 454 reply whose text matches a pattern (case-insensitive).
+    pub(super) fn matches(&self, code: &str, text: &str) -> bool {
+        let text = text.to_lowercase();
+        matches!(code, "421" | "451" | "454") && self.0.iter().any(|p| text.contains(p))
+    }
+}
+
+fn classify(e: lettre::transport::smtp::Error, throttles: &ThrottleReplies) -> SendError {
     // The server's reply text goes into headers, logs and the inbox: one short line.
     let text = crate::contract::readable(&crate::error_chain(&e), 1_000);
     // lettre's client errors are either about this message (non-ASCII envelope or
@@ -97,9 +121,33 @@ fn classify(e: lettre::transport::smtp::Error) -> SendError {
     if e.is_permanent() || about_the_message {
         SendError::Permanent(text)
     } else if e.is_transient() {
-        SendError::Transient(text)
+        let code = e.status().map(|c| c.to_string()).unwrap_or_default();
+        if throttles.matches(&code, &text) {
+            SendError::Throttled(text)
+        } else {
+            SendError::Transient(text)
+        }
     } else {
         // No SMTP reply: refused, reset, TLS, timeout, or a broken reply.
         SendError::Unreachable(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ThrottleReplies;
+
+    #[test]
+    fn throttles_are_421_451_454_with_a_matching_text() {
+        let defaults = crate::config::SmtpSettings::default().throttle_patterns;
+        let t = ThrottleReplies::new(&defaults);
+        let ses = "4.7.0 Throttling failure: Maximum sending rate exceeded.";
+        assert!(t.matches("454", ses));
+        assert!(t.matches("421", "4.7.28 Too Many messages from your IP"));
+        assert!(t.matches("451", "Try again later"));
+        assert!(!t.matches("450", ses), "other 4xx keep their meaning");
+        assert!(!t.matches("452", "Too many recipients"));
+        assert!(!t.matches("451", "4.3.0 Local error in processing"));
+        assert!(!ThrottleReplies::new(&[]).matches("454", ses));
     }
 }

@@ -2,6 +2,7 @@
 //! engineer asks about, each with fixed, low-cardinality labels (never a key or an
 //! address). One [`Metrics`] per `serve`, rendered by the HTTP endpoint.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -139,6 +140,60 @@ pub struct Metrics {
     pub inbox_rows: Gauge,
     /// 1 on the instance running singleton maintenance, else 0.
     pub maintenance_leader: Gauge,
+    /// The send-rate limit and the adaptive throttle (issue #13).
+    pub rate: RateMetrics,
+}
+
+/// The send-rate limit and the adaptive throttle.
+pub struct RateMetrics {
+    /// `smtp.rate_limit` in emails per second (0: no limit).
+    pub limit: Gauge<f64, AtomicU64>,
+    /// This instance's adaptive send-rate cap, emails per second (0: no cap).
+    pub adaptive: Gauge<f64, AtomicU64>,
+    /// SMTP replies classed as throttles.
+    pub throttle_replies: Counter,
+    /// Time a job waited for its turn to send (before its claim), seconds.
+    pub wait_seconds: Histogram,
+    /// Slices of tokens leased from PostgreSQL (one statement each).
+    pub leases: Counter,
+    /// Tokens leased from PostgreSQL.
+    pub tokens: Counter,
+}
+
+impl RateMetrics {
+    fn register(&self, registry: &mut Registry) {
+        let r = registry;
+        r.register(
+            "rate_limit_per_second",
+            "smtp.rate_limit in emails per second (0: none)",
+            self.limit.clone(),
+        );
+        r.register(
+            "adaptive_rate_per_second",
+            "This instance's adaptive send-rate cap (0: no cap)",
+            self.adaptive.clone(),
+        );
+        r.register(
+            "smtp_throttle_replies",
+            "SMTP replies classed as throttles (smtp.throttle_patterns)",
+            self.throttle_replies.clone(),
+        );
+        r.register(
+            "rate_wait_seconds",
+            "Time a job waited for its turn to send, before its claim",
+            self.wait_seconds.clone(),
+        );
+        r.register(
+            "rate_limit_leases",
+            "Slices of tokens leased from PostgreSQL (one statement each)",
+            self.leases.clone(),
+        );
+        r.register(
+            "rate_limit_tokens",
+            "Tokens leased from PostgreSQL",
+            self.tokens.clone(),
+        );
+    }
 }
 
 impl Default for Metrics {
@@ -179,6 +234,14 @@ impl Metrics {
             prune_seconds: seconds(0.001, 20),
             inbox_rows: Gauge::default(),
             maintenance_leader: Gauge::default(),
+            rate: RateMetrics {
+                limit: Gauge::default(),
+                adaptive: Gauge::default(),
+                throttle_replies: Counter::default(),
+                wait_seconds: seconds(0.001, 16),
+                leases: Counter::default(),
+                tokens: Counter::default(),
+            },
             registry: Registry::default(),
         };
         registry.register(
@@ -311,6 +374,7 @@ impl Metrics {
             "1 on the instance running singleton maintenance",
             m.maintenance_leader.clone(),
         );
+        m.rate.register(&mut registry);
         Self { registry, ..m }
     }
 

@@ -3,13 +3,17 @@
 //! - [`worker`]: the state machine, one delivery's body and headers in, one
 //!   [`Outcome`] out; it never touches the broker.
 //! - [`policy`]: the [`RetryPolicy`], what each failure becomes.
+//! - [`limiter`]: the send rate (fleet limit in PostgreSQL, adaptive cap), waited
+//!   for before the claim.
 //! - [`outcome`]: the [`Outcome`]s, and for each its log line, counter and
 //!   [`Disposition`] (what the consume loop does with the delivery).
 
+pub mod limiter;
 pub mod outcome;
 pub mod policy;
 pub mod worker;
 
+pub use limiter::Limiter;
 pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
 pub use policy::{Failure, Next, RetryPolicy};
 pub use worker::{Interrupted, Worker};

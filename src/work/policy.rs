@@ -6,6 +6,7 @@
 //! |---|---|
 //! | the transport refused the email for good (SMTP 5xx) | dead-letter now (`permanent`) |
 //! | a transient reply (SMTP 4xx) or the relay unreachable, circuit closed | retry queue `attempt - 1`, or dead-letter (`retries_exhausted`) once every step is used |
+//! | the relay throttles this sender (421/451/454 matching `smtp.throttle_patterns`) | pause: claim given back, tried again within a second, no attempt counted |
 //! | the relay unreachable and the circuit open | hold: claim given back, delivery held until it answers, no attempt counted |
 //! | another instance holds a live lease | defer to the smallest retry step covering the rest of the lease, no attempt counted |
 //! | PostgreSQL unavailable | hold: wait until it answers, no attempt counted |
@@ -33,6 +34,8 @@ pub enum Failure {
     },
     /// PostgreSQL does not answer.
     DatabaseDown,
+    /// The relay throttles this sender: not the job's fault.
+    Throttled,
 }
 
 /// What happens next.
@@ -60,6 +63,9 @@ pub enum Next {
     /// Not the job's fault: hold the delivery until the dependency answers, without
     /// counting an attempt.
     Hold,
+    /// Not the job's fault: give the claim back, wait a short jittered moment (the
+    /// instance slows down meanwhile) and try again, without counting an attempt.
+    Pause,
 }
 
 /// The backoff steps and the rules above.
@@ -87,6 +93,7 @@ impl RetryPolicy {
                 attempts: attempt,
             },
             Failure::Unreachable { circuit_open: true } | Failure::DatabaseDown => Next::Hold,
+            Failure::Throttled => Next::Pause,
             Failure::Transient
             | Failure::Unreachable {
                 circuit_open: false,
@@ -153,6 +160,8 @@ mod tests {
             (closed,                           3, Next::Dead { kind: Exhausted, attempts: 4 }),
             (open,                             3, Next::Hold),
             (DatabaseDown,                     3, Next::Hold),
+            (Throttled,                        0, Next::Pause),
+            (Throttled,                        4, Next::Pause),
             (LeaseBusy { remaining: secs(4) }, 0, Next::Defer { step: 0 }),
             (LeaseBusy { remaining: secs(31) },2, Next::Defer { step: 2 }),
         ];

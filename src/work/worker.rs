@@ -19,6 +19,7 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use super::limiter::Limiter;
 use super::policy::{Failure, Next, RetryPolicy};
 use super::{now_ms, DeadKind, Outcome};
 use crate::broker::{DelayLayout, Topology};
@@ -62,6 +63,7 @@ pub struct Worker {
     mailer: Mailer,
     topology: Topology,
     policy: RetryPolicy,
+    limiter: Limiter,
     settings: Arc<Settings>,
     owner: String,
     health: Health,
@@ -78,8 +80,15 @@ impl Worker {
         hard_stop: CancellationToken,
     ) -> Self {
         let (inbox, mailer, topology) = parts;
+        let limiter = Limiter::new(
+            &settings.smtp,
+            inbox.clone(),
+            &settings.topology.prefix,
+            health.metrics().clone(),
+        );
         Self {
             policy: RetryPolicy::new(topology.retry_steps()),
+            limiter,
             inbox,
             mailer,
             topology,
@@ -199,6 +208,14 @@ impl Worker {
         }
 
         loop {
+            // The send rate: waited for before the claim, holding nothing.
+            tokio::select! {
+                _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                turn = async {
+                    self.limiter.pace().await;
+                    self.db("rate limit", || self.limiter.fleet_token()).await
+                } => turn?,
+            }
             let claim = self
                 .db("claim", || {
                     self.inbox.claim(
@@ -234,12 +251,19 @@ impl Worker {
                 return Ok(outcome);
             }
             let error = match self.send(&job).await {
-                Ok(()) => return self.record_sent(key, fence, takeover, due_ms, &job).await,
+                Ok(()) => {
+                    self.limiter.sent();
+                    return self.record_sent(key, fence, takeover, due_ms, &job).await;
+                }
                 Err(error) => error,
             };
             let failure = match &error {
                 SendError::Permanent(_) => Failure::Refused,
                 SendError::Transient(_) => Failure::Transient,
+                SendError::Throttled(_) => {
+                    self.limiter.throttled();
+                    Failure::Throttled
+                }
                 SendError::Unreachable(_) => {
                     if self.health.transport_unreachable() {
                         self.spawn_transport_prober();
@@ -291,6 +315,20 @@ impl Worker {
                 tokio::select! {
                     _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                     _ = self.health.wait_dependencies_up() => Followed::TryAgain,
+                }
+            }
+            Next::Pause => {
+                // The relay throttles: give the claim back without counting an SMTP
+                // attempt, wait a jittered moment (the limiter has cut the rate), and
+                // take a turn again.
+                if let Some(fence) = fence {
+                    self.db("release", || self.inbox.unclaim(key.as_str(), fence, error))
+                        .await?;
+                }
+                let jitter = uuid::Uuid::new_v4().as_u128() % 750;
+                tokio::select! {
+                    _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                    _ = tokio::time::sleep(Duration::from_millis(250 + jitter as u64)) => Followed::TryAgain,
                 }
             }
             Next::Dead { kind, attempts } => {

@@ -1,0 +1,306 @@
+//! The send rate: a fleet-wide limit shared through PostgreSQL (`smtp.rate_limit`)
+//! and a per-instance adaptive cap (AIMD) driven by the relay's throttle replies.
+//!
+//! A job takes its turn here before its claim, never after: a waiting job holds no
+//! lease and no SMTP connection.
+//!
+//! - **Fleet limit.** One GCRA row per topology prefix (`inbox::rate`). An instance
+//!   reserves a slice of `max(1, rate × 100 ms)` tokens (at most 1,000, at most the
+//!   burst) with one statement, waits for the slice's turn, and spends its tokens
+//!   one `1 / rate` apart; leftovers expire shortly after their turn, so no
+//!   instance saves tokens up. An instance that dies strands at most the one slice
+//!   it holds.
+//! - **Adaptive cap.** Uncapped until the relay throttles. The first throttle caps
+//!   the instance at [`DECREASE`] × the rate it achieved over the last second; each
+//!   later throttle multiplies the cap by [`DECREASE`] (at most once per
+//!   [`CUT_EVERY`], so one burst of replies counts once); each success adds
+//!   `1 / cap`, i.e. about one email per second per second of sending (TCP's AIMD).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::config::SmtpSettings;
+use crate::inbox::{DbError, Inbox};
+use crate::ops::metrics::SharedMetrics;
+
+/// Multiplicative decrease on a throttle.
+pub const DECREASE: f64 = 0.7;
+/// One decrease per this much time at most.
+pub const CUT_EVERY: Duration = Duration::from_millis(1_000);
+/// The cap never goes below this (emails per second).
+pub const FLOOR: f64 = 0.5;
+/// A slice covers this much of the limit's time.
+const SLICE_TIME: f64 = 0.1;
+/// Largest slice.
+const SLICE_MAX: u32 = 1_000;
+
+/// The fleet limit's numbers, from `smtp.rate_limit` and `smtp.rate_burst`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FleetRate {
+    /// Emails per second.
+    pub per_second: f64,
+    /// Tokens reserved per statement.
+    pub slice: u32,
+    /// How far ahead of the steady pace an idle fleet may send (the burst).
+    pub tolerance: Duration,
+}
+
+impl FleetRate {
+    /// The slice and burst for `per_second` with at most `burst` emails in one second
+    /// (default one second's worth: no burst beyond the pace).
+    pub fn new(per_second: f64, burst: Option<u32>) -> Self {
+        let one_second = per_second.ceil().max(1.0);
+        let burst = burst.map(f64::from).unwrap_or(one_second).max(1.0);
+        let slice = (per_second * SLICE_TIME)
+            .round()
+            .clamp(1.0, f64::from(SLICE_MAX));
+        let slice = slice.min(burst) as u32;
+        let tolerance = ((burst - one_second).max(0.0) / per_second).min(86_400.0);
+        Self {
+            per_second,
+            slice,
+            tolerance: Duration::from_secs_f64(tolerance),
+        }
+    }
+}
+
+/// The adaptive cap (AIMD), pure: fed throttles and successes, asked for the cap.
+#[derive(Debug, Default)]
+pub struct Aimd {
+    cap: Option<f64>,
+    last_cut: Option<Instant>,
+    recent: VecDeque<Instant>,
+}
+
+impl Aimd {
+    /// The cap in emails per second, or None while uncapped.
+    pub fn cap(&self) -> Option<f64> {
+        self.cap
+    }
+
+    /// A send succeeded at `now`.
+    pub fn on_success(&mut self, now: Instant) {
+        self.recent.push_back(now);
+        self.forget(now);
+        if let Some(cap) = self.cap {
+            self.cap = Some(cap + 1.0 / cap);
+        }
+    }
+
+    /// The relay throttled a send at `now`: true if the cap was cut.
+    pub fn on_throttle(&mut self, now: Instant) -> bool {
+        if self
+            .last_cut
+            .is_some_and(|at| now.duration_since(at) < CUT_EVERY)
+        {
+            return false;
+        }
+        self.forget(now);
+        let base = self.cap.unwrap_or(self.recent.len() as f64);
+        self.cap = Some((base * DECREASE).max(FLOOR));
+        self.last_cut = Some(now);
+        true
+    }
+
+    fn forget(&mut self, now: Instant) {
+        while self
+            .recent
+            .front()
+            .is_some_and(|at| now.duration_since(*at) > Duration::from_secs(1))
+        {
+            self.recent.pop_front();
+        }
+    }
+}
+
+struct Fleet {
+    inbox: Inbox,
+    name: String,
+    rate: FleetRate,
+    /// Tokens left from the last slice, and when the next one may be used.
+    left: tokio::sync::Mutex<(u32, Instant)>,
+}
+
+struct Inner {
+    fleet: Option<Fleet>,
+    aimd: Mutex<Aimd>,
+    /// The next time the adaptive cap lets a send go (a fair queue: tokio's Mutex).
+    pace: tokio::sync::Mutex<Instant>,
+    metrics: SharedMetrics,
+}
+
+/// The send-rate gate; cheap to clone.
+#[derive(Clone)]
+pub struct Limiter {
+    inner: Arc<Inner>,
+}
+
+impl Limiter {
+    /// The limiter for `smtp` settings, sharing the fleet limit `name` (the topology
+    /// prefix) through `inbox`.
+    pub fn new(smtp: &SmtpSettings, inbox: Inbox, name: &str, metrics: SharedMetrics) -> Self {
+        let fleet = smtp.rate_limit.map(|rate| Fleet {
+            inbox,
+            name: name.to_string(),
+            rate: FleetRate::new(rate.per_second(), smtp.rate_burst),
+            left: tokio::sync::Mutex::new((0, Instant::now())),
+        });
+        metrics
+            .rate
+            .limit
+            .set(fleet.as_ref().map_or(0.0, |f| f.rate.per_second));
+        Self {
+            inner: Arc::new(Inner {
+                fleet,
+                aimd: Mutex::new(Aimd::default()),
+                pace: tokio::sync::Mutex::new(Instant::now()),
+                metrics,
+            }),
+        }
+    }
+
+    /// Waits for this instance's adaptive cap to let one send go.
+    pub async fn pace(&self) {
+        let started = Instant::now();
+        let mut next = self.inner.pace.lock().await;
+        loop {
+            let now = Instant::now();
+            let Some(cap) = self.aimd().cap() else {
+                *next = now;
+                break;
+            };
+            if now >= *next {
+                *next = now + Duration::from_secs_f64(1.0 / cap);
+                break;
+            }
+            let at = *next;
+            tokio::time::sleep_until(at.into()).await;
+        }
+        drop(next);
+        self.observe_wait(started);
+    }
+
+    /// Takes one token of the fleet limit (if one is set), leasing a new slice from
+    /// PostgreSQL when this instance's is used up, and waiting for its turn. The
+    /// tokens of a slice are spread over its span, so the fleet sends at an even pace.
+    pub async fn fleet_token(&self) -> Result<(), DbError> {
+        let Some(fleet) = &self.inner.fleet else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let rate = fleet.rate;
+        let step = Duration::from_secs_f64(1.0 / rate.per_second);
+        let mut slice = fleet.left.lock().await;
+        let (left, next) = *slice;
+        // Leftovers of a slice stay good a little after their turn (one step, at
+        // least 20 ms: a job may come late, at 2,000/s by more than a step), not
+        // longer: an idle instance does not save tokens up, nor bunch them.
+        let grace = step.max(Duration::from_millis(20));
+        if left > 0 && Instant::now() <= next + grace {
+            tokio::time::sleep_until(next.into()).await;
+            *slice = (left - 1, next + step);
+        } else {
+            let wait = fleet
+                .inbox
+                .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
+                .await?;
+            let metrics = &self.inner.metrics.rate;
+            metrics.leases.inc();
+            metrics.tokens.inc_by(u64::from(rate.slice));
+            let start = Instant::now() + wait;
+            tokio::time::sleep_until(start.into()).await;
+            *slice = (rate.slice - 1, start + step);
+        }
+        drop(slice);
+        self.observe_wait(started);
+        Ok(())
+    }
+
+    /// A send succeeded.
+    pub fn sent(&self) {
+        let mut aimd = self.aimd();
+        aimd.on_success(Instant::now());
+        self.publish(aimd.cap());
+    }
+
+    /// The relay throttled a send.
+    pub fn throttled(&self) {
+        self.inner.metrics.rate.throttle_replies.inc();
+        let mut aimd = self.aimd();
+        if aimd.on_throttle(Instant::now()) {
+            let cap = aimd.cap();
+            tracing::info!(cap = ?cap, "the relay throttles: send rate cut");
+            self.publish(cap);
+        }
+    }
+
+    fn publish(&self, cap: Option<f64>) {
+        self.inner.metrics.rate.adaptive.set(cap.unwrap_or(0.0));
+    }
+
+    fn observe_wait(&self, started: Instant) {
+        self.inner
+            .metrics
+            .rate
+            .wait_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    fn aimd(&self) -> std::sync::MutexGuard<'_, Aimd> {
+        self.inner.aimd.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_are_a_tenth_of_a_second_within_bounds() {
+        let r = FleetRate::new(30.0, None);
+        assert_eq!((r.slice, r.tolerance), (3, Duration::ZERO));
+        assert_eq!(FleetRate::new(2_000.0, None).slice, 200);
+        assert_eq!(FleetRate::new(100_000.0, None).slice, SLICE_MAX);
+        assert_eq!(FleetRate::new(1.0, None).slice, 1);
+        assert_eq!(FleetRate::new(10.0 / 60.0, None).slice, 1);
+        // The slice never exceeds the burst.
+        assert_eq!(FleetRate::new(2_000.0, Some(50)).slice, 50);
+        // A burst above one second's worth lets an idle fleet run ahead by the rest.
+        let b = FleetRate::new(10.0, Some(30));
+        assert_eq!(b.tolerance, Duration::from_secs(2));
+        // Below 1/s: one email in any second, no run-ahead.
+        assert_eq!(FleetRate::new(0.25, None).tolerance, Duration::ZERO);
+    }
+
+    #[test]
+    fn aimd_cuts_from_the_achieved_rate_then_adds_one_per_second() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut a = Aimd::default();
+        // 20 sends in the last second, uncapped.
+        for i in 0..20 {
+            a.on_success(ms(i * 50));
+        }
+        assert_eq!(a.cap(), None, "no cap until the relay throttles");
+        assert!(a.on_throttle(ms(1_000)));
+        assert_eq!(a.cap(), Some(20.0 * DECREASE));
+        // A burst of throttles counts once.
+        assert!(!a.on_throttle(ms(1_100)));
+        assert_eq!(a.cap(), Some(14.0));
+        // One second of successes at the cap adds about one per second.
+        for i in 0..14 {
+            a.on_success(ms(1_100 + i * 70));
+        }
+        let cap = a.cap().unwrap();
+        assert!((14.9..15.1).contains(&cap), "{cap}");
+        // The next throttle cuts the cap itself.
+        assert!(a.on_throttle(ms(2_200)));
+        assert!((cap * DECREASE - a.cap().unwrap()).abs() < 1e-9);
+        // Never below the floor.
+        for i in 0..40 {
+            a.on_throttle(ms(3_000 + i * 1_000));
+        }
+        assert_eq!(a.cap(), Some(FLOOR));
+    }
+}
