@@ -61,8 +61,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
     let connection =
-        broker::connect(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
-    session::declare(&topology, &connection).await?;
+        broker::connect_to(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
+    session::declare(&topology, &connection.connection).await?;
 
     let hard_stop = CancellationToken::new();
     let settings = Arc::new(settings);
@@ -84,6 +84,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         instance = %service.owner,
         delay_mode = service.topology.mode_name(),
         queue = %service.topology.send_queue(),
+        broker = %connection.address,
         "postie serving"
     );
     service.run(connection, stop).await;
