@@ -1,0 +1,521 @@
+//! postie on a real 3-node RabbitMQ cluster (tests/support/cluster.rs): several
+//! broker addresses with every password redacted, node loss (SIGKILL of the node
+//! leading most of postie's queues, kept down) and a rolling restart, under load.
+//!
+//! Each test starts its own cluster (one at a time: they share two cores) and prints
+//! its figures to stderr (`--nocapture`). The bigger node-loss run is `#[ignore]`d:
+//! `cargo test --test cluster -- --ignored --nocapture`.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use lapin::types::{AMQPValue, FieldTable};
+use postie::broker;
+use postie::headers::HEADER_PUBLISHED_AT;
+use support::cluster::Cluster;
+use support::{eventually, free_port, job, message_id, run_postie, PostieProcess, TestEnv};
+
+/// Flip to `true` once the reconciler (issue 15, the lead's part) is in: the node-loss
+/// test then demands that nothing is lost, within the due time plus
+/// `delay.reconcile_grace` plus a margin. While it is `false`, a job that is not sent
+/// is tolerated ONLY if the broker still holds as many messages stranded in ladder
+/// queues (RabbitMQ 3.10's at-least-once dead-lettering stuck on the dead node, see
+/// the README, "Broker sizing"); the count is printed as `stranded`.
+const RECONCILER: bool = false;
+/// `delay.reconcile_grace` once the reconciler exists (its default).
+const RECONCILE_GRACE: Duration = Duration::from_secs(60);
+/// Lateness allowed beyond the due time (and the grace, with the reconciler): a
+/// new leader's election, a reconnect, and a busy 2-core machine.
+const MARGIN: Duration = Duration::from_secs(45);
+/// How long every instance may take to be ready again after a node is lost: the
+/// reconnect backoff (`worker.outage_backoff_max` is 1 s in tests) plus the quorum
+/// queues' leader elections (a few seconds) that declaring the topology waits for.
+const READY_AGAIN: Duration = Duration::from_secs(30);
+
+/// One cluster test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+async fn get(url: &str) -> (u16, String) {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    match client.get(url).send().await {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(_) => (0, String::new()),
+    }
+}
+
+fn start_cluster(n: usize) -> Cluster {
+    tokio::task::block_in_place(|| Cluster::start(n))
+}
+
+/// A `postie serve` process with an HTTP port.
+struct Instance {
+    process: PostieProcess,
+    readyz: String,
+}
+
+fn spawn_instances(env: &TestEnv, n: usize, extra: &[(&str, &str)]) -> Vec<Instance> {
+    (0..n)
+        .map(|_| {
+            let port = free_port();
+            let listen = format!("127.0.0.1:{port}");
+            let mut vars = vec![("POSTIE__HTTP__LISTEN", listen.as_str())];
+            vars.extend_from_slice(extra);
+            Instance {
+                process: env.spawn_process(&vars),
+                readyz: format!("http://{listen}/readyz"),
+            }
+        })
+        .collect()
+}
+
+/// The broker address named by a `/readyz` body.
+fn broker_of(body: &str) -> Option<String> {
+    body.lines()
+        .find_map(|l| l.strip_prefix("broker: "))
+        .map(str::to_string)
+}
+
+/// Waits until every instance is ready on a node other than `not_port` (if given);
+/// returns the seconds it took and the node each uses.
+async fn all_ready(
+    instances: &[Instance],
+    not_port: Option<u16>,
+    within: Duration,
+) -> (f64, Vec<String>) {
+    let from = Instant::now();
+    loop {
+        let mut nodes = Vec::new();
+        for instance in instances {
+            let (status, body) = get(&instance.readyz).await;
+            let broker = broker_of(&body).unwrap_or_default();
+            let elsewhere = not_port.is_none_or(|port| !broker.contains(&format!(":{port}/")));
+            if status == 200 && elsewhere {
+                nodes.push(broker);
+            }
+        }
+        if nodes.len() == instances.len() {
+            return (from.elapsed().as_secs_f64(), nodes);
+        }
+        if from.elapsed() > within {
+            let mut report = String::new();
+            for instance in instances {
+                let (status, body) = get(&instance.readyz).await;
+                let log = instance.process.log();
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                report.push_str(&format!(
+                    "\n--- {status} {body}\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ));
+            }
+            panic!("not every instance ready within {within:?}:{report}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The load: `now` jobs due at once and `pending` jobs due in 5–40 s, each stamped
+/// with its publish time; returns every key's due time (Unix ms).
+async fn publish_load(
+    env: &TestEnv,
+    tag: &str,
+    now: usize,
+    pending: usize,
+) -> BTreeMap<String, i64> {
+    let mut due = BTreeMap::new();
+    let mut jobs = Vec::with_capacity(now + pending);
+    let published = now_ms();
+    for i in 0..now + pending {
+        let delay_ms: i64 = if i < now {
+            0
+        } else {
+            5_000 + ((i - now) as i64 * 35_000) / pending.max(1) as i64
+        };
+        let key = format!("{tag}-{i}");
+        let mut headers = FieldTable::default();
+        headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
+        headers.insert(
+            HEADER_PUBLISHED_AT.into(),
+            AMQPValue::LongLongInt(published),
+        );
+        jobs.push((
+            job(&key, "c@example.com"),
+            broker::job_properties().with_headers(headers),
+        ));
+        due.insert(key, published + delay_ms);
+    }
+    env.publish_many_with(&jobs).await;
+    due
+}
+
+/// What a run ended with.
+#[derive(Debug, Default)]
+struct Figures {
+    lateness_ms: Vec<i64>,
+    lost: usize,
+    early: usize,
+    duplicates: usize,
+    duplicates_outside_takeovers: usize,
+    takeovers: i64,
+    stranded: u64,
+}
+
+impl Figures {
+    fn percentile(&self, p: f64) -> i64 {
+        let mut sorted = self.lateness_ms.clone();
+        sorted.sort_unstable();
+        if sorted.is_empty() {
+            return 0;
+        }
+        sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "lateness p50 {} ms p99 {} ms max {} ms; lost {}; early {}; duplicates {} (outside takeovers {}); takeovers {}; stranded {}",
+            self.percentile(0.5),
+            self.percentile(0.99),
+            self.percentile(1.0),
+            self.lost,
+            self.early,
+            self.duplicates,
+            self.duplicates_outside_takeovers,
+            self.takeovers,
+            self.stranded
+        )
+    }
+}
+
+/// Waits for every job (or until the last due time plus `wait`), then counts.
+async fn settle(
+    env: &TestEnv,
+    cluster: &Cluster,
+    alive: usize,
+    due: &BTreeMap<String, i64>,
+    wait: Duration,
+) -> Figures {
+    let last_due = due.values().max().copied().unwrap_or(0);
+    let deadline = last_due + wait.as_millis() as i64;
+    while (env.emails_per_id().await.len()) < due.len() && now_ms() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // A moment for stragglers and duplicates.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let arrivals = env.arrivals().await;
+    let client = env.db().await;
+    let taken_over: BTreeSet<String> = client
+        .query("SELECT key FROM postie_inbox WHERE takeovers > 0", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| message_id(r.get(0)))
+        .collect();
+    let takeovers: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let mut figures = Figures {
+        takeovers,
+        ..Figures::default()
+    };
+    for (key, due_ms) in due {
+        let id = message_id(key);
+        match arrivals.get(&id) {
+            None => figures.lost += 1,
+            Some(times) => {
+                let first = *times.iter().min().unwrap();
+                if times.iter().any(|t| t < due_ms) {
+                    figures.early += 1;
+                }
+                figures.lateness_ms.push(first - due_ms);
+                if times.len() > 1 {
+                    figures.duplicates += times.len() - 1;
+                    if !taken_over.contains(&id) {
+                        figures.duplicates_outside_takeovers += times.len() - 1;
+                    }
+                }
+            }
+        }
+    }
+    // Jobs still held in the ladder after every due time has passed: stranded.
+    let ladder = format!("{}.delay.", env.prefix);
+    figures.stranded = cluster
+        .queues(alive, &ladder)
+        .iter()
+        .map(|q| q.messages)
+        .sum();
+    figures
+}
+
+/// The node that leads the most of this test's queues, with the count.
+fn busiest_leader(cluster: &Cluster, via: usize, prefix: &str) -> (usize, usize) {
+    let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
+    for queue in cluster.queues(via, prefix) {
+        *per_node.entry(queue.leader).or_default() += 1;
+    }
+    let (name, count) = per_node
+        .into_iter()
+        .max_by_key(|(_, count)| *count)
+        .expect("the test's queues have leaders");
+    (
+        cluster
+            .index_of(&name)
+            .unwrap_or_else(|| panic!("leader {name} is not a cluster node")),
+        count,
+    )
+}
+
+fn assert_no_panics(instances: &[Instance]) {
+    for instance in instances {
+        let log = instance.process.log();
+        assert!(!log.contains("panicked"), "{log}");
+    }
+}
+
+/// Kill -9 the node leading most of postie's queues under load and keep it down.
+async fn node_loss_run(run: &str, now: usize, pending: usize) -> Figures {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = start_cluster(3);
+    let env = TestEnv::on_broker(run, &cluster.urls()).await;
+    let instances = spawn_instances(&env, 3, &[]);
+    let (_, nodes) = all_ready(&instances, None, Duration::from_secs(60)).await;
+    eprintln!("{run}: instances on {nodes:?}");
+
+    let due = publish_load(&env, run, now, pending).await;
+    // Let the relays route the pending jobs into the ladder first.
+    let envr = &env;
+    eventually(
+        "intake drained",
+        Duration::from_secs(60),
+        move || async move { (envr.depth(&envr.topology.intake_queue()).await == 0).then_some(()) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (victim, led) = busiest_leader(&cluster, 0, &env.prefix);
+    let victim_port = cluster.nodes[victim].amqp_port;
+    let victim_name = cluster.nodes[victim].name.clone();
+    tokio::task::block_in_place(|| cluster.kill9(victim));
+    let (ready_after, nodes) = all_ready(&instances, Some(victim_port), READY_AGAIN).await;
+    eprintln!("{run}: killed {victim_name} (leader of {led} queues); every instance ready again in {ready_after:.1}s on {nodes:?}");
+    let alive = (victim + 1) % 3;
+    let wait = if RECONCILER {
+        RECONCILE_GRACE + MARGIN
+    } else {
+        MARGIN
+    };
+    let figures = settle(&env, &cluster, alive, &due, wait).await;
+    eprintln!(
+        "FIGURES {run}: {now} now + {pending} pending; killed {victim_name} (led {led} of the queues); every instance ready in {ready_after:.1}s; {}",
+        figures.line()
+    );
+    assert_no_panics(&instances);
+    assert_eq!(figures.early, 0, "jobs sent early");
+    assert_eq!(
+        figures.duplicates_outside_takeovers, 0,
+        "duplicates outside lease takeovers"
+    );
+    let limit = (wait.as_millis() as i64) + 5_000;
+    assert!(
+        figures.percentile(1.0) <= limit,
+        "a job was sent {} ms after its due time",
+        figures.percentile(1.0)
+    );
+    if RECONCILER {
+        assert_eq!(figures.lost, 0, "jobs lost");
+    } else {
+        // Tolerated only as stranded ladder messages, reported above.
+        assert!(
+            figures.lost as u64 <= figures.stranded,
+            "{} jobs lost but only {} stranded in the ladder",
+            figures.lost,
+            figures.stranded
+        );
+    }
+    drop(instances);
+    drop(env);
+    drop(cluster);
+    figures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_busiest_node_under_load() {
+    node_loss_run("closs", 300, 600).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "figures: 3 runs of 1,000 now + 3,000 pending, about 3 minutes each"]
+async fn losing_the_busiest_node_under_load_figures() {
+    for round in 0..3 {
+        node_loss_run(&format!("closs{round}"), 1_000, 3_000).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_load() {
+    const NOW: usize = 300;
+    const PENDING: usize = 600;
+    let _serial = SERIAL.lock().await;
+    let mut cluster = start_cluster(3);
+    let env = TestEnv::on_broker("croll", &cluster.urls()).await;
+    let instances = spawn_instances(&env, 3, &[]);
+    all_ready(&instances, None, Duration::from_secs(60)).await;
+    let due = publish_load(&env, "croll", NOW, PENDING).await;
+    let mut ready_times = Vec::new();
+    for i in 0..3 {
+        let port = cluster.nodes[i].amqp_port;
+        let started = Instant::now();
+        tokio::task::block_in_place(|| cluster.stop(i));
+        let (ready, _) = all_ready(&instances, Some(port), READY_AGAIN).await;
+        tokio::task::block_in_place(|| cluster.restart(i));
+        ready_times.push(ready);
+        eprintln!(
+            "croll: node {} stopped; instances ready elsewhere in {ready:.1}s; back after {:.1}s",
+            cluster.nodes[i].name,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    let figures = settle(&env, &cluster, 0, &due, MARGIN).await;
+    eprintln!(
+        "FIGURES croll: {NOW} now + {PENDING} pending; rolling restart of 3 nodes; instances ready in {ready_times:.1?}s; {}",
+        figures.line()
+    );
+    assert_no_panics(&instances);
+    assert_eq!(figures.early, 0, "jobs sent early");
+    assert_eq!(figures.duplicates_outside_takeovers, 0);
+    // Every node came back: nothing may stay stranded.
+    assert_eq!(figures.lost, 0, "jobs lost ({} stranded)", figures.stranded);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = start_cluster(1);
+    let closed = [free_port(), free_port()];
+    let dead = |n: usize, port: u16| format!("amqp://u:SECRETPW{n}x@127.0.0.1:{port}/%2f");
+    let list = format!(
+        "{},{},{}",
+        dead(1, closed[0]),
+        dead(2, closed[1]),
+        cluster.url(0)
+    );
+    let env = TestEnv::on_broker("credact", &cluster.url(0)).await;
+    let mut said = Vec::new();
+
+    // A bad address in the list, at start-up.
+    let mut vars = env.env_vars();
+    let set = |vars: &mut Vec<(String, String)>, value: &str| {
+        vars.retain(|(k, _)| k != "POSTIE__AMQP__URL");
+        vars.push(("POSTIE__AMQP__URL".into(), value.into()));
+    };
+    set(
+        &mut vars,
+        &format!(
+            "{},amqp://u:SECRETPW5x@127.0.0.1:notaport/%2f",
+            cluster.url(0)
+        ),
+    );
+    let run = run_postie(&["topology"], &vars);
+    assert_ne!(run.code, Some(0));
+    assert!(
+        run.stderr.contains("amqp://***@127.0.0.1:notaport"),
+        "{}",
+        run.stderr
+    );
+    said.push(run.stderr);
+    // Every address refusing (a wrong password for the real one).
+    let wrong = cluster.url(0).replace(&cluster.password, "SECRETPW6x");
+    set(
+        &mut vars,
+        &format!("{},{},{wrong}", dead(1, closed[0]), dead(2, closed[1])),
+    );
+    let run = run_postie(&["topology"], &vars);
+    assert_ne!(run.code, Some(0));
+    assert!(
+        run.stderr.contains("any of its 3 addresses"),
+        "{}",
+        run.stderr
+    );
+    said.push(run.stderr);
+
+    // Serving with two dead addresses and one live, with debug logs, through a loss
+    // of the live node.
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut postie = env.spawn_process(&[
+        ("POSTIE__AMQP__URL", &list),
+        ("POSTIE__HTTP__LISTEN", &listen),
+        ("RUST_LOG", "debug"),
+    ]);
+    let readyz = format!("http://{listen}/readyz");
+    let readyz = &readyz;
+    let body = eventually("ready", Duration::from_secs(60), move || async move {
+        let (status, body) = get(readyz).await;
+        (status == 200).then_some(body)
+    })
+    .await;
+    assert_eq!(
+        broker_of(&body).as_deref(),
+        Some(
+            format!(
+                "amqp://postie:***@127.0.0.1:{}/%2f",
+                cluster.nodes[0].amqp_port
+            )
+            .as_str()
+        ),
+        "{body}"
+    );
+    said.push(body);
+    env.publish(&job("credact-1", "x@example.com")).await;
+    env.emails_or_log(&postie, "the job sent", 1, Duration::from_secs(60))
+        .await;
+    // The live node goes away and comes back: every address fails for a while.
+    tokio::task::block_in_place(|| cluster.stop(0));
+    let body = eventually("not ready", Duration::from_secs(60), move || async move {
+        let (status, body) = get(readyz).await;
+        (status == 503).then_some(body)
+    })
+    .await;
+    said.push(body);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::task::block_in_place(|| cluster.restart(0));
+    eventually("ready again", Duration::from_secs(90), move || async move {
+        (get(readyz).await.0 == 200).then_some(())
+    })
+    .await;
+    env.publish(&job("credact-2", "x@example.com")).await;
+    env.emails_or_log(&postie, "the second job sent", 2, Duration::from_secs(60))
+        .await;
+    postie.terminate(Duration::from_secs(30));
+    let log = postie.log();
+    assert!(log.contains("RabbitMQ unavailable; retrying"), "{log}");
+    assert!(
+        log.contains("u:***@127.0.0.1"),
+        "the dead addresses were tried: {log}"
+    );
+    said.push(log);
+
+    for text in &said {
+        assert!(!text.contains("SECRETPW"), "a password shows:\n{text}");
+        assert!(
+            !text.contains(&cluster.password),
+            "a password shows:\n{text}"
+        );
+    }
+    eprintln!(
+        "FIGURES credact: {} lines of output checked, no password (cluster of 1 up in {:.1}s)",
+        said.iter().map(|s| s.lines().count()).sum::<usize>(),
+        cluster.started_in.as_secs_f64()
+    );
+}
