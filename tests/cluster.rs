@@ -249,6 +249,10 @@ async fn settle(
             }
         }
     }
+    eprintln!(
+        "counted arrivals at +{} ms after the last due time",
+        now_ms() - last_due
+    );
     // Jobs still held in the ladder after every due time has passed: stranded.
     let ladder = format!("{}.delay.", env.prefix);
     figures.stranded = cluster
@@ -343,9 +347,18 @@ async fn node_loss_run(run: &str, now: usize, pending: usize) -> Figures {
             figures.stranded
         );
     }
+    let cleanup = Instant::now();
     drop(instances);
     drop(env);
+    eprintln!(
+        "{run}: test world deleted in {:.1}s",
+        cleanup.elapsed().as_secs_f64()
+    );
     drop(cluster);
+    eprintln!(
+        "{run}: cluster gone in {:.1}s",
+        cleanup.elapsed().as_secs_f64()
+    );
     figures
 }
 
