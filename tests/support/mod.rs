@@ -46,6 +46,9 @@ pub struct TestEnv {
     pub topology: Topology,
     /// The broker address(es) this world uses (`amqp.url`, a comma-separated list).
     pub amqp_url: String,
+    /// Whether dropping deletes the topology (not on a throwaway cluster, where a
+    /// delete can wait on a dead node).
+    pub delete_topology: bool,
     /// The test's own connection and confirm channel, rebuilt after a broker restart.
     amqp: tokio::sync::Mutex<(Connection, Channel)>,
 }
@@ -77,6 +80,7 @@ impl TestEnv {
             sink,
             topology,
             amqp_url: amqp_url.to_string(),
+            delete_topology: true,
             amqp: tokio::sync::Mutex::new((conn, channel)),
         }
     }
@@ -413,6 +417,7 @@ impl Drop for TestEnv {
         let topology = self.topology.clone();
         let db_name = self.db_name.clone();
         let amqp_url = self.amqp_url.clone();
+        let delete_topology = self.delete_topology;
         // Async clean-up from a sync Drop: a throwaway runtime on its own thread.
         let done = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -420,13 +425,18 @@ impl Drop for TestEnv {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                if let Ok(conn) = broker::connect(
-                    &SecretString::from(amqp_url),
-                    "postie-test-cleanup",
-                    Duration::from_secs(10),
-                )
-                .await
-                {
+                let connected = if delete_topology {
+                    broker::connect(
+                        &SecretString::from(amqp_url),
+                        "postie-test-cleanup",
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .ok()
+                } else {
+                    None
+                };
+                if let Some(conn) = connected {
                     if let Ok(channel) = conn.create_channel().await {
                         let _ = topology.delete(&channel).await;
                     }
