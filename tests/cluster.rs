@@ -601,6 +601,58 @@ async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
     );
     said.push(log);
 
+    // topology.quorum_initial_group_size: set on new queues; an existing queue
+    // declared without it refuses the change (406), named by postie.
+    let conn = broker::connect(
+        &secrecy::SecretString::from(cluster.url(0)),
+        "t",
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let mut settings = env.settings();
+    settings.topology.quorum_initial_group_size = Some(1);
+    let sized = |prefix: &str| {
+        let mut topology = settings.topology.clone();
+        topology.prefix = prefix.to_string();
+        postie::broker::Topology::new(
+            &topology,
+            &settings.delay,
+            postie::config::DelayMode::Ladder,
+        )
+    };
+    let existing = sized(&env.prefix)
+        .declare(&conn.create_channel().await.unwrap())
+        .await
+        .expect_err("an existing queue keeps its arguments")
+        .to_string();
+    assert!(
+        existing.contains("already exists on the broker with different settings"),
+        "{existing}"
+    );
+    let fresh = format!("{}.sized", env.prefix);
+    sized(&fresh)
+        .declare(&conn.create_channel().await.unwrap())
+        .await
+        .expect("a new prefix takes the group size");
+    let args = cluster
+        .ctl(
+            0,
+            &[
+                "list_queues",
+                "-q",
+                "--no-table-headers",
+                "name",
+                "arguments",
+            ],
+        )
+        .unwrap();
+    let send = args
+        .lines()
+        .find(|l| l.starts_with(&format!("{fresh}.send\t")))
+        .unwrap_or_else(|| panic!("{args}"));
+    assert!(send.contains("x-quorum-initial-group-size"), "{send}");
+
     for text in &said {
         assert!(!text.contains("SECRETPW"), "a password shows:\n{text}");
         assert!(
@@ -687,8 +739,11 @@ async fn broker_sizing_figures() {
     }
     let five = usage("five prefixes declared");
 
-    // Pending jobs through the relay into the ladder.
-    let serving = env.serve(env.settings());
+    // Pending jobs through the relay into the ladder (levels up to the default
+    // delay.max; the lower levels are the ones already declared).
+    let mut settings = env.settings();
+    settings.delay.max = Duration::from_secs(366 * 86_400);
+    let serving = env.serve(settings);
     let published = now_ms();
     let mut jobs = Vec::with_capacity(10_000);
     for i in 0..pending {
@@ -717,6 +772,9 @@ async fn broker_sizing_figures() {
         Duration::from_secs(1800),
         move || async move {
             let held: u64 = clusterr.queues(0, ladderr).iter().map(|q| q.messages).sum();
+            let dead = format!("{}dead", ladderr.trim_end_matches("delay."));
+            let dead: u64 = clusterr.queues(0, &dead).iter().map(|q| q.messages).sum();
+            assert_eq!(dead, 0, "jobs dead-lettered instead of scheduled");
             (held as usize >= pending).then_some(())
         },
     )
