@@ -267,11 +267,11 @@ mod tests {
             closed[0], closed[1], closed[2]
         );
         let before = next_address().load(Ordering::Relaxed);
-        let error = connect(&SecretString::from(list), "t", Duration::from_secs(2))
-            .await
-            .err()
-            .expect("nothing listens")
-            .to_string();
+        let Err(error) = connect(&SecretString::from(list), "t", Duration::from_secs(2)).await
+        else {
+            panic!("nothing listens");
+        };
+        let error = error.to_string();
         assert!(error.contains("any of its 3 addresses"), "{error}");
         assert!(!error.contains("SECRETPW"), "{error}");
         assert_eq!(error.matches("u:***@127.0.0.1:").count(), 3, "{error}");
@@ -279,15 +279,16 @@ mod tests {
             next_address().load(Ordering::Relaxed),
             before.wrapping_add(1)
         );
-        let error = connect(
+        let Err(error) = connect(
             &SecretString::from("amqp://u:SECRETPW9@127.0.0.1:notaport/%2f"),
             "t",
             Duration::from_secs(2),
         )
         .await
-        .err()
-        .unwrap()
-        .to_string();
+        else {
+            panic!("not a valid URL");
+        };
+        let error = error.to_string();
         assert!(!error.contains("SECRETPW9"), "{error}");
     }
 }
