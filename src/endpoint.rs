@@ -26,6 +26,44 @@ pub fn redact_url(raw: &str) -> String {
     }
 }
 
+/// The addresses of a comma-separated list of URLs (`amqp.url` may name every node
+/// of a cluster), trimmed, empty entries dropped. A comma inside a password must be
+/// written `%2C`.
+pub fn split_urls(raw: &str) -> Vec<&str> {
+    raw.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+/// A comma-separated list of URLs, each redacted on its own ([`redact_one`]), joined
+/// by `", "`. Safe for one URL too.
+pub fn redact_url_list(raw: &str) -> String {
+    split_urls(raw)
+        .into_iter()
+        .map(redact_one)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One address of a list, without its password. Unlike [`redact_url`], a piece that
+/// does not parse as a URL keeps only its scheme and what follows its last `@`: it may
+/// be half of a password that held a raw comma.
+pub fn redact_one(raw: &str) -> String {
+    if url::Url::parse(raw).is_ok() {
+        return redact_url(raw);
+    }
+    let (scheme, rest) = match raw.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), raw),
+    };
+    match rest.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}***@{host}"),
+        None if scheme.is_empty() => "***".into(),
+        None => format!("{scheme}***"),
+    }
+}
+
 /// True if `host` is this machine: an address in 127.0.0.0/8, `::1` (bracketed or not,
 /// or IPv4-mapped), the name `localhost`, or a Unix socket directory (an absolute path).
 /// Any other name counts as remote, even one that happens to resolve to a loopback
@@ -87,6 +125,27 @@ mod tests {
             "host=db user=app password=***"
         );
         assert_eq!(redact_url("smtp://127.0.0.1:1025"), "smtp://127.0.0.1:1025");
+    }
+
+    #[test]
+    fn url_lists_are_split_and_each_address_redacted_on_its_own() {
+        let list = "amqp://u:SECRETPW1@10.0.0.1:5672/%2f, amqp://u:SECRETPW2@10.0.0.2/%2f,,\
+                    amqps://v:SECRETPW3@rmq-3.example:5671/prod?heartbeat=5";
+        assert_eq!(split_urls(list).len(), 3);
+        let shown = redact_url_list(list);
+        assert_eq!(
+            shown,
+            "amqp://u:***@10.0.0.1:5672/%2f, amqp://u:***@10.0.0.2/%2f, \
+             amqps://v:***@rmq-3.example:5671/prod?heartbeat=5"
+        );
+        // A raw comma in a password splits it; neither half may show.
+        let shown = redact_url_list("amqp://u:pa,ss@host/%2f,amqp://u:SECRETPW4@h:1");
+        assert!(!shown.contains("pa") && !shown.contains("ss@"), "{shown}");
+        assert!(!shown.contains("SECRETPW4"), "{shown}");
+        assert_eq!(redact_one("not a url"), "***");
+        assert_eq!(redact_one("amqp://u:p@h:notaport"), "amqp://***@h:notaport");
+        assert_eq!(redact_url_list("amqp://h"), "amqp://h");
+        assert!(split_urls(" , ").is_empty());
     }
 
     #[test]

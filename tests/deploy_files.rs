@@ -113,8 +113,10 @@ impl Manifests {
             .iter()
             .map(|r| r.as_str().unwrap().to_string())
             .collect();
+        // Only this directory: rabbitmq-cluster/ is a kustomization of its own.
         let present: BTreeSet<String> = yaml_files(&dir)
             .iter()
+            .filter(|p| p.parent() == Some(dir.as_path()))
             .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
             .filter(|name| name != "kustomization.yaml")
             .collect();
@@ -733,6 +735,125 @@ fn compose_gives_postie_valid_settings() {
     assert!(!env.is_empty());
     if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
         panic!("deploy/docker-compose.yml gives postie invalid settings: {e}");
+    }
+}
+
+#[test]
+fn compose_cluster_profile_gives_postie_every_node() {
+    let docs = yaml_file(&repo("deploy/docker-compose.yml"));
+    let services = &docs[0]["services"];
+    let config = std::fs::read_to_string(repo("rabbitmq/cluster.conf")).unwrap();
+    assert!(config.contains("cluster_formation.peer_discovery_backend = classic_config"));
+    let mut cookies = BTreeSet::new();
+    for i in 1..=3 {
+        let node = &services[format!("rabbitmq-{i}")];
+        assert_eq!(node["profiles"][0], "cluster", "rabbitmq-{i}");
+        assert_eq!(text(node, "/hostname"), format!("rabbitmq-{i}"));
+        assert!(config.contains(&format!("nodes.{i} = rabbit@rabbitmq-{i}")));
+        let volumes = node["volumes"].as_array().unwrap();
+        assert!(volumes
+            .iter()
+            .any(|v| v == "../rabbitmq/cluster.conf:/etc/rabbitmq/rabbitmq.conf:ro"));
+        cookies.insert(text(node, "/environment/RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS").to_string());
+    }
+    assert_eq!(cookies.len(), 1, "one Erlang cookie for the three nodes");
+    let postie = &services["postie-cluster"];
+    assert_eq!(postie["profiles"][0], "cluster");
+    let env: HashMap<String, String> = postie["environment"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_str().map_or_else(|| v.to_string(), str::to_string),
+            )
+        })
+        .collect();
+    let url = env["POSTIE__AMQP__URL"].clone();
+    for i in 1..=3 {
+        assert!(url.contains(&format!("@rabbitmq-{i}:5672/")), "{url}");
+    }
+    if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
+        panic!("the cluster profile gives postie invalid settings: {e}");
+    }
+}
+
+#[test]
+fn k8s_rabbitmq_cluster_example_names_every_pod() {
+    let dir = repo("deploy/k8s/rabbitmq-cluster");
+    let kustomization = yaml_file(&dir.join("kustomization.yaml"));
+    let listed: BTreeSet<String> = kustomization[0]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_string())
+        .collect();
+    let present: BTreeSet<String> = yaml_files(&dir)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+        .filter(|name| name != "kustomization.yaml")
+        .collect();
+    assert_eq!(listed, present);
+    let docs: Vec<Value> = listed
+        .iter()
+        .flat_map(|f| yaml_file(&dir.join(f)))
+        .collect();
+    let of = |kind: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind}"))
+    };
+    let cluster = of("RabbitmqCluster");
+    assert_eq!(cluster["apiVersion"], "rabbitmq.com/v1beta1");
+    assert_eq!(cluster["spec"]["replicas"], 3);
+    let name = text(cluster, "/metadata/name");
+    let secret = docs
+        .iter()
+        .find(|d| d["kind"] == "Secret" && d["metadata"]["name"] == "postie-secrets")
+        .expect("postie-secrets");
+    let url = text(secret, "/stringData/POSTIE__AMQP__URL");
+    for i in 0..3 {
+        assert!(
+            url.contains(&format!("@{name}-server-{i}.{name}-nodes:5672/")),
+            "{url}"
+        );
+    }
+    // The base's Secret and this one hold the same keys (plus KEDA's).
+    let base_secret = yaml_file(&repo("deploy/k8s/secret.yaml"));
+    for key in base_secret[0]["stringData"].as_object().unwrap().keys() {
+        assert!(secret["stringData"].get(key).is_some(), "{key}");
+    }
+    let auth = of("TriggerAuthentication");
+    let key = text(auth, "/spec/secretTargetRef/0/key");
+    assert!(secret["stringData"].get(key).is_some(), "KEDA reads {key}");
+    assert!(!text(secret, &format!("/stringData/{key}")).contains(','));
+    let env = secret["stringData"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("POSTIE__"))
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .chain([("POSTIE__DELAY__MODE".to_string(), "ladder".to_string())])
+        .collect();
+    if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
+        panic!("rabbitmq-cluster/postie-secrets.yaml gives invalid settings: {e}");
+    }
+    if Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        let output = Command::new("kubectl")
+            .arg("kustomize")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
 }
 

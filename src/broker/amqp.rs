@@ -2,6 +2,7 @@
 //! failure, never a silent drop).
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -9,7 +10,7 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::config::AmqpSettings;
-use crate::endpoint::{is_loopback_host, redact_url};
+use crate::endpoint::{is_loopback_host, redact_one, split_urls};
 
 /// A publish that did not reach a queue durably.
 #[derive(Debug, thiserror::Error)]
@@ -28,21 +29,102 @@ pub enum PublishError {
 /// Heartbeat interval asked of the broker when `amqp.url` does not set `heartbeat`.
 const HEARTBEAT_SECS: u16 = 10;
 
-/// Connects with a timeout; the error names the redacted URL, never the password.
+/// A connection and the (redacted) address of the node it reached.
+pub struct Connected {
+    /// The connection.
+    pub connection: Connection,
+    /// The address in use, without its password: for logs and `/readyz`.
+    pub address: String,
+}
+
+/// Where the next connection attempt of this process starts in an address list:
+/// random at first (a fleet spreads over the nodes), then just past the address of
+/// the last connection made, so a reconnect after a lost session tries another
+/// node first.
+static NEXT_ADDRESS: std::sync::OnceLock<AtomicUsize> = std::sync::OnceLock::new();
+
+fn next_address() -> &'static AtomicUsize {
+    NEXT_ADDRESS.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        AtomicUsize::new(random as usize)
+    })
+}
+
+/// The order in which to try `count` addresses, starting at `start` (mod `count`).
+pub fn rotation(start: usize, count: usize) -> impl Iterator<Item = usize> {
+    (0..count).map(move |i| (start.wrapping_add(i)) % count.max(1))
+}
+
+/// Connects to the first address of `urls` (a comma-separated list, see
+/// [`split_urls`]) that answers, trying them in turn from where the last connection
+/// of this process left off; each attempt has `timeout`. The errors name the
+/// redacted addresses, never a password.
 ///
 /// `amqps://` is TLS with the broker's certificate verified against the system's
 /// roots. `amqp://` to a host other than this machine works, with one warning per
 /// process: brokers often run plaintext inside a private network, and the producers'
 /// side of the broker is not postie's to secure (README, "Security").
+pub async fn connect_to(
+    urls: &SecretString,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<Connected> {
+    let addresses = split_urls(urls.expose_secret());
+    if addresses.is_empty() {
+        anyhow::bail!("amqp.url is empty: give one or more amqp:// or amqps:// addresses");
+    }
+    let start = next_address().load(Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for i in rotation(start, addresses.len()) {
+        match connect_one(addresses[i], name, timeout).await {
+            Ok(connection) => {
+                next_address().store(i.wrapping_add(1), Ordering::Relaxed);
+                return Ok(Connected {
+                    connection,
+                    address: redact_one(addresses[i]),
+                });
+            }
+            Err(error) => {
+                if addresses.len() > 1 {
+                    tracing::debug!(%error, "RabbitMQ address failed; trying the next");
+                }
+                failures.push(error);
+            }
+        }
+    }
+    // The next attempt starts one further on, not at the same dead node.
+    next_address().store(start.wrapping_add(1), Ordering::Relaxed);
+    Err(match failures.len() {
+        1 => failures.remove(0),
+        n => anyhow::anyhow!(
+            "cannot connect to RabbitMQ at any of its {n} addresses: {}",
+            failures
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    })
+}
+
+/// [`connect_to`], without the address.
 pub async fn connect(
-    url: &SecretString,
+    urls: &SecretString,
     name: &str,
     timeout: Duration,
 ) -> anyhow::Result<Connection> {
+    Ok(connect_to(urls, name, timeout).await?.connection)
+}
+
+/// One address, with a timeout.
+async fn connect_one(url: &str, name: &str, timeout: Duration) -> anyhow::Result<Connection> {
     static PLAINTEXT_WARNED: std::sync::Once = std::sync::Once::new();
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    let redacted = redact_url(url.expose_secret());
-    if let Ok(parsed) = url::Url::parse(url.expose_secret()) {
+    let redacted = redact_one(url);
+    if let Ok(parsed) = url::Url::parse(url) {
         let host = parsed.host_str().unwrap_or("");
         if parsed.scheme() == "amqp" && !host.is_empty() && !is_loopback_host(host) {
             PLAINTEXT_WARNED.call_once(|| {
@@ -56,21 +138,41 @@ pub async fn connect(
     }
     // A short heartbeat unless the URL sets one: a broker that vanishes without closing
     // the connection is noticed in seconds, not after the broker's default 60 s × 2.
-    let mut uri = lapin::uri::AMQPUri::from_str(url.expose_secret())
-        .map_err(|e| anyhow::anyhow!("amqp.url {redacted} is not valid: {e}"))?;
+    // (lapin's parse error may quote the whole URL: it is shown redacted.)
+    let mut uri = lapin::uri::AMQPUri::from_str(url).map_err(|e| {
+        anyhow::anyhow!(
+            "amqp.url {redacted} is not valid: {}",
+            scrub(&e.replace(url, &redacted), url)
+        )
+    })?;
     if uri.query.heartbeat.is_none() {
         uri.query.heartbeat = Some(HEARTBEAT_SECS);
     }
     match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(anyhow::anyhow!(
-            "cannot connect to RabbitMQ at {redacted}: {e}"
+            "cannot connect to RabbitMQ at {redacted}: {}",
+            scrub(&e.to_string(), url)
         )),
         Err(_) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: no answer within {}",
             humantime::format_duration(timeout)
         )),
     }
+}
+
+/// `text` with the password of `url` (raw and percent-decoded) replaced by `***`, in
+/// case a library quotes it.
+fn scrub(text: &str, url: &str) -> String {
+    let Some(password) = url::Url::parse(url)
+        .ok()
+        .and_then(|u| u.password().map(str::to_string))
+        .filter(|p| p.len() >= 3)
+    else {
+        return text.to_string();
+    };
+    let decoded = crate::endpoint::percent_decode(&password);
+    text.replace(&password, "***").replace(&decoded, "***")
 }
 
 /// [`connect`] with `amqp.url` and `amqp.connect_timeout`, under connection name `name`.
@@ -128,4 +230,65 @@ pub fn job_properties() -> BasicProperties {
     BasicProperties::default()
         .with_delivery_mode(2)
         .with_content_type("application/json".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_tried_in_turn_from_any_start() {
+        assert_eq!(rotation(0, 3).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(rotation(4, 3).collect::<Vec<_>>(), [1, 2, 0]);
+        assert_eq!(rotation(usize::MAX, 3).count(), 3);
+        assert_eq!(rotation(7, 1).collect::<Vec<_>>(), [0]);
+        // Every start visits every address exactly once.
+        for start in 0..6 {
+            let mut seen: Vec<_> = rotation(start, 3).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, [0, 1, 2]);
+        }
+    }
+
+    #[tokio::test]
+    async fn failures_name_every_address_redacted_and_the_next_attempt_moves_on() {
+        // Closed ports on this machine: refused at once.
+        let closed: Vec<u16> = (0..3)
+            .map(|_| {
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            })
+            .collect();
+        let list = format!(
+            "amqp://u:SECRETPW1@127.0.0.1:{}/%2f,amqp://u:SECRETPW2@127.0.0.1:{}/%2f, amqp://u:SECRETPW3@127.0.0.1:{}/%2f",
+            closed[0], closed[1], closed[2]
+        );
+        let before = next_address().load(Ordering::Relaxed);
+        let Err(error) = connect(&SecretString::from(list), "t", Duration::from_secs(2)).await
+        else {
+            panic!("nothing listens");
+        };
+        let error = error.to_string();
+        assert!(error.contains("any of its 3 addresses"), "{error}");
+        assert!(!error.contains("SECRETPW"), "{error}");
+        assert_eq!(error.matches("u:***@127.0.0.1:").count(), 3, "{error}");
+        assert_eq!(
+            next_address().load(Ordering::Relaxed),
+            before.wrapping_add(1)
+        );
+        let Err(error) = connect(
+            &SecretString::from("amqp://u:SECRETPW9@127.0.0.1:notaport/%2f"),
+            "t",
+            Duration::from_secs(2),
+        )
+        .await
+        else {
+            panic!("not a valid URL");
+        };
+        let error = error.to_string();
+        assert!(!error.contains("SECRETPW9"), "{error}");
+    }
 }

@@ -9,7 +9,10 @@ pub mod probe;
 pub mod topology;
 
 pub use acks::Acks;
-pub use amqp::{confirm_channel, connect, job_properties, open, publish_confirmed, PublishError};
+pub use amqp::{
+    confirm_channel, connect, connect_to, job_properties, open, publish_confirmed, Connected,
+    PublishError,
+};
 pub use ladder::Ladder;
 pub use probe::{probe_plugin, resolve_mode, resolve_topology};
 pub use topology::{DelayLayout, Topology, TopologyError, ROUTING_KEY};

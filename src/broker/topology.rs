@@ -44,6 +44,7 @@ pub struct Topology {
     prefix: String,
     retry_steps: Vec<Duration>,
     delivery_limit: u32,
+    quorum_group: Option<u32>,
     delay: DelayLayout,
     max_delay: Duration,
 }
@@ -109,6 +110,7 @@ impl Topology {
             prefix: settings.prefix.clone(),
             retry_steps: settings.retry_steps.clone(),
             delivery_limit: settings.delivery_limit,
+            quorum_group: settings.quorum_initial_group_size,
             delay: layout,
             max_delay,
         }
@@ -229,7 +231,7 @@ impl Topology {
                 .await?;
         }
 
-        let mut send_args = quorum_args();
+        let mut send_args = self.quorum_args();
         dead_letter_to(&mut send_args, &self.dead_exchange());
         insert(
             &mut send_args,
@@ -247,7 +249,7 @@ impl Topology {
         .await?;
 
         for (n, step) in self.retry_steps.iter().enumerate() {
-            let mut args = quorum_args();
+            let mut args = self.quorum_args();
             dead_letter_to(&mut args, &self.work_exchange());
             insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
             insert(
@@ -261,7 +263,7 @@ impl Topology {
                 .await?;
         }
 
-        self.declare_queue(channel, &self.dead_queue(), quorum_args())
+        self.declare_queue(channel, &self.dead_queue(), self.quorum_args())
             .await?;
         self.bind(
             channel,
@@ -311,7 +313,7 @@ impl Topology {
 
     /// The intake queue and the cascade: see the `delay` module for the shape.
     async fn declare_ladder(&self, channel: &Channel, ladder: Ladder) -> Result<(), TopologyError> {
-        let mut intake_args = quorum_args();
+        let mut intake_args = self.quorum_args();
         dead_letter_to(&mut intake_args, &self.dead_exchange());
         insert(
             &mut intake_args,
@@ -332,7 +334,7 @@ impl Topology {
             let name = self.delay_level(k);
             self.declare_exchange(channel, &name, ExchangeKind::Topic, FieldTable::default())
                 .await?;
-            let mut args = quorum_args();
+            let mut args = self.quorum_args();
             insert(
                 &mut args,
                 "x-message-ttl",
@@ -425,6 +427,23 @@ impl Topology {
             .map_err(|e| classify(format!("binding {exchange} → {queue}"), e))
     }
 
+    /// Arguments shared by every queue that carries jobs: replicated quorum queues
+    /// (whose dead-letter hops are at-least-once, which needs `reject-publish`
+    /// overflow), on `topology.quorum_initial_group_size` nodes if set (the broker's
+    /// default otherwise: every cluster node).
+    pub fn quorum_args(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        insert(&mut args, "x-queue-type", string("quorum"));
+        if let Some(size) = self.quorum_group {
+            insert(
+                &mut args,
+                "x-quorum-initial-group-size",
+                AMQPValue::LongInt(size.min(i32::MAX as u32) as i32),
+            );
+        }
+        args
+    }
+
     /// Deletes every queue and exchange (tests and `postie topology --delete`).
     pub async fn delete(&self, channel: &Channel) -> Result<(), lapin::Error> {
         for queue in self.queues() {
@@ -439,14 +458,6 @@ impl Topology {
         }
         Ok(())
     }
-}
-
-/// Arguments shared by every queue that carries jobs: replicated quorum queues whose
-/// dead-letter hops are at-least-once (which needs `reject-publish` overflow).
-fn quorum_args() -> FieldTable {
-    let mut args = FieldTable::default();
-    insert(&mut args, "x-queue-type", string("quorum"));
-    args
 }
 
 fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
@@ -486,10 +497,27 @@ mod tests {
                 prefix: "p".into(),
                 retry_steps: steps.iter().map(|s| Duration::from_secs(*s)).collect(),
                 delivery_limit: 5,
+                quorum_initial_group_size: None,
             },
             &DelaySettings::default(),
             DelayMode::Plugin,
         )
+    }
+
+    #[test]
+    fn the_quorum_group_size_is_set_only_when_configured() {
+        let t = topology(&[5]);
+        let args = t.quorum_args();
+        assert!(args.inner().get("x-quorum-initial-group-size").is_none());
+        let settings = TopologySettings {
+            quorum_initial_group_size: Some(3),
+            ..TopologySettings::default()
+        };
+        let t = Topology::new(&settings, &DelaySettings::default(), DelayMode::Ladder);
+        assert_eq!(
+            t.quorum_args().inner().get("x-quorum-initial-group-size"),
+            Some(&AMQPValue::LongInt(3))
+        );
     }
 
     #[test]

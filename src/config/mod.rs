@@ -25,7 +25,7 @@ pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 
-use crate::endpoint::redact_url;
+use crate::endpoint::{redact_one, redact_url, split_urls};
 
 /// Everything postie can be told.
 #[derive(Debug, Default, Deserialize)]
@@ -114,6 +114,9 @@ impl Settings {
                 self.topology.prefix
             ));
         }
+        if self.topology.quorum_initial_group_size == Some(0) {
+            return fail("topology.quorum_initial_group_size must be at least 1".into());
+        }
         if self.topology.retry_steps.iter().any(|d| d.is_zero()) {
             return fail("topology.retry_steps must all be above zero".into());
         }
@@ -153,13 +156,26 @@ impl Settings {
                 humantime::format_duration(self.smtp.timeout)
             ));
         }
-        for (name, url) in [("amqp.url", &self.amqp.url), ("smtp.url", &self.smtp.url)] {
-            if let Err(e) = url::Url::parse(url.expose_secret()) {
+        // amqp.url: one address or a comma-separated list, each a URL of its own.
+        let amqp = split_urls(self.amqp.url.expose_secret());
+        if amqp.is_empty() {
+            return fail(
+                "amqp.url is empty: give one or more amqp:// or amqps:// addresses".into(),
+            );
+        }
+        for address in amqp {
+            if let Err(e) = url::Url::parse(address) {
                 return fail(format!(
-                    "{name} {} is not a URL: {e}",
-                    redact_url(url.expose_secret())
+                    "amqp.url {} is not a URL: {e}",
+                    redact_one(address)
                 ));
             }
+        }
+        if let Err(e) = url::Url::parse(self.smtp.url.expose_secret()) {
+            return fail(format!(
+                "smtp.url {} is not a URL: {e}",
+                redact_url(self.smtp.url.expose_secret())
+            ));
         }
         // The transport rules, checked here so that a refusal comes before any connection.
         smtp_endpoint(self.smtp.url.expose_secret())?;
@@ -277,6 +293,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("inbox.retention"), "{err}");
+    }
+
+    #[test]
+    fn a_comma_separated_amqp_url_arrives_whole_and_each_address_is_checked() {
+        let list = "amqp://u:SECRETPW1@10.0.0.1:5672/%2f,amqp://u:SECRETPW2@10.0.0.2:5672/%2f,amqp://u:SECRETPW3@10.0.0.3:5672/%2f";
+        let env = [("POSTIE__AMQP__URL", list)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.amqp.url.expose_secret(), list);
+        let bad = "amqp://u:SECRETPW1@10.0.0.1/%2f,amqp://u:SECRETPW2@10.0.0.2:notaport/%2f";
+        let env = [("POSTIE__AMQP__URL", bad)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let err = Settings::load_from(None, Some(env))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("amqp.url amqp://***@10.0.0.2:notaport"),
+            "{err}"
+        );
+        assert!(!err.contains("SECRETPW"), "{err}");
+        let mut s = Settings::default();
+        s.amqp.url = SecretString::from(" , ");
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("amqp.url is empty"));
     }
 
     #[test]

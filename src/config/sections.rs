@@ -185,6 +185,9 @@ pub struct TopologySettings {
     /// Broker-side safety net: deliveries of one message before the broker itself
     /// dead-letters it (counts redeliveries after crashes and connection losses).
     pub delivery_limit: u32,
+    /// Replicas of each quorum queue at declaration (`x-quorum-initial-group-size`);
+    /// unset: one per cluster node. Fixed once a queue exists.
+    pub quorum_initial_group_size: Option<u32>,
 }
 
 impl Default for TopologySettings {
@@ -196,6 +199,7 @@ impl Default for TopologySettings {
                 .map(Duration::from_secs)
                 .collect(),
             delivery_limit: 50,
+            quorum_initial_group_size: None,
         }
     }
 }

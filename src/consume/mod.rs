@@ -65,8 +65,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
     let connection =
-        broker::connect(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
-    session::declare(&topology, &connection).await?;
+        broker::connect_to(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
+    session::declare(&topology, &connection.connection).await?;
 
     let hard_stop = CancellationToken::new();
     let settings = Arc::new(settings);
@@ -89,6 +89,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         instance = %service.owner,
         delay_mode = service.topology.mode_name(),
         queue = %service.topology.send_queue(),
+        broker = %connection.address,
         "postie serving"
     );
     let maintenance = service.spawn_maintenance(stop.child_token());

@@ -19,27 +19,31 @@ const LIVENESS_POLL: Duration = Duration::from_secs(1);
 
 impl Service {
     /// Serves until `stop`: one session after another, reconnecting with backoff.
-    pub(super) async fn run(&self, first: Connection, stop: CancellationToken) {
+    pub(super) async fn run(&self, first: broker::Connected, stop: CancellationToken) {
         let mut connection = Some(first);
         let mut backoff = Duration::from_millis(200);
         let max_backoff = self.settings.worker.outage_backoff_max;
         while !stop.is_cancelled() {
-            let conn = match connection.take() {
-                Some(conn) => conn,
-                None => match broker::connect(
+            // Each attempt tries every address in turn, starting past the last one used.
+            let broker::Connected {
+                connection: conn,
+                address,
+            } = match connection.take() {
+                Some(first) => first,
+                None => match broker::connect_to(
                     &self.settings.amqp.url,
                     &self.owner,
                     self.settings.amqp.connect_timeout,
                 )
                 .await
                 {
-                    Ok(conn) => {
-                        tracing::info!("reconnected to RabbitMQ");
+                    Ok(connected) => {
+                        tracing::info!(broker = %connected.address, "reconnected to RabbitMQ");
                         self.worker
                             .health()
                             .metrics()
                             .reconnected(Dependency::rabbitmq);
-                        conn
+                        connected
                     }
                     Err(error) => {
                         tracing::warn!(%error, "RabbitMQ unavailable; retrying");
@@ -49,6 +53,7 @@ impl Service {
                     }
                 },
             };
+            self.worker.health().set_broker_address(&address);
             let ended = self.session(&conn, &stop).await;
             self.worker.health().set_broker_up(false);
             match ended {
@@ -57,10 +62,10 @@ impl Service {
                     return;
                 }
                 Ok(SessionEnd::Lost(reason)) => {
-                    tracing::warn!(%reason, "lost the broker session; reconnecting");
+                    tracing::warn!(%reason, broker = %address, "lost the broker session; reconnecting");
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::describe_error(&error), "broker session failed; reconnecting");
+                    tracing::warn!(error = %crate::describe_error(&error), broker = %address, "broker session failed; reconnecting");
                 }
             }
             bounded(conn.close(320, "postie reconnecting".into())).await;

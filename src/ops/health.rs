@@ -27,6 +27,7 @@ struct Inner {
     smtp_failures: AtomicU32,
     smtp_threshold: u32,
     broker_up: AtomicBool,
+    broker_address: std::sync::Mutex<String>,
     draining: AtomicBool,
     metrics: SharedMetrics,
 }
@@ -41,6 +42,7 @@ impl Health {
                 smtp_failures: AtomicU32::new(0),
                 smtp_threshold: smtp_threshold.max(1),
                 broker_up: AtomicBool::new(false),
+                broker_address: std::sync::Mutex::new(String::new()),
                 draining: AtomicBool::new(false),
                 metrics,
             }),
@@ -161,6 +163,25 @@ impl Health {
     /// Records whether a broker session is up with its consumers running.
     pub fn set_broker_up(&self, up: bool) {
         self.inner.broker_up.store(up, Ordering::Relaxed);
+    }
+
+    /// Records the (redacted) address of the broker node the session uses.
+    pub fn set_broker_address(&self, address: &str) {
+        *self
+            .inner
+            .broker_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = address.into();
+    }
+
+    /// The (redacted) address of the broker node in use or last used; empty before
+    /// the first connection.
+    pub fn broker_address(&self) -> String {
+        self.inner
+            .broker_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Marks the start of a drain: not ready from now on.

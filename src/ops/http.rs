@@ -1,6 +1,7 @@
 //! The HTTP endpoint: `/metrics` (Prometheus text), `/healthz` (the process is
 //! alive), `/readyz` (broker session consuming, PostgreSQL answering, SMTP circuit
-//! closed, not draining; 503 with the reasons otherwise).
+//! closed, not draining; 503 with the reasons otherwise; either way the broker node
+//! in use, redacted).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -52,14 +53,20 @@ async fn metrics(State(health): State<Arc<Health>>) -> impl IntoResponse {
     )
 }
 
+/// `ready` or `not ready: <reasons>`, then `broker: <address>` (redacted) once a
+/// broker node has been reached: the one in use, or the last one used.
 async fn readyz(State(health): State<Arc<Health>>) -> impl IntoResponse {
     let reasons = health.not_ready();
+    let broker = match health.broker_address() {
+        address if address.is_empty() => String::new(),
+        address => format!("broker: {address}\n"),
+    };
     if reasons.is_empty() {
-        (StatusCode::OK, "ready\n".to_string())
+        (StatusCode::OK, format!("ready\n{broker}"))
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", reasons.join(", ")),
+            format!("not ready: {}\n{broker}", reasons.join(", ")),
         )
     }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod bench;
+pub mod cluster;
 pub mod proxy;
 pub mod sink;
 
@@ -43,6 +44,11 @@ pub struct TestEnv {
     pub sink: SmtpSink,
     /// Names of the broker objects.
     pub topology: Topology,
+    /// The broker address(es) this world uses (`amqp.url`, a comma-separated list).
+    pub amqp_url: String,
+    /// Whether dropping deletes the topology (not on a throwaway cluster, where a
+    /// delete can wait on a dead node).
+    pub delete_topology: bool,
     /// The test's own connection and confirm channel, rebuilt after a broker restart.
     amqp: tokio::sync::Mutex<(Connection, Channel)>,
 }
@@ -50,14 +56,20 @@ pub struct TestEnv {
 impl TestEnv {
     /// Creates the database, starts the sink, declares the topology.
     pub async fn new(name: &str) -> Self {
+        Self::on_broker(name, &amqp_url()).await
+    }
+
+    /// Like [`TestEnv::new`], on the broker(s) at `amqp_url` (a comma-separated list
+    /// of addresses, e.g. a [`cluster::Cluster`]'s).
+    pub async fn on_broker(name: &str, amqp_url: &str) -> Self {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let prefix = format!("t.{name}.{id}");
         let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
         admin_sql(&format!("CREATE DATABASE {db_name}")).await;
         let sink = SmtpSink::start().await;
-        let settings = base_settings(&prefix, &db_name, &sink.smtp_url());
+        let settings = base_settings(amqp_url, &prefix, &db_name, &sink.smtp_url());
         let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
-        let (conn, channel) = test_connection().await;
+        let (conn, channel) = test_connection(amqp_url).await;
         topology
             .declare(&conn.create_channel().await.unwrap())
             .await
@@ -67,6 +79,8 @@ impl TestEnv {
             db_name,
             sink,
             topology,
+            amqp_url: amqp_url.to_string(),
+            delete_topology: true,
             amqp: tokio::sync::Mutex::new((conn, channel)),
         }
     }
@@ -75,19 +89,29 @@ impl TestEnv {
     async fn amqp(&self) -> tokio::sync::MappedMutexGuard<'_, (Connection, Channel)> {
         let mut guard = self.amqp.lock().await;
         if !guard.0.status().connected() || !guard.1.status().connected() {
-            *guard = test_connection().await;
+            *guard = test_connection(&self.amqp_url).await;
         }
         tokio::sync::MutexGuard::map(guard, |g| g)
     }
 
     /// Settings for a postie in this world: short retry steps and lease.
     pub fn settings(&self) -> Settings {
-        base_settings(&self.prefix, &self.db_name, &self.sink.smtp_url())
+        base_settings(
+            &self.amqp_url,
+            &self.prefix,
+            &self.db_name,
+            &self.sink.smtp_url(),
+        )
     }
 
     /// The same settings as environment variables, for a `postie` child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
-        settings_env(&self.prefix, &self.db_name, &self.sink.smtp_url())
+        settings_env(
+            &self.amqp_url,
+            &self.prefix,
+            &self.db_name,
+            &self.sink.smtp_url(),
+        )
     }
 
     /// Runs `postie serve` in this process until the handle is stopped.
@@ -392,6 +416,8 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         let topology = self.topology.clone();
         let db_name = self.db_name.clone();
+        let amqp_url = self.amqp_url.clone();
+        let delete_topology = self.delete_topology;
         // Async clean-up from a sync Drop: a throwaway runtime on its own thread.
         let done = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -399,13 +425,18 @@ impl Drop for TestEnv {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                if let Ok(conn) = broker::connect(
-                    &SecretString::from(amqp_url()),
-                    "postie-test-cleanup",
-                    Duration::from_secs(10),
-                )
-                .await
-                {
+                let connected = if delete_topology {
+                    broker::connect(
+                        &SecretString::from(amqp_url),
+                        "postie-test-cleanup",
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .ok()
+                } else {
+                    None
+                };
+                if let Some(conn) = connected {
                     if let Ok(channel) = conn.create_channel().await {
                         let _ = topology.delete(&channel).await;
                     }
@@ -529,9 +560,9 @@ pub struct InboxRow {
 }
 
 /// A connection for the test itself, with a confirm channel.
-async fn test_connection() -> (Connection, Channel) {
+async fn test_connection(amqp_url: &str) -> (Connection, Channel) {
     let conn = broker::connect(
-        &SecretString::from(amqp_url()),
+        &SecretString::from(amqp_url.to_string()),
         "postie-test",
         Duration::from_secs(10),
     )
@@ -645,18 +676,23 @@ pub fn job(key: &str, to: &str) -> serde_json::Value {
     })
 }
 
-fn base_settings(prefix: &str, db_name: &str, smtp_url: &str) -> Settings {
+fn base_settings(amqp_url: &str, prefix: &str, db_name: &str, smtp_url: &str) -> Settings {
     // Through the same environment parsing a deployment uses, minus the process env.
-    let vars = settings_env(prefix, db_name, smtp_url)
+    let vars = settings_env(amqp_url, prefix, db_name, smtp_url)
         .into_iter()
         .collect();
     Settings::load_from(None, Some(vars)).expect("test settings are valid")
 }
 
 /// Test settings as `POSTIE__…` variables: short retry steps and lease.
-fn settings_env(prefix: &str, db_name: &str, smtp_url: &str) -> Vec<(String, String)> {
+fn settings_env(
+    amqp_url: &str,
+    prefix: &str,
+    db_name: &str,
+    smtp_url: &str,
+) -> Vec<(String, String)> {
     [
-        ("POSTIE__AMQP__URL", amqp_url()),
+        ("POSTIE__AMQP__URL", amqp_url.to_string()),
         ("POSTIE__DATABASE__URL", format!("{}/{db_name}", pg_base())),
         ("POSTIE__DATABASE__CONNECT_TIMEOUT", "2s".into()),
         ("POSTIE__SMTP__URL", smtp_url.to_string()),
