@@ -22,11 +22,11 @@
 //! On success it prints one line per job, `published key=<key> exchange=<x>
 //! delay_ms=<n>`, once the broker has confirmed it; with `--count` above 1, then
 //! `published N jobs in S s (R jobs/s, window W)`. Any failure (a nack, a closed
-//! channel) exits non-zero.
+//! channel, no confirm within 30 s) exits non-zero.
 
 use std::collections::VecDeque;
 use std::error::Error;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
@@ -194,7 +194,7 @@ pub async fn publish(
         for key in options.keys() {
             if in_flight.len() >= options.window {
                 let (key, confirm) = in_flight.pop_front().expect("the window is full");
-                check(confirm.await?)?;
+                check(&key, confirm).await?;
                 confirmed(&key);
             }
             let mut headers = FieldTable::default();
@@ -226,8 +226,7 @@ pub async fn publish(
             in_flight.push_back((key, confirm));
         }
         for (key, confirm) in in_flight {
-            // An error here if the broker closed the channel, e.g. 404.
-            check(confirm.await?)?;
+            check(&key, confirm).await?;
             confirmed(&key);
         }
         Ok(())
@@ -237,10 +236,18 @@ pub async fn publish(
     result
 }
 
-/// An ack is success; a nack is an error.
-fn check(confirmation: Confirmation) -> Result<(), Box<dyn Error + Send + Sync>> {
+/// How long to wait for a confirm before giving up on the broker.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Waits for the confirm of `key`'s publish: an ack is success; a nack, a closed
+/// channel (e.g. 404 when the exchange does not exist) or no answer within
+/// [`CONFIRM_TIMEOUT`] is an error.
+async fn check(key: &str, confirm: PublisherConfirm) -> Result<(), Box<dyn Error + Send + Sync>> {
+    let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
+        .await
+        .map_err(|_| format!("no confirm for {key} within {CONFIRM_TIMEOUT:?}"))??;
     match confirmation {
-        Confirmation::Nack(_) => Err("the broker nacked a publish".into()),
+        Confirmation::Nack(_) => Err(format!("the broker nacked the publish of {key}").into()),
         _ => Ok(()),
     }
 }

@@ -19,7 +19,7 @@
 // On success it prints one line per job, "published key=<key> exchange=<x>
 // delay_ms=<n>", once the broker has confirmed it; with -count above 1, then
 // "published N jobs in S s (R jobs/s, window W)". Any failure (a nack, a closed
-// channel) exits non-zero.
+// channel, no confirm within 30 s) exits non-zero.
 package main
 
 import (

@@ -18,13 +18,15 @@
 // On success it prints one line per job, "published key=<key> exchange=<x>
 // delay_ms=<n>", once the broker has confirmed it; with --count above 1, then
 // "published N jobs in S s (R jobs/s, window W)". Any failure (a nack, a closed
-// channel) exits non-zero.
+// channel, no confirm within 30 s) exits non-zero.
 'use strict';
 
 const { parseArgs } = require('node:util');
 const amqp = require('amqplib');
 
 const ROUTING_KEY = 'email';
+// How long to wait for a confirm before giving up on the broker.
+const CONFIRM_TIMEOUT_MS = 30_000;
 
 function settings() {
   const { values } = parseArgs({
@@ -99,7 +101,15 @@ async function publish(s, confirmed) {
     const inFlight = [];
     const waitOldest = async () => {
       const { key, confirm } = inFlight.shift();
-      await Promise.race([confirm, failed]);
+      let timer;
+      const timeout = new Promise((_, reject) => {
+        timer = setTimeout(() => reject(new Error(`no confirm for ${key} within 30 s`)), CONFIRM_TIMEOUT_MS);
+      });
+      try {
+        await Promise.race([confirm, failed, timeout]);
+      } finally {
+        clearTimeout(timer);
+      }
       confirmed(key);
     };
     for (const key of keys(s)) {

@@ -18,7 +18,7 @@ Every setting is a flag, or else an environment variable, or else a default:
 On success it prints one line per job, "published key=<key> exchange=<x>
 delay_ms=<n>", once the broker has confirmed it; with --count above 1, then
 "published N jobs in S s (R jobs/s, window W)". Any failure (a nack, a closed
-channel) exits non-zero.
+channel, and with --count above 1 no confirm within 30 s) exits non-zero.
 
 One job uses pika's BlockingConnection, whose basic_publish waits for the confirm:
 the simple way for one job per business event. Many jobs use pika's
@@ -36,6 +36,8 @@ import time
 import pika
 
 ROUTING_KEY = "email"
+# How long to wait for a confirm before giving up on the broker.
+CONFIRM_TIMEOUT_S = 30
 
 
 def parse_args():
@@ -119,7 +121,19 @@ def publish_many(args, exchange, all_keys, confirmed):
     """
     pending = collections.deque(all_keys)  # not yet published
     in_flight = collections.OrderedDict()  # delivery tag -> key, oldest first
-    state = {"channel": None, "tag": 0, "error": None, "done": False}
+    state = {"channel": None, "tag": 0, "error": None, "done": False, "timer": None}
+
+    def watch():
+        # Fails if no confirm arrives within CONFIRM_TIMEOUT_S while jobs await one.
+        if state["timer"] is not None:
+            connection.ioloop.remove_timeout(state["timer"])
+            state["timer"] = None
+        if in_flight:
+            oldest = next(iter(in_flight.values()))
+            state["timer"] = connection.ioloop.call_later(
+                CONFIRM_TIMEOUT_S,
+                lambda: fail(f"no confirm for {oldest} within {CONFIRM_TIMEOUT_S} s"),
+            )
 
     def fail(message):
         if state["error"] is None:
@@ -137,6 +151,8 @@ def publish_many(args, exchange, all_keys, confirmed):
             channel.basic_publish(exchange, ROUTING_KEY, body, properties)
             state["tag"] += 1
             in_flight[state["tag"]] = key
+            if state["timer"] is None:
+                watch()
 
     def on_confirm(frame):
         method = frame.method
@@ -150,6 +166,7 @@ def publish_many(args, exchange, all_keys, confirmed):
             tags = [method.delivery_tag]
         for tag in tags:
             confirmed(in_flight.pop(tag))
+        watch()
         if pending:
             publish_more(state["channel"])
         elif not in_flight:
