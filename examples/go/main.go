@@ -98,13 +98,8 @@ func (s settings) keys() []string {
 	return keys
 }
 
-// pending is a publish awaiting its confirm.
-type pending struct {
-	key     string
-	confirm *amqp.DeferredConfirmation
-	ctx     context.Context // the deadline of the confirm
-	cancel  context.CancelFunc
-}
+// confirmTimeout is how long to wait for a confirm before giving up on the broker.
+const confirmTimeout = 30 * time.Second
 
 // publish sends the jobs and calls confirmed(key) for each once the broker has
 // confirmed it, in publishing order. It keeps at most s.window publishes
@@ -128,33 +123,50 @@ func publish(ctx context.Context, s settings, confirmed func(key string)) error 
 	if err := ch.Confirm(false); err != nil {
 		return fmt.Errorf("enable publisher confirms: %w", err)
 	}
+	// The library hands confirms over in publishing order (an ack for several
+	// publishes at once arrives as one Confirmation each). Room for a whole window, so
+	// that the library never waits for us. (Not PublishWithDeferredConfirm: in
+	// amqp091-go 1.5 a confirm that arrives before it returns is lost.)
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation, s.window))
 	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
 
-	// wait waits for one confirm.
-	wait := func(p pending) error {
-		defer p.cancel()
-		// false on a nack, and also if the channel closed or the time ran out.
-		if p.confirm.Wait() {
-			confirmed(p.key)
-			return nil
-		}
+	// wait waits for the confirm of the oldest publish, key's.
+	wait := func(key string) error {
+		timer := time.NewTimer(confirmTimeout)
+		defer timer.Stop()
 		select {
+		case c, ok := <-confirms:
+			if !ok {
+				break // the channel closed: see below
+			}
+			if !c.Ack {
+				return fmt.Errorf("the broker nacked the publish of %s", key)
+			}
+			confirmed(key)
+			return nil
+		case <-timer.C:
+			return fmt.Errorf("no confirm for %s within %v", key, confirmTimeout)
+		case <-ctx.Done():
+			return fmt.Errorf("no confirm for %s: %w", key, ctx.Err())
 		case e := <-closed:
-			// E.g. 404 when the exchange does not exist: the broker closes the channel.
 			if e != nil {
 				return fmt.Errorf("the broker closed the channel: %w", e)
 			}
-			return errors.New("the channel closed before the broker confirmed")
-		default:
 		}
-		if err := p.ctx.Err(); err != nil {
-			return fmt.Errorf("no confirm for %s: %w", p.key, err)
+		// E.g. 404 when the exchange does not exist: the broker closes the channel
+		// (its reason may come just after the confirms stop).
+		select {
+		case e := <-closed:
+			if e != nil {
+				return fmt.Errorf("the broker closed the channel: %w", e)
+			}
+		case <-time.After(time.Second):
 		}
-		return fmt.Errorf("the broker nacked the publish of %s", p.key)
+		return errors.New("the channel closed before the broker confirmed")
 	}
 
 	// Published, not yet confirmed: oldest first.
-	var inFlight []pending
+	var inFlight []string
 	for _, key := range s.keys() {
 		if len(inFlight) >= s.window {
 			if err := wait(inFlight[0]); err != nil {
@@ -173,9 +185,7 @@ func publish(ctx context.Context, s settings, confirmed func(key string)) error 
 		if err != nil {
 			return err
 		}
-		// Each confirm gets 30 s from its publish.
-		pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		confirm, err := ch.PublishWithDeferredConfirmWithContext(pctx, s.prefix+".delayed", routingKey,
+		err = ch.PublishWithContext(ctx, s.prefix+".delayed", routingKey,
 			false, // not mandatory: the delayed-message plugin returns every delayed
 			// publish as unroutable yet delivers it later
 			false,
@@ -191,13 +201,12 @@ func publish(ctx context.Context, s settings, confirmed func(key string)) error 
 				Body: body,
 			})
 		if err != nil {
-			cancel()
 			return fmt.Errorf("publish: %w", err)
 		}
-		inFlight = append(inFlight, pending{key, confirm, pctx, cancel})
+		inFlight = append(inFlight, key)
 	}
-	for _, p := range inFlight {
-		if err := wait(p); err != nil {
+	for _, key := range inFlight {
+		if err := wait(key); err != nil {
 			return err
 		}
 	}
