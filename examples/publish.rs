@@ -232,7 +232,9 @@ pub async fn publish(
         Ok(())
     }
     .await;
-    let _ = connection.close(200, "done".into()).await;
+    // Every job is confirmed (or we failed): a stuck broker must not hang the exit.
+    let _ =
+        tokio::time::timeout(Duration::from_secs(5), connection.close(200, "done".into())).await;
     result
 }
 
