@@ -1,5 +1,6 @@
-//! Publish one email job to postie, using lapin directly (see "The message contract"
-//! in the README). Copy it into your own service: it needs only `lapin` (with its
+//! Publish one email job to postie, or many with pipelined publisher confirms, using
+//! lapin directly (see "The message contract" and "Publishing many jobs" in the
+//! README). Copy it into your own service: it needs only `lapin` (with its
 //! `tokio` feature), `tokio` and `serde_json`, nothing from postie.
 //!
 //! ```sh
@@ -15,16 +16,21 @@
 //! | `--key` | `EMAIL_KEY` | `demo-<unix ms>:welcome` |
 //! | `--to` | `EMAIL_TO` | `alice@example.com` |
 //! | `--delay-ms` | `EMAIL_DELAY_MS` | `5000` (0 = send now) |
+//! | `--count` | `EMAIL_COUNT` | `1` (more: keys `<key>-0`, `<key>-1`, …) |
+//! | `--window` | `EMAIL_WINDOW` | `256` (publishes awaiting their confirm, at most) |
 //!
-//! On success it prints one line, `published key=<key> exchange=<x> delay_ms=<n>`,
-//! once the broker has confirmed the job. Any failure exits non-zero.
+//! On success it prints one line per job, `published key=<key> exchange=<x>
+//! delay_ms=<n>`, once the broker has confirmed it; with `--count` above 1, then
+//! `published N jobs in S s (R jobs/s, window W)`. Any failure (a nack, a closed
+//! channel, no confirm within 30 s) exits non-zero.
 
+use std::collections::VecDeque;
 use std::error::Error;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, PublisherConfirm};
 
 /// The routing key of the contract.
 const ROUTING_KEY: &str = "email";
@@ -42,6 +48,11 @@ pub struct Options {
     pub to: String,
     /// `x-delay`, milliseconds.
     pub delay_ms: i64,
+    /// How many jobs: more than one gets keys `<key>-0`, `<key>-1`, ….
+    pub count: u64,
+    /// At most this many publishes awaiting their confirm at a time (1 = wait for
+    /// each confirm before the next publish).
+    pub window: usize,
 }
 
 impl Options {
@@ -65,7 +76,11 @@ impl Options {
                     (name.to_string(), value)
                 }
             };
-            if !["amqp-url", "prefix", "key", "to", "delay-ms"].contains(&name.as_str()) {
+            if ![
+                "amqp-url", "prefix", "key", "to", "delay-ms", "count", "window",
+            ]
+            .contains(&name.as_str())
+            {
                 return Err(format!("unknown flag --{name}"));
             }
             flags.insert(name, value);
@@ -81,6 +96,22 @@ impl Options {
         let delay_ms: i64 = delay.trim().parse().map_err(|_| {
             format!("delay must be an integer number of milliseconds, not {delay:?}")
         })?;
+        let count = setting("count", "EMAIL_COUNT", &|| "1".into());
+        let count: u64 = count
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("count must be a whole number of at least 1, not {count:?}"))?;
+        let window = setting("window", "EMAIL_WINDOW", &|| "256".into());
+        let window: usize = window
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| {
+                format!("window must be a whole number of at least 1, not {window:?}")
+            })?;
         Ok(Self {
             amqp_url: setting("amqp-url", "AMQP_URL", &|| {
                 "amqp://guest:guest@127.0.0.1:5672/%2f".into()
@@ -95,7 +126,20 @@ impl Options {
             }),
             to: setting("to", "EMAIL_TO", &|| "alice@example.com".into()),
             delay_ms: delay_ms.max(0),
+            count,
+            window,
         })
+    }
+
+    /// The jobs' keys: `key` alone, or `<key>-0` … `<key>-<count - 1>`.
+    pub fn keys(&self) -> Vec<String> {
+        if self.count == 1 {
+            vec![self.key.clone()]
+        } else {
+            (0..self.count)
+                .map(|i| format!("{}-{i}", self.key))
+                .collect()
+        }
     }
 
     /// The exchange producers publish to.
@@ -111,33 +155,31 @@ fn unix_ms() -> i64 {
         .as_millis() as i64
 }
 
-/// Publishes the job and returns once the broker has confirmed it.
-pub async fn publish(options: &Options) -> Result<(), Box<dyn Error + Send + Sync>> {
-    let body = serde_json::json!({
-        "key": options.key,
+/// The JSON body of the job for `key`.
+fn body(key: &str, to: &str) -> Vec<u8> {
+    serde_json::json!({
+        "key": key,
         "from": "Shop <noreply@shop.example>",
-        "to": [options.to],
+        "to": [to],
         "subject": "Welcome!",
         "text": "Hello from the Rust producer example.",
         "html": "<p>Hello from the <b>Rust</b> producer example.</p>",
-    });
+    })
+    .to_string()
+    .into_bytes()
+}
 
-    let mut headers = FieldTable::default();
-    // Integers, as the contract asks.
-    headers.insert(
-        ShortString::from("x-delay"),
-        AMQPValue::LongLongInt(options.delay_ms),
-    );
-    // The due time counts from here, even if postie is down right now.
-    headers.insert(
-        ShortString::from("postie-published-at"),
-        AMQPValue::LongLongInt(unix_ms()),
-    );
-    let properties = BasicProperties::default()
-        .with_delivery_mode(2) // persistent
-        .with_content_type("application/json".into())
-        .with_headers(headers);
-
+/// Publishes the jobs (see [`Options::keys`]) and calls `confirmed(key)` for each once
+/// the broker has confirmed it, in publishing order. It keeps at most
+/// `options.window` publishes unconfirmed: when the window is full it waits for the
+/// oldest confirm before publishing the next job. It returns once every job is
+/// confirmed, or with an error at the first nack or if the broker closes the
+/// channel; jobs published but not confirmed then may or may not have arrived, and a
+/// real producer republishes them (the idempotency key makes that safe).
+pub async fn publish(
+    options: &Options,
+    mut confirmed: impl FnMut(&str),
+) -> Result<(), Box<dyn Error + Send + Sync>> {
     let connection =
         Connection::connect(&options.amqp_url, ConnectionProperties::default()).await?;
     let result = async {
@@ -146,26 +188,70 @@ pub async fn publish(options: &Options) -> Result<(), Box<dyn Error + Send + Syn
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        let confirmation = channel
-            .basic_publish(
-                options.exchange().as_str().into(),
-                ROUTING_KEY.into(),
-                // Not mandatory: the delayed-message plugin returns every delayed
-                // publish as unroutable yet delivers it later.
-                BasicPublishOptions::default(),
-                body.to_string().as_bytes(),
-                properties,
-            )
-            .await? // sent
-            .await?; // confirmed (or an error if the broker closed the channel, e.g. 404)
-        match confirmation {
-            Confirmation::Nack(_) => Err("the broker nacked the publish".into()),
-            _ => Ok(()),
+        let exchange = options.exchange();
+        // Published, not yet confirmed: oldest first.
+        let mut in_flight: VecDeque<(String, PublisherConfirm)> = VecDeque::new();
+        for key in options.keys() {
+            if in_flight.len() >= options.window {
+                let (key, confirm) = in_flight.pop_front().expect("the window is full");
+                check(&key, confirm).await?;
+                confirmed(&key);
+            }
+            let mut headers = FieldTable::default();
+            // Integers, as the contract asks.
+            headers.insert(
+                ShortString::from("x-delay"),
+                AMQPValue::LongLongInt(options.delay_ms),
+            );
+            // The due time counts from here, even if postie is down right now.
+            headers.insert(
+                ShortString::from("postie-published-at"),
+                AMQPValue::LongLongInt(unix_ms()),
+            );
+            let properties = BasicProperties::default()
+                .with_delivery_mode(2) // persistent
+                .with_content_type("application/json".into())
+                .with_headers(headers);
+            let confirm = channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    ROUTING_KEY.into(),
+                    // Not mandatory: the delayed-message plugin returns every delayed
+                    // publish as unroutable yet delivers it later.
+                    BasicPublishOptions::default(),
+                    &body(&key, &options.to),
+                    properties,
+                )
+                .await?; // sent; the confirm comes later
+            in_flight.push_back((key, confirm));
         }
+        for (key, confirm) in in_flight {
+            check(&key, confirm).await?;
+            confirmed(&key);
+        }
+        Ok(())
     }
     .await;
-    let _ = connection.close(200, "done".into()).await;
+    // Every job is confirmed (or we failed): a stuck broker must not hang the exit.
+    let _ =
+        tokio::time::timeout(Duration::from_secs(5), connection.close(200, "done".into())).await;
     result
+}
+
+/// How long to wait for a confirm before giving up on the broker.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Waits for the confirm of `key`'s publish: an ack is success; a nack, a closed
+/// channel (e.g. 404 when the exchange does not exist) or no answer within
+/// [`CONFIRM_TIMEOUT`] is an error.
+async fn check(key: &str, confirm: PublisherConfirm) -> Result<(), Box<dyn Error + Send + Sync>> {
+    let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
+        .await
+        .map_err(|_| format!("no confirm for {key} within {CONFIRM_TIMEOUT:?}"))??;
+    match confirmation {
+        Confirmation::Nack(_) => Err(format!("the broker nacked the publish of {key}").into()),
+        _ => Ok(()),
+    }
 }
 
 #[tokio::main]
@@ -178,14 +264,26 @@ async fn main() {
                 std::process::exit(2);
             }
         };
-    if let Err(e) = publish(&options).await {
+    let exchange = options.exchange();
+    let started = std::time::Instant::now();
+    let printed = publish(&options, |key| {
+        println!(
+            "published key={key} exchange={exchange} delay_ms={}",
+            options.delay_ms
+        )
+    })
+    .await;
+    if let Err(e) = printed {
         eprintln!("publish failed: {e}");
         std::process::exit(1);
     }
-    println!(
-        "published key={} exchange={} delay_ms={}",
-        options.key,
-        options.exchange(),
-        options.delay_ms
-    );
+    if options.count > 1 {
+        let seconds = started.elapsed().as_secs_f64();
+        println!(
+            "published {} jobs in {seconds:.2} s ({:.0} jobs/s, window {})",
+            options.count,
+            options.count as f64 / seconds,
+            options.window
+        );
+    }
 }

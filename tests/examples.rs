@@ -1,7 +1,8 @@
 //! The producer examples in `examples/` against the real broker: each publishes one
 //! job to a test's own topology with a 1 s delay, an in-process `postie serve` sends
 //! it, and the SMTP sink must hold exactly that email (by its derived Message-ID), no
-//! earlier than its due time.
+//! earlier than its due time. In bulk mode (`--count 50 --window 10`, pipelined
+//! publisher confirms) each must deliver 50 distinct emails, each once, none early.
 //!
 //! The Python, Node.js and Go examples need their client libraries. A missing one
 //! fails the test with the command that installs it (never a silent pass):
@@ -79,10 +80,46 @@ fn works(program: &str, args: &[&str], dir: &Path) -> bool {
 
 /// The key from the example's `published key=<key> exchange=<x> delay_ms=<n>` line.
 fn published_key(stdout: &str, exchange: &str) -> String {
-    let line = stdout
+    let keys = published_keys(stdout, exchange);
+    assert_eq!(keys.len(), 1, "one job, one line: {stdout:?}");
+    assert!(
+        !stdout.contains(" jobs in "),
+        "no summary line for one job: {stdout:?}"
+    );
+    keys.into_iter().next().unwrap()
+}
+
+/// The keys from every `published key=<key> exchange=<x> delay_ms=<n>` line, in order.
+fn published_keys(stdout: &str, exchange: &str) -> Vec<String> {
+    let keys: Vec<String> = stdout
         .lines()
-        .find(|l| l.starts_with("published "))
-        .unwrap_or_else(|| panic!("no \"published …\" line in {stdout:?}"));
+        .filter(|l| l.starts_with("published key="))
+        .map(|line| job_line_key(line, exchange))
+        .collect();
+    assert!(
+        !keys.is_empty(),
+        "no \"published key=…\" line in {stdout:?}"
+    );
+    keys
+}
+
+/// The bulk examples' last line: `published N jobs in S s (R jobs/s, window W)`.
+fn assert_summary(stdout: &str, count: usize, window: usize) {
+    let line = stdout.lines().last().unwrap_or_default();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let ok = matches!(
+        words.as_slice(),
+        ["published", n, "jobs", "in", s, "s", r, "jobs/s,", "window", w]
+            if *n == count.to_string()
+                && s.parse::<f64>().is_ok()
+                && r.strip_prefix('(').is_some_and(|r| r.parse::<f64>().is_ok())
+                && *w == format!("{window})")
+    );
+    assert!(ok, "summary line {line:?} in {stdout:?}");
+}
+
+/// The key of one `published key=<key> exchange=<x> delay_ms=<n>` line.
+fn job_line_key(line: &str, exchange: &str) -> String {
     let field = |name: &str| {
         line.split_whitespace()
             .find_map(|part| part.strip_prefix(&format!("{name}=")))
@@ -155,6 +192,96 @@ async fn assert_sent_once(
     assert_eq!(all.len(), 1, "expected exactly one email: {all:?}");
 }
 
+/// Jobs in a bulk test.
+const BULK_COUNT: usize = 50;
+/// Unconfirmed publishes at most, in a bulk test.
+const BULK_WINDOW: usize = 10;
+
+/// The bulk flags the Python, Node.js and Go tests pass (Go takes `-flag` too).
+fn bulk_args(key: &str) -> Vec<String> {
+    vec![
+        "--key".into(),
+        key.into(),
+        "--count".into(),
+        BULK_COUNT.to_string(),
+        "--window".into(),
+        BULK_WINDOW.to_string(),
+    ]
+}
+
+/// The keys were `<key>-0` … `<key>-49` (each once, in any order), and the sink
+/// receives exactly those 50 emails, each once, none before
+/// `published_after_ms + DELAY_MS`.
+async fn assert_bulk_sent_once(
+    env: &TestEnv,
+    key: &str,
+    published: Vec<String>,
+    to: &str,
+    published_after_ms: i64,
+    language: &str,
+) {
+    let mut sorted = published.clone();
+    sorted.sort();
+    let mut expected: Vec<String> = (0..BULK_COUNT).map(|i| format!("{key}-{i}")).collect();
+    expected.sort();
+    assert_eq!(sorted, expected, "published keys");
+
+    let ids: std::collections::BTreeMap<String, &String> = published
+        .iter()
+        .map(|k| {
+            let id = IdempotencyKey::parse(k)
+                .expect("the example's key is valid")
+                .message_id("postie.local");
+            (id, k)
+        })
+        .collect();
+    let ids = &ids;
+    eventually(
+        &format!("the {language} example's {BULK_COUNT} emails"),
+        Duration::from_secs(60),
+        || async move {
+            let count = env.sink.count().await;
+            (count >= ids.len()).then_some(())
+        },
+    )
+    .await;
+    // Anything extra (a duplicate) has had time to arrive too.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let all = env.sink.messages(true).await;
+    let due = published_after_ms + DELAY_MS;
+    let mut seen = std::collections::BTreeSet::new();
+    for m in &all {
+        let key = ids
+            .get(&m.message_id)
+            .unwrap_or_else(|| panic!("an email for no published key: {m:?}"));
+        assert!(seen.insert(&m.message_id), "{key} sent twice");
+        assert!(
+            m.received_at_ms >= due,
+            "{key} sent {} ms early (received at {}, due no earlier than {due})",
+            due - m.received_at_ms,
+            m.received_at_ms
+        );
+        assert_eq!(m.rcpt_to, vec![to.to_string()], "{key}");
+        assert_eq!(m.subject, "Welcome!", "{key}");
+        let raw = m.raw.as_deref().unwrap_or_default();
+        assert!(
+            raw.contains(&format!("Hello from the {language} producer example.")),
+            "{raw}"
+        );
+    }
+    assert_eq!(all.len(), BULK_COUNT, "one email per key");
+    // postie recorded each as sent at the first attempt.
+    let sent = env
+        .inbox_count(&format!(
+            "key LIKE '{key}-%' AND status = 'sent' AND attempts = 1"
+        ))
+        .await;
+    assert_eq!(
+        sent, BULK_COUNT as i64,
+        "inbox rows sent at the first attempt"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_example_publishes_a_delayed_job_that_is_sent_once() {
     let dir = repo("examples/python");
@@ -219,15 +346,16 @@ async fn node_example_publishes_a_delayed_job_that_is_sent_once() {
 /// Debian's packaged amqp091-go, for a GOPATH-mode build without the module proxy.
 const DEBIAN_GOPATH: &str = "/usr/share/gocode";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn go_example_publishes_a_delayed_job_that_is_sent_once() {
+/// Builds the Go example into `CARGO_TARGET_TMPDIR/<name>` (its own directory and
+/// build cache per test, as the tests run in parallel) and returns the binary.
+async fn build_go_example(name: &str) -> PathBuf {
     let dir = repo("examples/go");
     assert!(
         works("go", &["version"], &dir)
             && Path::new(DEBIAN_GOPATH).join("src/github.com/rabbitmq/amqp091-go").is_dir(),
         "the Go example needs go and amqp091-go: apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev"
     );
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("go-example");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let binary = out.join("publish");
     run(
         "go build (examples/go)",
@@ -242,6 +370,12 @@ async fn go_example_publishes_a_delayed_job_that_is_sent_once() {
             .env("GOFLAGS", ""),
     )
     .await;
+    binary
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_example_publishes_a_delayed_job_that_is_sent_once() {
+    let binary = build_go_example("go-example").await;
 
     let env = TestEnv::new("ex-go").await;
     let serving = env.serve(env.settings());
@@ -283,11 +417,121 @@ async fn rust_example_publishes_a_delayed_job_that_is_sent_once() {
     assert_eq!(options.delay_ms, DELAY_MS);
 
     let before = now_ms();
-    publish_example::publish(&options)
+    let mut confirmed = Vec::new();
+    publish_example::publish(&options, |k| confirmed.push(k.to_string()))
+        .await
+        .expect("the Rust example publishes");
+    assert_eq!(confirmed, [key.as_str()]);
+
+    assert_sent_once(&env, &key, to, before, "Rust").await;
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_example_publishes_many_jobs_with_pipelined_confirms() {
+    let dir = repo("examples/python");
+    assert!(
+        works("python3", &["-c", "import pika"], &dir),
+        "the Python example needs python3 with pika: pip install -r examples/python/requirements.txt"
+    );
+    let env = TestEnv::new("ex-python-bulk").await;
+    let serving = env.serve(env.settings());
+    let to = "python@example.com";
+    let key = format!("import-{}:welcome", uuid::Uuid::new_v4().simple());
+
+    let before = now_ms();
+    let stdout = run(
+        "examples/python/publish.py (bulk)",
+        tokio::process::Command::new("python3")
+            .arg(dir.join("publish.py"))
+            .args(bulk_args(&key))
+            .envs(example_env(&env, to)),
+    )
+    .await;
+    assert_summary(&stdout, BULK_COUNT, BULK_WINDOW);
+    let keys = published_keys(&stdout, &format!("{}.delayed", env.prefix));
+
+    assert_bulk_sent_once(&env, &key, keys, to, before, "Python").await;
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_example_publishes_many_jobs_with_pipelined_confirms() {
+    let dir = repo("examples/node");
+    assert!(
+        works("node", &["-e", "require('amqplib')"], &dir),
+        "the Node.js example needs node (18+) and its dependencies: npm ci --prefix examples/node"
+    );
+    let env = TestEnv::new("ex-node-bulk").await;
+    let serving = env.serve(env.settings());
+    let to = "node@example.com";
+    let key = format!("import-{}:welcome", uuid::Uuid::new_v4().simple());
+
+    let before = now_ms();
+    // The count and window from the environment this time.
+    let mut vars = example_env(&env, to);
+    vars.push(("EMAIL_COUNT", BULK_COUNT.to_string()));
+    vars.push(("EMAIL_WINDOW", BULK_WINDOW.to_string()));
+    let stdout = run(
+        "examples/node/publish.js (bulk)",
+        tokio::process::Command::new("node")
+            .arg(dir.join("publish.js"))
+            .args(["--key", &key])
+            .envs(vars),
+    )
+    .await;
+    assert_summary(&stdout, BULK_COUNT, BULK_WINDOW);
+    let keys = published_keys(&stdout, &format!("{}.delayed", env.prefix));
+
+    assert_bulk_sent_once(&env, &key, keys, to, before, "Node.js").await;
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_example_publishes_many_jobs_with_pipelined_confirms() {
+    let binary = build_go_example("go-example-bulk").await;
+    let env = TestEnv::new("ex-go-bulk").await;
+    let serving = env.serve(env.settings());
+    let to = "go@example.com";
+    let key = format!("import-{}:welcome", uuid::Uuid::new_v4().simple());
+
+    let before = now_ms();
+    let stdout = run(
+        "examples/go (bulk)",
+        tokio::process::Command::new(&binary)
+            .args(bulk_args(&key))
+            .envs(example_env(&env, to)),
+    )
+    .await;
+    assert_summary(&stdout, BULK_COUNT, BULK_WINDOW);
+    let keys = published_keys(&stdout, &format!("{}.delayed", env.prefix));
+
+    assert_bulk_sent_once(&env, &key, keys, to, before, "Go").await;
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_example_publishes_many_jobs_with_pipelined_confirms() {
+    let env = TestEnv::new("ex-rust-bulk").await;
+    let serving = env.serve(env.settings());
+    let to = "rust@example.com";
+    let key = format!("import-{}:welcome", uuid::Uuid::new_v4().simple());
+    let vars: Vec<(&str, String)> = example_env(&env, to);
+    let options = publish_example::Options::from_args(bulk_args(&key), |name| {
+        vars.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.clone())
+    })
+    .expect("options");
+    assert_eq!((options.count, options.window), (50, 10));
+
+    let before = now_ms();
+    let mut keys = Vec::new();
+    publish_example::publish(&options, |k| keys.push(k.to_string()))
         .await
         .expect("the Rust example publishes");
 
-    assert_sent_once(&env, &key, to, before, "Rust").await;
+    assert_bulk_sent_once(&env, &key, keys, to, before, "Rust").await;
     serving.stop().await;
 }
 
@@ -302,6 +546,8 @@ fn rust_example_reads_flags_then_environment_then_defaults() {
     assert_eq!(defaults.exchange(), "postie.delayed");
     assert_eq!(defaults.to, "alice@example.com");
     assert_eq!(defaults.delay_ms, 5000);
+    assert_eq!((defaults.count, defaults.window), (1, 256));
+    assert_eq!(defaults.keys(), [defaults.key.as_str()]);
     assert!(
         IdempotencyKey::parse(&defaults.key).is_ok(),
         "{}",
@@ -312,6 +558,8 @@ fn rust_example_reads_flags_then_environment_then_defaults() {
         "POSTIE_PREFIX" => Some("env".to_string()),
         "EMAIL_DELAY_MS" => Some("250".to_string()),
         "EMAIL_KEY" => Some("from-env".to_string()),
+        "EMAIL_COUNT" => Some("3".to_string()),
+        "EMAIL_WINDOW" => Some("7".to_string()),
         _ => None,
     };
     let args = [
@@ -320,6 +568,7 @@ fn rust_example_reads_flags_then_environment_then_defaults() {
         "--delay-ms=-5",
         "--to",
         "bob@example.com",
+        "--window=2",
     ]
     .map(String::from);
     let o = Options::from_args(args, env).unwrap();
@@ -327,10 +576,16 @@ fn rust_example_reads_flags_then_environment_then_defaults() {
     assert_eq!(o.delay_ms, 0, "a negative delay means now");
     assert_eq!(o.to, "bob@example.com");
     assert_eq!(o.key, "from-env");
+    assert_eq!((o.count, o.window), (3, 2));
+    assert_eq!(o.keys(), ["from-env-0", "from-env-1", "from-env-2"]);
 
     for bad in [
         vec!["--delay-ms", "1.5"],
         vec!["--delay-ms"],
+        vec!["--count", "0"],
+        vec!["--count", "-1"],
+        vec!["--window", "0"],
+        vec!["--window", "many"],
         vec!["--colour", "red"],
         vec!["stray"],
     ] {
