@@ -42,11 +42,16 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
     root || die "installing ${apt_missing[*]} needs root (apt-get); run as root or install them"
     command -v apt-get >/dev/null || die "no apt-get to install ${apt_missing[*]}; install them"
     apt-get update -qq >"$log" 2>&1 \
-        || die "apt-get update failed: Debian's package registry is not reachable (needed for ${apt_missing[*]})"
+        || die "apt-get update failed; Debian's package registry is needed for ${apt_missing[*]}"
+    # apt-get update only warns when it cannot reach the registry.
+    unreachable=""
+    if grep -q '^W: Failed to fetch' "$log"; then
+        unreachable=": apt-get update could not reach Debian's package registry"
+    fi
     for package in "${apt_missing[@]}"; do say "installing $package (apt-get)"; done
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         "${apt_missing[@]}" >"$log" 2>&1 \
-        || die "apt-get install ${apt_missing[*]} failed"
+        || die "apt-get install ${apt_missing[*]} failed$unreachable"
 fi
 
 # Python: pika (the Python producer example) and PyYAML (tests/deploy_files.rs).
@@ -70,11 +75,13 @@ if [ ${#pip_args[@]} -gt 0 ]; then
 fi
 
 # Node.js: the Node producer example's dependencies (amqplib), from its lock file.
-command -v node >/dev/null && command -v npm >/dev/null \
-    || die "node and npm are missing (the Node producer example needs them)"
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    die "node or npm is missing (the Node producer example needs both)"
+fi
 if ! (cd examples/node && node -e "require('amqplib')") >/dev/null 2>&1; then
+    [ -w examples/node ] || die "npm ci needs to write examples/node, which this user cannot"
     say "installing the Node example's dependencies (npm ci --prefix examples/node)"
-    npm ci --prefix examples/node --no-audit --no-fund --silent >"$log" 2>&1 \
+    npm ci --prefix examples/node --no-audit --no-fund --loglevel=error >"$log" 2>&1 \
         || die "npm ci --prefix examples/node failed (is the npm registry reachable?)"
 fi
 
