@@ -9,10 +9,11 @@ help: ## this list
 build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sink, themselves)
 	$(CARGO) build --release --locked
 
-test: ## the whole test suite (needs RabbitMQ and PostgreSQL on 127.0.0.1), with the SMTP sink's unit tests
+test: ## the whole test suite; first installs/starts what it needs (scripts/test-setup.sh)
+	bash scripts/test-setup.sh
 	$(CARGO) test --locked --workspace --all-targets
 
-demo: ## migrate, serve, publish a few jobs, show the delivered emails
+demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh
 
 fmt: ## format the code
@@ -24,7 +25,7 @@ lint: ## formatting and clippy, warnings are errors
 
 check: lint test ## what CI checks
 
-ci: ## what CI runs: start services if needed, then the tests
+ci: ## what CI runs: scripts/test-setup.sh, then make test
 	bash .ci/run
 
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)

@@ -329,3 +329,30 @@ async fn command_output_into_a_closed_pipe_exits_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
+
+/// `postie serve 2> file`: logs that go to a pipe or a file carry no ANSI colour
+/// codes (colour is for terminals only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_into_a_pipe_carry_no_colour_codes() {
+    let env = TestEnv::new("nocolour").await;
+    let mut serve = env.spawn_process(&[("RUST_LOG", "debug,lapin=off")]);
+    let served = &serve;
+    eventually(
+        "postie serve to log that it serves",
+        WAIT,
+        move || async move { served.log().contains("postie serving").then_some(()) },
+    )
+    .await;
+    let status = serve.terminate(WAIT);
+    assert!(status.is_some_and(|s| s.success()), "{}", serve.log());
+    let served = &serve;
+    let log = eventually("postie to log that it stopped", WAIT, move || async move {
+        let log = served.log();
+        log.contains("postie stopped").then_some(log)
+    })
+    .await;
+    assert!(
+        !log.contains('\u{1b}'),
+        "ESC (ANSI colour) in a log written to a pipe:\n{log}"
+    );
+}

@@ -3,6 +3,7 @@
 //! delivery's span continues the producer's trace from the job's `traceparent`.
 
 use std::collections::HashMap;
+use std::io::IsTerminal;
 
 use lapin::types::FieldTable;
 use opentelemetry::propagation::TextMapPropagator;
@@ -36,7 +37,14 @@ pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryG
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&log.filter))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only on a terminal, never with NO_COLOR set (https://no-color.org), never
+    // in JSON: logs written to a file or a pipe stay plain text.
+    let ansi = log.format == LogFormat::Human
+        && std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let fmt = match log.format {
         LogFormat::Json => fmt
             .json()
