@@ -6,5 +6,5 @@ ALTER TABLE postie_inbox
     ADD COLUMN body bytea,                  -- the job as published; NULL once finished
     ADD COLUMN reconciled_at timestamptz;   -- last re-publish by the reconciler
 
--- The reconciler's and `postie pending`'s scan: scheduled rows by due time.
-CREATE INDEX postie_inbox_scheduled_due ON postie_inbox (due_at) WHERE status = 'scheduled';
+-- The reconciler scans scheduled rows by due time through postie_inbox_scheduled_due
+-- (0002), as `postie pending` does.

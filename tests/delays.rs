@@ -355,11 +355,18 @@ async fn jobs_lost_from_the_ladder_are_re_published_after_the_grace() {
         "every job scheduled with its body",
         Duration::from_secs(60),
         move || async move {
-            (envr
-                .inbox_count("status = 'scheduled' AND body IS NOT NULL")
+            // The table appears once postie has migrated.
+            let row = envr
+                .db()
                 .await
-                == JOBS as i64)
-                .then_some(())
+                .query_one(
+                    "SELECT count(*) FROM postie_inbox \
+                     WHERE status = 'scheduled' AND body IS NOT NULL",
+                    &[],
+                )
+                .await
+                .ok()?;
+            (row.get::<_, i64>(0) == JOBS as i64).then_some(())
         },
     )
     .await;

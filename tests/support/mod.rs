@@ -729,7 +729,7 @@ fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
 async fn connect_pg(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
-        .unwrap_or_else(|e| panic!("PostgreSQL for tests at {url}: {e}"));
+        .unwrap_or_else(|e| panic!("PostgreSQL for tests at {url}: {e:?}"));
     tokio::spawn(connection);
     client
 }
