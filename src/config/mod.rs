@@ -208,6 +208,14 @@ impl Settings {
 mod tests {
     use super::*;
 
+    /// An environment for [`Settings::load_from`].
+    fn vars(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
     #[test]
     fn defaults_are_valid() {
         Settings::default().validate().expect("defaults validate");
@@ -215,15 +223,12 @@ mod tests {
 
     #[test]
     fn environment_overrides_defaults_and_parses_lists() {
-        let env = [
+        let env = vars(&[
             ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2m"),
             ("POSTIE__AMQP__PREFETCH", "7"),
             ("POSTIE__HTTP__LISTEN", ""),
             ("POSTIE__SMTP__URL", "file:///tmp/x"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let s = Settings::load_from(None, Some(env)).unwrap();
         assert_eq!(
             s.topology.retry_steps,
@@ -250,14 +255,11 @@ mod tests {
 
     #[test]
     fn throttles_are_read_per_type_from_the_environment() {
-        let env = [
+        let env = vars(&[
             ("POSTIE__THROTTLE__ORDER_CONFIRMATION__LIMIT", "2"),
             ("POSTIE__THROTTLE__ORDER_CONFIRMATION__WINDOW", "1h"),
             ("POSTIE__THROTTLE__ORDER_CONFIRMATION__POLICY", "defer"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let s = Settings::load_from(None, Some(env)).unwrap();
         let rule = &s.throttle["order_confirmation"];
         assert_eq!(
@@ -268,27 +270,18 @@ mod tests {
 
     #[test]
     fn inbox_retention_is_read_and_tombstones_default_to_it() {
-        let env = [("POSTIE__INBOX__RETENTION", "7d")]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let env = vars(&[("POSTIE__INBOX__RETENTION", "7d")]);
         let s = Settings::load_from(None, Some(env)).unwrap();
         assert_eq!(s.inbox.retention, Duration::from_secs(7 * 86_400));
         assert_eq!(s.inbox.tombstone_retention(), s.inbox.retention);
-        let env = [
+        let env = vars(&[
             ("POSTIE__INBOX__TOMBSTONE_RETENTION", "1h"),
             ("POSTIE__INBOX__PRUNE_INTERVAL", "1s"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let s = Settings::load_from(None, Some(env)).unwrap();
         assert_eq!(s.inbox.tombstone_retention(), Duration::from_secs(3600));
         assert_eq!(s.inbox.retention, Duration::from_secs(30 * 86_400));
-        let env = [("POSTIE__INBOX__RETENTION", "0s")]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let env = vars(&[("POSTIE__INBOX__RETENTION", "0s")]);
         let err = Settings::load_from(None, Some(env))
             .unwrap_err()
             .to_string();
@@ -298,17 +291,11 @@ mod tests {
     #[test]
     fn a_comma_separated_amqp_url_arrives_whole_and_each_address_is_checked() {
         let list = "amqp://u:SECRETPW1@10.0.0.1:5672/%2f,amqp://u:SECRETPW2@10.0.0.2:5672/%2f,amqp://u:SECRETPW3@10.0.0.3:5672/%2f";
-        let env = [("POSTIE__AMQP__URL", list)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let env = vars(&[("POSTIE__AMQP__URL", list)]);
         let s = Settings::load_from(None, Some(env)).unwrap();
         assert_eq!(s.amqp.url.expose_secret(), list);
         let bad = "amqp://u:SECRETPW1@10.0.0.1/%2f,amqp://u:SECRETPW2@10.0.0.2:notaport/%2f";
-        let env = [("POSTIE__AMQP__URL", bad)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let env = vars(&[("POSTIE__AMQP__URL", bad)]);
         let err = Settings::load_from(None, Some(env))
             .unwrap_err()
             .to_string();
@@ -354,24 +341,18 @@ mod tests {
         let err = s.validate().unwrap_err().to_string();
         assert!(err.contains("verify-ca"), "{err}");
 
-        let env = [(
+        let env = vars(&[(
             "POSTIE__SMTP__URL",
             "smtp://relay.example.com?tls=sometimes",
-        )]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        )]);
         let err = Settings::load_from(None, Some(env))
             .unwrap_err()
             .to_string();
         assert!(err.contains("tls=sometimes"), "{err}");
-        let env = [
+        let env = vars(&[
             ("POSTIE__DATABASE__URL", "postgres://a@10.0.0.5/x"),
             ("POSTIE__DATABASE__ALLOW_PLAINTEXT", "true"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let s = Settings::load_from(None, Some(env)).expect("escape hatch from the environment");
         assert!(s.database.allow_plaintext);
     }
