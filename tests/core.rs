@@ -98,8 +98,10 @@ async fn five_publishes_of_one_key_send_one_email_and_count_four_duplicates() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smtp_4xx_is_retried_through_the_retry_queues_then_sent() {
     let env = TestEnv::new("tempfail").await;
+    // A 4xx that is not a throttle (none of smtp.throttle_patterns: "try again later"
+    // is one, and a throttle is retried without counting an attempt; tests/rate_limit.rs).
     env.sink
-        .set_faults(json!([{"stage": "rcpt", "rcpt_contains": "flaky", "action": {"reply": "451 4.3.0 try again later"}, "times": 2}]))
+        .set_faults(json!([{"stage": "rcpt", "rcpt_contains": "flaky", "action": {"reply": "451 4.3.0 local error in processing"}, "times": 2}]))
         .await;
     let serving = env.serve(env.settings());
     env.publish(&job("k-flaky", "flaky@example.com")).await;

@@ -186,7 +186,10 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
     let intake = env.topology.intake_queue();
     assert_eq!(env.depth(&intake).await as usize, JOBS);
 
-    let mut first = env.spawn_process(&[]);
+    // Small pools: the other tests of this file run at the same time, with three
+    // processes of 16 connections each, under PostgreSQL's 100.
+    let small_pool = [("POSTIE__DATABASE__POOL_SIZE", "4")];
+    let mut first = env.spawn_process(&small_pool);
     let envr = &env;
     let intake_ref = &intake;
     eventually(
@@ -198,7 +201,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
     first.kill9();
     let killed_at = chrono::Utc::now().timestamp_millis();
     let left = env.depth(&intake).await;
-    let _second = env.spawn_process(&[]);
+    let _second = env.spawn_process(&small_pool);
     env.wait_for_emails("every delayed job", JOBS, Duration::from_secs(300))
         .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
