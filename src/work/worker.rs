@@ -19,20 +19,19 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+mod due;
+mod throttle;
+
 use super::limiter::Limiter;
 use super::policy::{Failure, Next, RetryPolicy};
 use super::{now_ms, DeadKind, Outcome};
-use crate::broker::{DelayLayout, Topology};
-use crate::config::{Settings, ThrottlePolicy};
+use crate::broker::Topology;
+use crate::config::Settings;
 use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
-use crate::headers::{header_int, HEADER_ATTEMPT, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
-use crate::inbox::{Claim, DbError, Inbox, Scheduled, Throttle};
+use crate::headers::{header_int, HEADER_ATTEMPT};
+use crate::inbox::{Claim, DbError, Inbox, Scheduled};
 use crate::mail::{Mailer, SendError};
 use crate::ops::health::{next_backoff, Health};
-
-/// A job that reaches the worker at most this much before its due time is held
-/// until due (the ladder rounds down to whole units); earlier ones go back to wait.
-const HOLD_SLACK: Duration = Duration::from_secs(2);
 
 /// What [`Worker::follow`] leads to.
 enum Followed {
@@ -373,57 +372,6 @@ impl Worker {
         Ok(())
     }
 
-    /// Applies the job type's throttle, if any, under the claim: `None` to go on.
-    async fn throttle(
-        &self,
-        job: &EmailJob,
-        fence: i64,
-        due_ms: i64,
-    ) -> Result<Option<Outcome>, Stop> {
-        let Some(rule) = job
-            .kind
-            .as_ref()
-            .and_then(|kind| self.settings.throttle.get(kind))
-        else {
-            return Ok(None);
-        };
-        let kind = job.kind.as_deref().unwrap_or_default();
-        let recipient = job.throttle_recipient();
-        let verdict = self
-            .db("throttle", || {
-                self.inbox
-                    .throttle(kind, &recipient, rule.limit, rule.window)
-            })
-            .await?;
-        let Throttle::Limited { next_ms } = verdict else {
-            return Ok(None);
-        };
-        let key = job.key.clone();
-        Ok(Some(match rule.policy {
-            ThrottlePolicy::Drop => {
-                self.db("record throttled", || {
-                    self.inbox.mark_throttled(key.as_str(), fence)
-                })
-                .await?;
-                Outcome::Throttled {
-                    key,
-                    until_ms: None,
-                }
-            }
-            ThrottlePolicy::Defer => {
-                self.db("defer", || {
-                    self.inbox
-                        .unclaim(key.as_str(), fence, "throttled (defer policy)")
-                })
-                .await?;
-                Outcome::Throttled {
-                    key,
-                    until_ms: Some(next_ms.max(due_ms)),
-                }
-            }
-        }))
-    }
-
     async fn send(&self, job: &EmailJob) -> Result<(), SendError> {
         let message = self.mailer.build(job)?;
         let started = std::time::Instant::now();
@@ -481,38 +429,6 @@ impl Worker {
         } else {
             Outcome::SentFenceLost { key }
         })
-    }
-
-    /// The due time in Unix ms. The ladder stamps `postie-due-at`; the plugin has
-    /// already waited, so without a publish time there, the job is due now.
-    fn due_ms(
-        &self,
-        headers: Option<&FieldTable>,
-        timestamp_s: Option<u64>,
-    ) -> Result<i64, InvalidJob> {
-        let now = now_ms();
-        let max = self.topology.max_delay();
-        match self.topology.delay() {
-            DelayLayout::Ladder(_) => contract::due_at(headers, timestamp_s, now, max),
-            DelayLayout::Plugin => {
-                contract::x_delay(headers, max)?; // refuse a bad x-delay in this mode too
-                let known = header_int(headers, HEADER_DUE_AT).is_some()
-                    || header_int(headers, HEADER_PUBLISHED_AT).is_some()
-                    || timestamp_s.is_some();
-                if known {
-                    contract::due_at(headers, timestamp_s, now, max)
-                } else {
-                    Ok(now)
-                }
-            }
-        }
-    }
-
-    fn hold_limit(&self) -> Duration {
-        match self.topology.delay() {
-            DelayLayout::Ladder(ladder) => ladder.resolution() + HOLD_SLACK,
-            DelayLayout::Plugin => HOLD_SLACK,
-        }
     }
 
     fn parse(&self, body: &[u8]) -> Result<Request, InvalidJob> {

@@ -1,0 +1,218 @@
+//! Unit tests of `job.rs`.
+
+use super::*;
+use proptest::prelude::*;
+
+const RULES: ParseRules<'static> = ParseRules {
+    max_body_bytes: 64 * 1024,
+    default_from: Some("Shop <noreply@shop.example>"),
+};
+
+fn parse(json: serde_json::Value) -> Result<EmailJob, InvalidJob> {
+    EmailJob::parse(json.to_string().as_bytes(), &RULES)
+}
+
+fn base() -> serde_json::Value {
+    serde_json::json!({
+        "order_id": "42", "type": "order_confirmation",
+        "to": ["alice@example.com"], "subject": "Your order", "text": "hi"
+    })
+}
+
+#[test]
+fn key_comes_from_order_id_and_type_when_absent() {
+    let job = parse(base()).unwrap();
+    assert_eq!(job.key.as_str(), "42:order_confirmation");
+    assert_eq!(job.from.email.to_string(), "noreply@shop.example");
+}
+
+#[test]
+fn explicit_key_wins() {
+    let mut v = base();
+    v["key"] = "order-42:order_confirmation".into();
+    assert_eq!(
+        parse(v).unwrap().key.as_str(),
+        "order-42:order_confirmation"
+    );
+}
+
+#[test]
+fn rejects_each_bad_input_with_a_reason() {
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (
+            serde_json::json!({"to": ["a@b.example"], "subject": "s", "text": "t"}),
+            "no idempotency key",
+        ),
+        (
+            {
+                let mut v = base();
+                v["to"] = serde_json::json!([]);
+                v
+            },
+            "no recipient",
+        ),
+        (
+            {
+                let mut v = base();
+                v["to"] = serde_json::json!(["not an address"]);
+                v
+            },
+            "not a valid address",
+        ),
+        (
+            {
+                let mut v = base();
+                v["subject"] = "a\r\nBcc: x@evil.example".into();
+                v
+            },
+            "CR/LF",
+        ),
+        (
+            {
+                let mut v = base();
+                v["subject"] = "line\u{2028}sep".into();
+                v
+            },
+            "U+2028",
+        ),
+        (
+            {
+                let mut v = base();
+                v.as_object_mut().unwrap().remove("text");
+                v
+            },
+            "neither",
+        ),
+        (
+            {
+                let mut v = base();
+                v["headers"] = serde_json::json!({"Bcc": "x@evil.example"});
+                v
+            },
+            "set by postie",
+        ),
+        (
+            {
+                let mut v = base();
+                v["headers"] = serde_json::json!({"X-A": "1\n2"});
+                v
+            },
+            "CR/LF",
+        ),
+        (
+            {
+                let mut v = base();
+                v["htm"] = "<p>".into();
+                v
+            },
+            "unknown field",
+        ),
+        (
+            {
+                let mut v = base();
+                v["version"] = 2.into();
+                v
+            },
+            "unsupported version",
+        ),
+    ];
+    for (json, expected) in cases {
+        let err = parse(json.clone()).expect_err(&json.to_string());
+        assert!(err.0.contains(expected), "{json}: {err}");
+    }
+}
+
+#[test]
+fn rejects_oversized_empty_and_non_utf8_bodies() {
+    let big = vec![b' '; RULES.max_body_bytes + 1];
+    assert!(EmailJob::parse(&big, &RULES)
+        .unwrap_err()
+        .0
+        .contains("over the limit"));
+    assert!(EmailJob::parse(b"", &RULES)
+        .unwrap_err()
+        .0
+        .contains("empty"));
+    assert!(EmailJob::parse(b"\xff\xfe", &RULES)
+        .unwrap_err()
+        .0
+        .contains("UTF-8"));
+    assert!(EmailJob::parse(b"{not json", &RULES)
+        .unwrap_err()
+        .0
+        .contains("not a valid job"));
+}
+
+#[test]
+fn cancel_requests_are_told_apart_from_jobs() {
+    let cancel = Request::parse(br#"{"cancel": "order-1:x", "revision": 2}"#, &RULES).unwrap();
+    assert!(
+        matches!(cancel, Request::Cancel { ref key, revision: Some(2) } if key.as_str() == "order-1:x")
+    );
+    assert!(Request::parse(br#"{"cancel": "k", "extra": 1}"#, &RULES).is_err());
+    assert!(Request::parse(br#"{"cancel": "k", "revision": -1}"#, &RULES).is_err());
+    let job = Request::parse(base().to_string().as_bytes(), &RULES).unwrap();
+    assert!(matches!(job, Request::Job(ref j) if j.revision == 0));
+}
+
+#[test]
+fn throttle_recipient_is_the_user_else_the_first_address() {
+    let mut v = base();
+    v["to"] = serde_json::json!(["Alice <Alice@Example.com>"]);
+    assert_eq!(
+        parse(v.clone()).unwrap().throttle_recipient(),
+        "addr:alice@example.com"
+    );
+    v["user_id"] = "u-7".into();
+    assert_eq!(parse(v).unwrap().throttle_recipient(), "user:u-7");
+}
+
+#[test]
+fn reasons_are_short_and_single_line() {
+    assert_eq!(
+        readable("a\r\nb\u{2028}", 100),
+        "a\\u{000d}\\u{000a}b\\u{2028}"
+    );
+    let long = readable(&"z".repeat(10_000), 300);
+    assert!(long.len() <= 300 && long.ends_with('…'));
+    let mut v = base();
+    v[format!("x\rBcc: {}", "z".repeat(300_000))] = 1.into();
+    let reason = parse(v).unwrap_err().0;
+    assert!(
+        reason.len() < 400 && !reason.contains('\r'),
+        "{}",
+        reason.len()
+    );
+}
+
+#[test]
+fn content_and_resent_headers_are_reserved() {
+    for name in ["Content-Length", "content-foo", "Resent-Anything"] {
+        let mut v = base();
+        v["headers"] = serde_json::json!({ name: "1" });
+        assert!(parse(v).unwrap_err().0.contains("set by postie"), "{name}");
+    }
+}
+
+#[test]
+fn message_id_is_a_function_of_the_key() {
+    let a = IdempotencyKey::parse("order-1:x").unwrap();
+    let b = IdempotencyKey::parse("order-2:x").unwrap();
+    assert_eq!(a.message_id("d.example"), a.message_id("d.example"));
+    assert_ne!(a.message_id("d.example"), b.message_id("d.example"));
+    assert!(a.message_id("d.example").ends_with("@d.example>"));
+}
+
+proptest! {
+    #[test]
+    fn no_accepted_header_value_can_break_a_line(subject in "\\PC{0,40}[\\r\\n\\u{0}\\u{2028}\\u{85}]\\PC{0,40}") {
+        let mut v = base();
+        v["subject"] = subject.into();
+        prop_assert!(parse(v).is_err());
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = EmailJob::parse(&body, &RULES);
+    }
+}
