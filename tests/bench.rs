@@ -119,6 +119,11 @@ struct EndToEnd {
     peak_rss_kib: Vec<u64>,
     lost: usize,
     duplicates: usize,
+    /// Seconds from the processes' start to the sink's first email (start-up:
+    /// connections, migrations, topology, the first claims).
+    first_email_s: f64,
+    /// Emails per second from the first email to the last: the pace once running.
+    running_rate: f64,
 }
 
 impl EndToEnd {
@@ -478,7 +483,7 @@ async fn sink_leg(n: usize, concurrency: usize) -> Measured {
 /// that none comes due, then one postie process relays them into the ladder (each a
 /// pending record and a confirmed republish); timed from its start until the intake
 /// is empty and the ladder holds them all.
-async fn relay_leg(n: usize) -> Measured {
+async fn relay_leg(n: usize, extra: &[(String, String)]) -> Measured {
     let env = TestEnv::new("benchrelay").await;
     let conn = broker_connection("postie-bench").await;
     let publisher = broker::confirm_channel(&conn).await.unwrap();
@@ -513,7 +518,6 @@ async fn relay_leg(n: usize) -> Measured {
     let levels: Vec<String> = (0..ladder.levels())
         .map(|k| env.topology.delay_level(k))
         .collect();
-    let extra = support::bench::extra_postie_env();
     let extra: Vec<(&str, &str)> = extra
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -564,6 +568,7 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
 
     let before = CpuSnapshot::take();
     let started = Instant::now();
+    let started_ms = chrono::Utc::now().timestamp_millis();
     let extra = support::bench::extra_postie_env();
     let extra: Vec<(&str, &str)> = extra
         .iter()
@@ -597,7 +602,10 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
 
     let mut ids = BTreeSet::new();
     let mut duplicates = 0;
+    let (mut first_ms, mut last_ms) = (i64::MAX, i64::MIN);
     for m in env.sink.messages(false).await {
+        first_ms = first_ms.min(m.received_at_ms);
+        last_ms = last_ms.max(m.received_at_ms);
         duplicates += usize::from(!ids.insert(m.message_id));
     }
     let lost = (0..n)
@@ -612,6 +620,8 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
         peak_rss_kib,
         lost,
         duplicates,
+        first_email_s: (first_ms - started_ms) as f64 / 1000.0,
+        running_rate: n.saturating_sub(1) as f64 * 1000.0 / (last_ms - first_ms).max(1) as f64,
     };
     result.run.label = result.label();
     result
@@ -736,7 +746,7 @@ async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
     order.sort_by(|&a, &b| measured[a].ratio().total_cmp(&measured[b].ratio()));
     let median = order[order.len() / 2];
     let sink = sink_leg(n, defaults.concurrency).await;
-    let relay = relay_leg(n).await;
+    let relay = relay_leg(n, &support::bench::extra_postie_env()).await;
     let mut delayed = Vec::new();
     for instances in [1, 3] {
         delayed.push(end_to_end(n, instances, Entry::Delayed).await);
@@ -795,13 +805,13 @@ fn markdown(r: &Report) -> String {
             r.median + 1
         );
         let _ = writeln!(w);
-        let _ = writeln!(w, "| round | C_broker | C_db | C_smtp | fair bound | 1 process | ratio | 3 processes | ratio |");
-        let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(w, "| round | C_broker | C_db | C_smtp | fair bound | 1 process | ratio | 3 processes | ratio | ratios from the first email (1 / 3) |");
+        let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for (i, round) in r.rounds.iter().enumerate() {
             let bound = round.fair_bound();
             let _ = writeln!(
                 w,
-                "| {} | {:.0} | {:.0} | {:.0} | {bound:.0} | {:.0} | {:.2} | {:.0} | {:.2} |",
+                "| {} | {:.0} | {:.0} | {:.0} | {bound:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.2} / {:.2} |",
                 i + 1,
                 round.broker.rate(),
                 round.database.rate(),
@@ -810,12 +820,14 @@ fn markdown(r: &Report) -> String {
                 round.runs[0].run.rate() / bound,
                 round.runs[1].run.rate(),
                 round.runs[1].run.rate() / bound,
+                round.runs[0].running_rate / bound,
+                round.runs[1].running_rate / bound,
             );
         }
         let _ = writeln!(w);
     }
-    let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ its bound (send: fair, delayed: delayed-path) | postie CPU/email | postie peak RSS | lost | duplicates |");
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(w, "| end to end (pre-published, fresh topology/db/sink) | emails/s | wall | ÷ its bound (send: fair, delayed: delayed-path) | first email after | emails/s from the first email | ÷ its bound | postie CPU/email | postie peak RSS | lost | duplicates |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for e in r.runs() {
         let rss: Vec<String> = e
             .peak_rss_kib
@@ -825,11 +837,14 @@ fn markdown(r: &Report) -> String {
         let cpu_s: f64 = e.postie_cpu_s.iter().sum();
         let _ = writeln!(
             w,
-            "| {} | {:.0} | {:.1} s | {:.2} | {:.3} ms | {} MiB | {} | {} |",
+            "| {} | {:.0} | {:.1} s | {:.2} | {:.2} s | {:.0} | {:.2} | {:.3} ms | {} MiB | {} | {} |",
             e.run.label,
             e.run.rate(),
             e.run.cpu.wall_s,
             e.run.rate() / r.bound_of(e),
+            e.first_email_s,
+            e.running_rate,
+            e.running_rate / r.bound_of(e),
             cpu_s * 1000.0 / e.run.n as f64,
             rss.join(" / "),
             e.lost,
@@ -957,6 +972,9 @@ fn json(r: &Report) -> serde_json::Value {
             v["instances"] = e.instances.into();
             v["ratio_to_fair_bound"] = round3(e.run.rate() / bound).into();
             v["ratio_to_its_bound"] = round3(e.run.rate() / r.bound_of(e)).into();
+            v["first_email_s"] = round3(e.first_email_s).into();
+            v["running_per_s"] = round3(e.running_rate).into();
+            v["running_ratio_to_its_bound"] = round3(e.running_rate / r.bound_of(e)).into();
             v["postie_cpu_s"] = e
                 .postie_cpu_s
                 .iter()
@@ -1056,4 +1074,42 @@ async fn bench_full() {
     let json = serde_json::to_string_pretty(&json(&report)).unwrap();
     std::fs::write(format!("{dir}/bench.json"), json).unwrap();
     assert_sane(&report);
+}
+
+/// What recording each scheduled job's body (for the reconciler, issue #15) costs the
+/// relay: the relay leg with `delay.reconcile` on and off, alternated for
+/// POSTIE_BENCH_ROUNDS rounds (default 3) so that the machine's drift hits both.
+/// `cargo test --release --locked --test bench -- --ignored --nocapture bench_relay_bodies`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: the relay with and without body recording"]
+async fn bench_relay_bodies() {
+    let n = env_usize("POSTIE_BENCH_N", 20_000);
+    let extra = support::bench::extra_postie_env();
+    let mut off = extra.clone();
+    off.push(("POSTIE__DELAY__RECONCILE".into(), "false".into()));
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for round in 1..=env_usize("POSTIE_BENCH_ROUNDS", 3) {
+        for (bodies, settings, rates) in [(true, &extra, &mut with), (false, &off, &mut without)] {
+            let leg = relay_leg(n, settings).await;
+            println!(
+                "round {round}, bodies recorded {bodies}: {:.0} jobs/s, {:.3} ms CPU/job (postie {:.3}, PostgreSQL {:.3}, RabbitMQ {:.3})",
+                leg.rate(),
+                leg.cpu.busy_ms_per_email,
+                leg.cpu.of(Who::Postie),
+                leg.cpu.of(Who::Postgres),
+                leg.cpu.of(Who::Rabbitmq),
+            );
+            rates.push(leg.rate());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (on, off) = (median(&mut with), median(&mut without));
+    println!(
+        "relay leg, N = {n}, median: bodies recorded {on:.0} jobs/s, not recorded {off:.0} jobs/s ({:+.1} %)",
+        100.0 * (on / off - 1.0)
+    );
+    assert!(on > 0.0 && off > 0.0);
 }
