@@ -349,15 +349,16 @@ async fn size(env: &TestEnv) -> (i64, i64, i64) {
     (row.get(0), row.get(1), row.get(2))
 }
 
-/// The database leg of `make bench` (claim + mark sent, 16 tasks) with the inbox
-/// pre-filled with 10^5 and 10^6 sent rows (`POSTIE_PREFILL=100000,1000000,...`).
+/// The database leg of `make bench` (claim + mark sent of 20,000 new keys by 64 tasks
+/// through postie's default pool of 16 connections) with the inbox pre-filled with
+/// sent rows: 0, 10^5 and 10^6 by default (`POSTIE_PREFILL=0,100000,1000000,10000000`).
 /// Slow and disk-hungry: `cargo test --release --test retention -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn database_leg_with_a_prefilled_inbox() {
     use postie::inbox::{Claim, Inbox};
-    const N: usize = 5_000;
-    const TASKS: usize = 16;
+    const N: usize = 20_000;
+    const TASKS: usize = 64;
     let sizes: Vec<i64> = std::env::var("POSTIE_PREFILL")
         .unwrap_or_else(|_| "0,100000,1000000".into())
         .split(',')
@@ -428,4 +429,105 @@ async fn database_leg_with_a_prefilled_inbox() {
             indexes as f64 / 1_048_576.0
         );
     }
+}
+
+/// Issue 14's size figure: one release `postie serve` sends `POSTIE_RETENTION_RUN_N`
+/// emails (default 200,000) with `inbox.retention` 10 s and a prune every 5 s; the
+/// inbox's rows and size are sampled while it runs and after the last prune.
+/// `cargo test --release --test retention -- --ignored --nocapture size_after_a_run`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn size_after_a_run_with_short_retention() {
+    use support::bench::{broker_connection, publish_bodies};
+    let n: usize = std::env::var("POSTIE_RETENTION_RUN_N")
+        .ok()
+        .map(|v| v.parse().expect("a job count"))
+        .unwrap_or(200_000);
+    let env = TestEnv::new("sizerun").await;
+    let mut postie = env.spawn_process(&[
+        ("POSTIE__INBOX__RETENTION", "10s"),
+        ("POSTIE__INBOX__PRUNE_INTERVAL", "5s"),
+    ]);
+    let envr = &env;
+    eventually(
+        "the inbox table",
+        Duration::from_secs(60),
+        move || async move {
+            envr.db()
+                .await
+                .query_opt("SELECT to_regclass('postie_inbox')::text", &[])
+                .await
+                .ok()
+                .flatten()
+                .and_then(|r| r.get::<_, Option<String>>(0))
+        },
+    )
+    .await;
+    let conn = broker_connection("postie-size-run").await;
+    let channel = postie::broker::confirm_channel(&conn).await.unwrap();
+    let exchange = env.topology.work_exchange();
+    let started = Instant::now();
+    let publishing = tokio::spawn(async move {
+        let bodies = (0..n).map(|i| {
+            job(&format!("run-{i}"), "a@example.com")
+                .to_string()
+                .into_bytes()
+        });
+        publish_bodies(&channel, &exchange, postie::broker::ROUTING_KEY, bodies).await;
+        conn
+    });
+    let mut peak = (0i64, 0i64, 0i64, 0i64);
+    loop {
+        let sent = env.sink.stats().await.accepted as usize;
+        let (total, heap, indexes) = size(&env).await;
+        let now_rows = env.inbox_count("true").await;
+        if total > peak.0 {
+            peak = (total, heap, indexes, now_rows);
+        }
+        if sent >= n {
+            break;
+        }
+        if let Ok(Some(status)) = postie.child.try_wait() {
+            panic!("postie exited ({status}):\n{}", postie.log());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1_800),
+            "{sent} of {n} emails after 30 minutes"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let _ = publishing.await.unwrap().close(200, "done".into()).await;
+    // Retention 10 s plus one prune interval, and a margin, after the last send.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let left = env.inbox_count("true").await;
+    let after = size(&env).await;
+    postie.terminate(Duration::from_secs(30));
+    env.db()
+        .await
+        .batch_execute("VACUUM postie_inbox")
+        .await
+        .unwrap();
+    let vacuumed = size(&env).await;
+    let per_id = env.emails_per_id().await;
+    assert_eq!(per_id.len(), n, "every job sent");
+    assert!(per_id.values().all(|c| *c == 1), "a duplicate email");
+    assert_eq!(left, 0, "every row is older than retention and finished");
+    let mb = |b: i64| b as f64 / 1_048_576.0;
+    eprintln!(
+        "FIGURES size run: {n} emails in {seconds:.0}s ({:.0}/s), retention 10s, prune every 5s; \
+         postie_inbox total/heap/indexes MB: peak {:.1}/{:.1}/{:.1} ({} rows then); \
+         20 s after the last send {:.1}/{:.1}/{:.1} ({left} rows); after VACUUM {:.1}/{:.1}/{:.1}",
+        n as f64 / seconds,
+        mb(peak.0),
+        mb(peak.1),
+        mb(peak.2),
+        peak.3,
+        mb(after.0),
+        mb(after.1),
+        mb(after.2),
+        mb(vacuumed.0),
+        mb(vacuumed.1),
+        mb(vacuumed.2),
+    );
 }
