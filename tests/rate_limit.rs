@@ -17,6 +17,10 @@ use support::{free_port, job, message_id, PostieProcess, TestEnv};
 const JOBS: usize = 1_200;
 const QUOTA: u32 = 40;
 
+/// The scenarios measure send timing, each with three processes: they take turns, so
+/// that one scenario's start-up is not another's jitter on a 2-core machine.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 struct Run {
     env: TestEnv,
     instances: Vec<(PostieProcess, u16)>,
@@ -100,6 +104,20 @@ async fn finish(run: &Run, what: &str, within: Duration) -> Figures {
         expected,
         "lost or unexpected emails"
     );
+    let mut times: Vec<i64> = messages.iter().map(|m| m.received_at_ms).collect();
+    times.sort_unstable();
+    if let Some(&first) = times.first() {
+        let per_second: Vec<usize> = (0..8)
+            .map(|s| {
+                let from = first + s * 1_000;
+                times
+                    .iter()
+                    .filter(|t| (from..from + 1_000).contains(*t))
+                    .count()
+            })
+            .collect();
+        eprintln!("SENDS per second from the first send: {per_second:?}");
+    }
     Figures {
         seconds,
         busiest: busiest_window(&messages),
@@ -139,24 +157,20 @@ fn report(scenario: &str, minimum: f64, f: &Figures) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_limit_under_the_quota_is_never_throttled() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let run = start("rl-limit", Some("30/s")).await;
     let f = finish(&run, "every job sent at 30/s", Duration::from_secs(240)).await;
     report("limit 30/s, quota 40/s", JOBS as f64 / 30.0, &f);
     assert_eq!(f.dead, 0, "dead-lettered");
-    // The limiter spaces tokens 1/30 s apart, fleet-wide, but they are taken before
-    // the claim: the claim and the SMTP exchange after it jitter, so the relay sees
-    // 33-36 in the busiest second past start-up, and up to 40 in the first second
-    // (the first claims and SMTP connections are slow, tokens bunch up behind them),
-    // on a loaded 2-core machine. Issue #13 asks for at most 33: not met every run.
+    // The limiter spaces tokens 1/30 s apart, fleet-wide. They are taken before the
+    // claim, so the claim's commit and the SMTP exchange after it add their jitter,
+    // and each instance's first job goes alone (its cold claim and SMTP connection
+    // would otherwise bunch the next tokens up): at most 33 in any 1,000 ms.
     assert!(
-        f.steady <= 36,
-        "busiest 1000 ms after start-up: {} sends",
+        f.busiest <= 33,
+        "busiest 1000 ms: {} sends (after the first 3 s: {})",
+        f.busiest,
         f.steady
-    );
-    assert!(
-        f.busiest <= QUOTA as usize,
-        "busiest 1000 ms: {} sends",
-        f.busiest
     );
     assert!(
         (f.throttled as f64) < 0.01 * f.attempts as f64,
@@ -174,6 +188,7 @@ async fn a_fleet_limit_under_the_quota_is_never_throttled() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_limit_the_fleet_converges_on_the_quota() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let run = start("rl-adapt", None).await;
     let f = finish(&run, "every job sent", Duration::from_secs(240)).await;
     report("no limit, quota 40/s", JOBS as f64 / f64::from(QUOTA), &f);
@@ -197,6 +212,7 @@ async fn with_no_limit_the_fleet_converges_on_the_quota() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_instance_strands_at_most_one_slice() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let mut run = start("rl-kill", Some("30/s")).await;
     let env = &run.env;
     env.wait_for_emails("a third sent", JOBS / 3, Duration::from_secs(120))
@@ -273,7 +289,7 @@ async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
             tasks.push(tokio::spawn(async move {
                 while started.elapsed() < Duration::from_secs(3) {
                     limiter.pace().await;
-                    limiter.fleet_token().await.unwrap();
+                    let _turn = limiter.fleet_token().await.unwrap();
                     if started.elapsed() < Duration::from_secs(3) {
                         taken.fetch_add(1, Ordering::Relaxed);
                     }
@@ -297,6 +313,7 @@ async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_limiters_share_one_rate_through_postgresql() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let (n, leases) = limiter_alone("30/s", 30.0).await;
     assert!((80..=100).contains(&n), "{n} tokens");
     assert!(leases as usize <= n / 3 + 4, "{leases} statements");

@@ -158,6 +158,8 @@ pub struct RateMetrics {
     pub leases: Counter,
     /// Tokens leased from PostgreSQL.
     pub tokens: Counter,
+    /// Tokens left unused to pay back sends that a stall pushed together.
+    pub tokens_paid_back: Counter,
 }
 
 impl RateMetrics {
@@ -192,6 +194,11 @@ impl RateMetrics {
             "rate_limit_tokens",
             "Tokens leased from PostgreSQL",
             self.tokens.clone(),
+        );
+        r.register(
+            "rate_limit_tokens_paid_back",
+            "Tokens left unused to pay back sends that a stall pushed together",
+            self.tokens_paid_back.clone(),
         );
     }
 }
@@ -241,6 +248,7 @@ impl Metrics {
                 wait_seconds: seconds(0.001, 16),
                 leases: Counter::default(),
                 tokens: Counter::default(),
+                tokens_paid_back: Counter::default(),
             },
             registry: Registry::default(),
         };

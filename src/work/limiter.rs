@@ -15,8 +15,21 @@
 //!   later throttle multiplies the cap by [`DECREASE`] (at most once per
 //!   [`CUT_EVERY`], so one burst of replies counts once); each success adds
 //!   `1 / cap`, i.e. about one email per second per second of sending (TCP's AIMD).
+//! - **Warm-up.** Under a fleet limit, an instance's first job goes alone: the others
+//!   wait (at most [`WARM_UP_MAX`], before taking a token) until its send attempt has
+//!   ended. A cold instance's first claim and SMTP connection are slow, and tokens
+//!   paced from its first lease would otherwise bunch up behind them at the relay.
+//! - **Payback.** Tokens are paced, but a job's claim and SMTP exchange come after
+//!   its token: a stall there (a slow commit, a paused process) holds the jobs whose
+//!   turns came meanwhile, and they reach the relay together when it ends, on top of
+//!   the next second's paced sends. A turn that took longer than the recent
+//!   quickest one by more than a step was pushed late; when late turns end within a
+//!   step of each other (a bunch, not one slow send), the instance leaves one of its
+//!   next tokens unused for each but the first ([`Payback`]), so the relay sees the
+//!   limit over any second, not only the tokens.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +47,8 @@ pub const FLOOR: f64 = 0.5;
 const SLICE_TIME: f64 = 0.1;
 /// Largest slice.
 const SLICE_MAX: u32 = 1_000;
+/// The longest the jobs after an instance's first wait for its send attempt.
+pub const WARM_UP_MAX: Duration = Duration::from_secs(1);
 
 /// The fleet limit's numbers, from `smtp.rate_limit` and `smtp.rate_burst`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -114,20 +129,112 @@ impl Aimd {
     }
 }
 
+/// How many recent turns the quickest one is taken from.
+const RECENT_TURNS: usize = 16;
+
+/// The sends pushed late, to pay back with unused tokens; pure.
+#[derive(Debug, Default)]
+pub struct Payback {
+    /// How long the last few turns took, from their token's turn to the end of the
+    /// send attempt.
+    recent: VecDeque<Duration>,
+    /// Tokens still to leave unused.
+    debt: u32,
+    /// When the last late turn ended.
+    last_late: Option<Instant>,
+}
+
+impl Payback {
+    /// A turn ended at `now`, `took` after its token's turn, under a limit of one
+    /// token per `step`; at most `cap` tokens are ever owed.
+    pub fn ended(&mut self, now: Instant, took: Duration, step: Duration, cap: u32) {
+        let quickest = self.recent.iter().min().copied();
+        if self.recent.len() == RECENT_TURNS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(took);
+        let slack = step.max(Duration::from_millis(20));
+        if !quickest.is_some_and(|q| took > q + slack) {
+            return;
+        }
+        if self
+            .last_late
+            .is_some_and(|at| now.saturating_duration_since(at) <= slack)
+        {
+            self.debt = (self.debt + 1).min(cap);
+        }
+        self.last_late = Some(now);
+    }
+
+    /// True (and one less owed) if the next token must go unused.
+    pub fn owe(&mut self) -> bool {
+        let owed = self.debt > 0;
+        self.debt = self.debt.saturating_sub(u32::from(owed));
+        owed
+    }
+}
+
 struct Fleet {
     inbox: Inbox,
     name: String,
     rate: FleetRate,
     /// Tokens left from the last slice, and when the next one may be used.
     left: tokio::sync::Mutex<(u32, Instant)>,
+    payback: Mutex<Payback>,
 }
 
 struct Inner {
     fleet: Option<Fleet>,
+    /// Set when the first fleet token is handed out.
+    first_taken: AtomicBool,
+    /// True once the first token's job is past its send attempt.
+    warm: tokio::sync::watch::Sender<bool>,
     aimd: Mutex<Aimd>,
     /// The next time the adaptive cap lets a send go (a fair queue: tokio's Mutex).
     pace: tokio::sync::Mutex<Instant>,
     metrics: SharedMetrics,
+}
+
+/// A fleet token in use, to keep until the job's send attempt has ended: dropped,
+/// it tells the limiter how long the turn took (see "Payback"), and the
+/// instance's first one ends the warm-up.
+#[must_use = "keep the turn until the send attempt has ended"]
+pub struct Turn(Option<TurnOf>);
+
+struct TurnOf {
+    inner: Arc<Inner>,
+    /// The token's turn.
+    at: Instant,
+    /// The instance's first token.
+    first: bool,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let Some(turn) = self.0.take() else {
+            return;
+        };
+        if let Some(fleet) = &turn.inner.fleet {
+            let step = Duration::from_secs_f64(1.0 / fleet.rate.per_second);
+            let cap = fleet.rate.per_second.ceil() as u32;
+            let now = Instant::now();
+            fleet.payback().ended(
+                now,
+                now.saturating_duration_since(turn.at),
+                step,
+                cap.max(1),
+            );
+        }
+        if turn.first {
+            turn.inner.warm.send_replace(true);
+        }
+    }
+}
+
+impl Fleet {
+    fn payback(&self) -> std::sync::MutexGuard<'_, Payback> {
+        self.payback.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// The send-rate gate; cheap to clone.
@@ -145,6 +252,7 @@ impl Limiter {
             name: name.to_string(),
             rate: FleetRate::new(rate.per_second(), smtp.rate_burst),
             left: tokio::sync::Mutex::new((0, Instant::now())),
+            payback: Mutex::new(Payback::default()),
         });
         metrics
             .rate
@@ -153,6 +261,8 @@ impl Limiter {
         Self {
             inner: Arc::new(Inner {
                 fleet,
+                first_taken: AtomicBool::new(false),
+                warm: tokio::sync::watch::Sender::new(false),
                 aimd: Mutex::new(Aimd::default()),
                 pace: tokio::sync::Mutex::new(Instant::now()),
                 metrics,
@@ -184,37 +294,54 @@ impl Limiter {
     /// Takes one token of the fleet limit (if one is set), leasing a new slice from
     /// PostgreSQL when this instance's is used up, and waiting for its turn. The
     /// tokens of a slice are spread over its span, so the fleet sends at an even pace.
-    pub async fn fleet_token(&self) -> Result<(), DbError> {
+    /// Keep the [`Turn`] until the job's send attempt has ended (see "Warm-up").
+    pub async fn fleet_token(&self) -> Result<Turn, DbError> {
         let Some(fleet) = &self.inner.fleet else {
-            return Ok(());
+            return Ok(Turn(None));
         };
         let started = Instant::now();
+        let first = !self.inner.first_taken.swap(true, Ordering::AcqRel);
+        if !first {
+            let mut warm = self.inner.warm.subscribe();
+            let _ = tokio::time::timeout(WARM_UP_MAX, warm.wait_for(|w| *w)).await;
+        }
         let rate = fleet.rate;
         let step = Duration::from_secs_f64(1.0 / rate.per_second);
         let mut slice = fleet.left.lock().await;
-        let (left, next) = *slice;
-        // Leftovers of a slice stay good a little after their turn (one step, at
-        // least 20 ms: a job may come late, at 2,000/s by more than a step), not
-        // longer: an idle instance does not save tokens up, nor bunch them.
-        let grace = step.max(Duration::from_millis(20));
-        if left > 0 && Instant::now() <= next + grace {
-            tokio::time::sleep_until(next.into()).await;
-            *slice = (left - 1, next + step);
-        } else {
-            let wait = fleet
-                .inbox
-                .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
-                .await?;
-            let metrics = &self.inner.metrics.rate;
-            metrics.leases.inc();
-            metrics.tokens.inc_by(u64::from(rate.slice));
-            let start = Instant::now() + wait;
-            tokio::time::sleep_until(start.into()).await;
-            *slice = (rate.slice - 1, start + step);
-        }
+        let turn = loop {
+            let (left, next) = *slice;
+            // Leftovers of a slice stay good a little after their turn (one step, at
+            // least 20 ms: a job may come late, at 2,000/s by more than a step), not
+            // longer: an idle instance does not save tokens up, nor bunch them.
+            let grace = step.max(Duration::from_millis(20));
+            let turn = if left > 0 && Instant::now() <= next + grace {
+                *slice = (left - 1, next + step);
+                next
+            } else {
+                let wait = fleet
+                    .inbox
+                    .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
+                    .await?;
+                let metrics = &self.inner.metrics.rate;
+                metrics.leases.inc();
+                metrics.tokens.inc_by(u64::from(rate.slice));
+                let start = Instant::now() + wait;
+                *slice = (rate.slice - 1, start + step);
+                start
+            };
+            tokio::time::sleep_until(turn.into()).await;
+            if !fleet.payback().owe() {
+                break turn;
+            }
+            self.inner.metrics.rate.tokens_paid_back.inc();
+        };
         drop(slice);
         self.observe_wait(started);
-        Ok(())
+        Ok(Turn(Some(TurnOf {
+            inner: self.inner.clone(),
+            at: turn,
+            first,
+        })))
     }
 
     /// A send succeeded.
@@ -271,6 +398,45 @@ mod tests {
         assert_eq!(b.tolerance, Duration::from_secs(2));
         // Below 1/s: one email in any second, no run-ahead.
         assert_eq!(FleetRate::new(0.25, None).tolerance, Duration::ZERO);
+    }
+
+    #[test]
+    fn sends_pushed_together_by_a_stall_are_paid_back_one_token_each() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let step = ms(33);
+        let owed = |p: &mut Payback| std::iter::from_fn(|| p.owe().then_some(())).count();
+        let mut p = Payback::default();
+        // Turns of 10-40 ms, one per step: the usual jitter, nothing owed.
+        for (i, took) in [10, 25, 12, 30, 11, 40].into_iter().enumerate() {
+            p.ended(t0 + ms(33 * i as u64), ms(took), step, 30);
+        }
+        assert_eq!(owed(&mut p), 0, "within a step of the quickest turn");
+        // Slow turns far apart (one slow send each time) bunch nothing up.
+        for i in 0..5 {
+            p.ended(t0 + ms(1_000 + 500 * i), ms(120), step, 30);
+        }
+        assert_eq!(owed(&mut p), 0, "isolated slow turns");
+        // A 200 ms stall: the six turns caught in it end together when it ends; the
+        // first is one send, the five after it are the bunch.
+        let end = t0 + ms(5_000);
+        for (i, took) in [210, 180, 150, 115, 80, 50].into_iter().enumerate() {
+            p.ended(end + ms(i as u64), ms(took), step, 30);
+        }
+        assert_eq!(owed(&mut p), 5);
+        assert!(!p.owe());
+        // Never more than `cap` owed.
+        for i in 0..10 {
+            p.ended(end + ms(1_000 + i), ms(500), step, 4);
+        }
+        assert_eq!(owed(&mut p), 4);
+        // The quickest turn is a recent one: a relay that became slower for good
+        // stops counting as late once the fast turns are forgotten.
+        let mut slow = Payback::default();
+        for i in 0..(RECENT_TURNS as u64 + 10) {
+            slow.ended(t0 + ms(i), ms(300 + i), step, 30);
+        }
+        assert_eq!(owed(&mut slow), 0);
     }
 
     #[test]

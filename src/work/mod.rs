@@ -13,7 +13,7 @@ pub mod outcome;
 pub mod policy;
 pub mod worker;
 
-pub use limiter::Limiter;
+pub use limiter::{Limiter, Turn};
 pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
 pub use policy::{Failure, Next, RetryPolicy};
 pub use worker::{Interrupted, Worker};

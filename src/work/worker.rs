@@ -207,14 +207,15 @@ impl Worker {
         }
 
         loop {
-            // The send rate: waited for before the claim, holding nothing.
-            tokio::select! {
+            // The send rate: waited for before the claim, holding nothing. The turn
+            // is kept until this iteration's send attempt has ended.
+            let _turn = tokio::select! {
                 _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                 turn = async {
                     self.limiter.pace().await;
                     self.db("rate limit", || self.limiter.fleet_token()).await
                 } => turn?,
-            }
+            };
             let claim = self
                 .db("claim", || {
                     self.inbox.claim(
