@@ -242,6 +242,8 @@ struct Figures {
     duplicates_outside_takeovers: usize,
     takeovers: i64,
     stranded: u64,
+    /// Jobs the reconciler re-published from PostgreSQL.
+    reconciled: i64,
 }
 
 impl Figures {
@@ -256,7 +258,7 @@ impl Figures {
 
     fn line(&self) -> String {
         format!(
-            "lateness p50 {} ms p99 {} ms max {} ms; lost {}; early {}; duplicates {} (outside takeovers {}); takeovers {}; stranded {}",
+            "lateness p50 {} ms p99 {} ms max {} ms; lost {}; early {}; duplicates {} (outside takeovers {}); takeovers {}; stranded {}; re-published by the reconciler {}",
             self.percentile(0.5),
             self.percentile(0.99),
             self.percentile(1.0),
@@ -265,7 +267,8 @@ impl Figures {
             self.duplicates,
             self.duplicates_outside_takeovers,
             self.takeovers,
-            self.stranded
+            self.stranded,
+            self.reconciled
         )
     }
 }
@@ -302,8 +305,17 @@ async fn settle(
         .await
         .unwrap()
         .get(0);
+    let reconciled: i64 = client
+        .query_one(
+            "SELECT count(*) FROM postie_inbox WHERE reconciled_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let mut figures = Figures {
         takeovers,
+        reconciled,
         ..Figures::default()
     };
     for (key, due_ms) in due {
