@@ -154,7 +154,12 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
     tokio::time::sleep(Duration::from_secs(2)).await;
     let behind = Lateness::measure(&due, &env.sink.messages(false).await);
     let dead = env.depth(&env.topology.dead_queue()).await;
-    assert_eq!(dead, 0, "jobs were dead-lettered: {:?}", env.dead_reasons().await);
+    assert_eq!(
+        dead,
+        0,
+        "jobs were dead-lettered: {:?}",
+        env.dead_reasons().await
+    );
     Report {
         publish,
         lateness,
