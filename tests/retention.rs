@@ -478,12 +478,22 @@ async fn size_after_a_run_with_short_retention() {
         conn
     });
     let mut peak = (0i64, 0i64, 0i64, 0i64);
+    let mut next_report = 50_000;
     loop {
         let sent = env.sink.stats().await.accepted as usize;
         let (total, heap, indexes) = size(&env).await;
         let now_rows = env.inbox_count("true").await;
         if total > peak.0 {
             peak = (total, heap, indexes, now_rows);
+        }
+        if sent >= next_report {
+            // The growth curve: a bounded inbox levels off.
+            eprintln!(
+                "size run: {sent} sent, {now_rows} rows, postie_inbox {:.1} MB ({:.1} MB indexes)",
+                total as f64 / 1_048_576.0,
+                indexes as f64 / 1_048_576.0
+            );
+            next_report += 50_000;
         }
         if sent >= n {
             break;
