@@ -23,6 +23,24 @@ fn sample(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Waits until the instance under test has migrated the inbox.
+async fn inbox_table(env: &TestEnv) {
+    eventually(
+        "the inbox table",
+        Duration::from_secs(60),
+        move || async move {
+            env.db()
+                .await
+                .query_opt("SELECT to_regclass('postie_inbox')::text", &[])
+                .await
+                .ok()
+                .flatten()
+                .and_then(|r| r.get::<_, Option<String>>(0))
+        },
+    )
+    .await;
+}
+
 /// Inserts `n` rows of `status`, last changed `age` ago, with keys `prefix-<i>`.
 async fn insert_rows(env: &TestEnv, prefix: &str, status: &str, n: i64, age: &str) {
     env.db()
@@ -239,21 +257,7 @@ async fn pruning_a_large_backlog_while_sending_fails_no_send() {
     // The instance itself keeps everything (default 30 days); `postie prune` with a
     // one-hour retention deletes the backlog in the middle of the run.
     let serving = env.serve(env.settings());
-    let envr = &env;
-    eventually(
-        "the inbox table",
-        Duration::from_secs(60),
-        move || async move {
-            envr.db()
-                .await
-                .query_opt("SELECT to_regclass('postie_inbox')::text", &[])
-                .await
-                .ok()
-                .flatten()
-                .and_then(|r| r.get::<_, Option<String>>(0))
-        },
-    )
-    .await;
+    inbox_table(&env).await;
     insert_rows(&env, "old", "sent", BACKLOG, "2 hours").await;
     env.db()
         .await
@@ -384,11 +388,9 @@ async fn database_leg_with_a_prefilled_inbox() {
                 .await
                 .unwrap();
             // Measured after the fill's own writes are on disk, not under them.
-            env.db()
-                .await
-                .batch_execute("VACUUM ANALYZE postie_inbox; CHECKPOINT")
-                .await
-                .unwrap();
+            for statement in ["VACUUM ANALYZE postie_inbox", "CHECKPOINT"] {
+                env.db().await.batch_execute(statement).await.unwrap();
+            }
             filled = rows;
         }
         let started = Instant::now();
@@ -449,21 +451,7 @@ async fn size_after_a_run_with_short_retention() {
         ("POSTIE__INBOX__RETENTION", "10s"),
         ("POSTIE__INBOX__PRUNE_INTERVAL", "5s"),
     ]);
-    let envr = &env;
-    eventually(
-        "the inbox table",
-        Duration::from_secs(60),
-        move || async move {
-            envr.db()
-                .await
-                .query_opt("SELECT to_regclass('postie_inbox')::text", &[])
-                .await
-                .ok()
-                .flatten()
-                .and_then(|r| r.get::<_, Option<String>>(0))
-        },
-    )
-    .await;
+    inbox_table(&env).await;
     let conn = broker_connection("postie-size-run").await;
     let channel = postie::broker::confirm_channel(&conn).await.unwrap();
     let exchange = env.topology.work_exchange();
