@@ -80,6 +80,13 @@ impl Service {
         let metrics = self.worker.health().metrics().clone();
         metrics.maintenance_leader.set(1);
         tracing::info!(instance = %self.owner, "running maintenance (pruning, the reconciler, queue depths)");
+        if let Ok(false) = self.worker.inbox().autovacuum_on().await {
+            tracing::warn!(
+                "PostgreSQL's autovacuum is off: pruned rows leave dead space that nothing \
+                 reclaims, and postie_inbox grows without bound; turn autovacuum on, or run \
+                 VACUUM postie_inbox regularly"
+            );
+        }
         let interval = self.settings.inbox.prune_interval;
         let (mut next_prune, mut next_poll) = (Instant::now(), Instant::now());
         let mut next_reconcile = Instant::now();

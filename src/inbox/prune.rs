@@ -1,6 +1,7 @@
 //! Retention: deleting finished inbox rows, old tombstones and spent throttle rows,
 //! a few thousand rows per statement (each its own short transaction: no long
-//! locks, no table rewrite; autovacuum reclaims the space).
+//! locks, no table rewrite). Autovacuum makes the space reusable: with it off
+//! (maintenance warns), the table keeps growing, pruned or not.
 //!
 //! Every DELETE re-checks its condition on the live row, so a row that changed since
 //! the batch was chosen (a `dead` key claimed again, a throttle row just taken) is
@@ -82,6 +83,13 @@ fn ms(d: Duration) -> i64 {
 
 impl Inbox {
     /// One pass: finished rows, tombstones, then throttle rows.
+    /// Whether the server runs autovacuum, which reclaims what pruning deletes.
+    pub async fn autovacuum_on(&self) -> Result<bool, DbError> {
+        let client = self.pool.get().await?;
+        let row = client.query_one("SHOW autovacuum", &[]).await?;
+        Ok(row.get::<_, String>(0) == "on")
+    }
+
     pub async fn prune(&self, plan: &PrunePlan) -> Result<Pruned, DbError> {
         let started = Instant::now();
         let mut pruned = Pruned::default();
