@@ -23,6 +23,15 @@ fn sample(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Runs `statement` (no results) in the test's database.
+async fn sql(env: &TestEnv, statement: &str) {
+    env.db()
+        .await
+        .batch_execute(statement)
+        .await
+        .unwrap_or_else(|e| panic!("{statement}: {e}"));
+}
+
 /// Waits until the instance under test has migrated the inbox.
 async fn inbox_table(env: &TestEnv) {
     eventually(
@@ -259,11 +268,7 @@ async fn pruning_a_large_backlog_while_sending_fails_no_send() {
     let serving = env.serve(env.settings());
     inbox_table(&env).await;
     insert_rows(&env, "old", "sent", BACKLOG, "2 hours").await;
-    env.db()
-        .await
-        .batch_execute("ANALYZE postie_inbox")
-        .await
-        .unwrap();
+    sql(&env, "ANALYZE postie_inbox").await;
     let before = size(&env).await;
     let bodies: Vec<_> = (0..JOBS)
         .map(|i| job(&format!("load-{i}"), "a@example.com"))
@@ -290,11 +295,7 @@ async fn pruning_a_large_backlog_while_sending_fails_no_send() {
         .await;
     serving.stop().await;
     let after = size(&env).await;
-    env.db()
-        .await
-        .batch_execute("VACUUM postie_inbox")
-        .await
-        .unwrap();
+    sql(&env, "VACUUM postie_inbox").await;
     let vacuumed = size(&env).await;
 
     assert_eq!(env.inbox_count("key LIKE 'old-%'").await, 0);
@@ -389,7 +390,7 @@ async fn database_leg_with_a_prefilled_inbox() {
                 .unwrap();
             // Measured after the fill's own writes are on disk, not under them.
             for statement in ["VACUUM ANALYZE postie_inbox", "CHECKPOINT"] {
-                env.db().await.batch_execute(statement).await.unwrap();
+                sql(&env, statement).await;
             }
             filled = rows;
         }
@@ -480,11 +481,7 @@ async fn size_after_a_run_with_short_retention() {
     let mut next_vacuum = Instant::now() + Duration::from_secs(10);
     loop {
         if !autovacuum && Instant::now() >= next_vacuum {
-            env.db()
-                .await
-                .batch_execute("VACUUM postie_inbox")
-                .await
-                .unwrap();
+            sql(&env, "VACUUM postie_inbox").await;
             next_vacuum = Instant::now() + Duration::from_secs(10);
         }
         let sent = env.sink.stats().await.accepted as usize;
@@ -521,11 +518,7 @@ async fn size_after_a_run_with_short_retention() {
     let left = env.inbox_count("true").await;
     let after = size(&env).await;
     postie.terminate(Duration::from_secs(30));
-    env.db()
-        .await
-        .batch_execute("VACUUM postie_inbox")
-        .await
-        .unwrap();
+    sql(&env, "VACUUM postie_inbox").await;
     let vacuumed = size(&env).await;
     let per_id = env.emails_per_id().await;
     assert_eq!(per_id.len(), n, "every job sent");
