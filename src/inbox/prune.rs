@@ -82,7 +82,6 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl Inbox {
-    /// One pass: finished rows, tombstones, then throttle rows.
     /// Whether the server runs autovacuum, which reclaims what pruning deletes.
     pub async fn autovacuum_on(&self) -> Result<bool, DbError> {
         let client = self.pool.get().await?;
@@ -90,6 +89,7 @@ impl Inbox {
         Ok(row.get::<_, String>(0) == "on")
     }
 
+    /// One pass: finished rows, tombstones, then throttle rows.
     pub async fn prune(&self, plan: &PrunePlan) -> Result<Pruned, DbError> {
         let started = Instant::now();
         let mut pruned = Pruned::default();

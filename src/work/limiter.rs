@@ -154,7 +154,7 @@ impl Payback {
         }
         self.recent.push_back(took);
         let slack = step.max(Duration::from_millis(20));
-        if !quickest.is_some_and(|q| took > q + slack) {
+        if quickest.is_none_or(|q| took <= q + slack) {
             return;
         }
         if self
