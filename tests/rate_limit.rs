@@ -170,7 +170,7 @@ async fn a_fleet_limit_under_the_quota_is_never_throttled() {
     // claim, so the claim's commit and the SMTP exchange after it add their jitter;
     // sends that a stall pushed together are paid back with unused tokens, and each
     // instance's first job goes alone. Once the instances are up: at most 33 in any
-    // 1,000 ms (the bound; 31-33 measured over whole runs). The first seconds,
+    // 1,000 ms (the bound; 32-33 measured over whole runs). The first seconds,
     // while three processes start on two cores, get 3 more before this test calls it
     // a failure: a timing goal must not make the suite flaky.
     assert!(
