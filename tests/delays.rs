@@ -407,6 +407,11 @@ async fn jobs_lost_from_the_ladder_are_re_published_after_the_grace() {
         "bodies kept after sending"
     );
     assert_eq!(env.inbox_count("status = 'sent'").await, JOBS as i64);
+    assert_eq!(
+        env.inbox_count("reconciled_at IS NOT NULL").await,
+        JOBS as i64,
+        "every re-published job is recorded as reconciled"
+    );
     eprintln!(
         "FIGURES reconcile: {JOBS} jobs lost from the ladder, all re-published and sent once; lateness ms min {} max {}",
         lateness.iter().min().unwrap(),

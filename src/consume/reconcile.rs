@@ -56,14 +56,20 @@ impl Service {
         if overdue.is_empty() {
             return Ok(0);
         }
+        // Marked before they are published: a re-published job is claimed and sent
+        // within moments, and then no longer `scheduled` for a mark to find. If a
+        // publish fails, the rest stay marked and are tried again a grace later.
+        let keys: Vec<String> = overdue.iter().map(|job| job.key.clone()).collect();
+        inbox.mark_reconciled(&keys).await?;
         let channel = broker::confirm_channel(conn).await?;
         let exchange = self.topology.work_exchange();
-        let mut published = Vec::with_capacity(overdue.len());
+        let mut published = 0;
+        let mut failed = None;
         for job in &overdue {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
             let properties = broker::job_properties().with_headers(table);
-            broker::publish_confirmed(
+            let sent = broker::publish_confirmed(
                 &channel,
                 &exchange,
                 ROUTING_KEY,
@@ -71,18 +77,24 @@ impl Service {
                 &job.body,
                 properties,
             )
-            .await?;
-            published.push(job.key.clone());
+            .await;
+            if let Err(error) = sent {
+                failed = Some(error);
+                break;
+            }
+            published += 1;
         }
         let _ = channel.close(200, "reconciled".into()).await;
-        inbox.mark_reconciled(&published).await?;
-        count(self.worker.health().metrics(), published.len());
+        count(self.worker.health().metrics(), published);
+        if let Some(error) = failed {
+            return Err(error.into());
+        }
         tracing::warn!(
-            jobs = published.len(),
+            jobs = published,
             oldest_due_ms = overdue[0].due_ms,
             "re-published scheduled jobs the ladder had not delivered (overdue past the grace)"
         );
-        Ok(published.len())
+        Ok(published)
     }
 }
 
