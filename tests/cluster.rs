@@ -8,7 +8,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
@@ -289,30 +289,9 @@ async fn settle(
     // A moment for stragglers and duplicates.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let arrivals = env.arrivals().await;
-    let client = env.db().await;
-    let taken_over: BTreeSet<String> = client
-        .query("SELECT key FROM postie_inbox WHERE takeovers > 0", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| message_id(r.get(0)))
-        .collect();
-    let takeovers: i64 = client
-        .query_one(
-            "SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let reconciled: i64 = client
-        .query_one(
-            "SELECT count(*) FROM postie_inbox WHERE reconciled_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let taken_over = env.taken_over_ids().await;
+    let takeovers = env.takeovers().await;
+    let reconciled = env.inbox_count("reconciled_at IS NOT NULL").await;
     let mut figures = Figures {
         takeovers,
         reconciled,

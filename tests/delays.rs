@@ -165,14 +165,7 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
     for m in env.sink.messages(false).await {
         *seen.entry(m.message_id).or_default() += 1;
     }
-    let client = env.db().await;
-    let taken_over: Vec<String> = client
-        .query("SELECT key FROM postie_inbox WHERE takeovers > 0", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| message_id(r.get(0)))
-        .collect();
+    let taken_over = env.taken_over_ids().await;
     for (key, due_ms) in &due {
         let n = seen.get(&message_id(key)).copied().unwrap_or(0);
         assert!(n >= 1, "{key} lost");

@@ -122,22 +122,8 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
     )
     .await;
     let takeover_time = killed_at.elapsed();
-    let client = env.db().await;
-    let takeovers: i64 = client
-        .query_one(
-            "SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let taken_over: BTreeSet<String> = client
-        .query("SELECT key FROM postie_inbox WHERE takeovers > 0", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| message_id(r.get(0)))
-        .collect();
+    let takeovers = env.takeovers().await;
+    let taken_over = env.taken_over_ids().await;
     assert!(takeovers >= 1, "the victim held no claim when killed");
 
     let received = env.emails_per_id().await;

@@ -390,6 +390,32 @@ impl TestEnv {
     }
 
     /// Inbox rows matching `condition` (an SQL boolean expression).
+    /// Message-IDs of the jobs whose claim was taken over (the known duplicate
+    /// window: the previous owner may have sent them).
+    pub async fn taken_over_ids(&self) -> std::collections::BTreeSet<String> {
+        self.db()
+            .await
+            .query("SELECT key FROM postie_inbox WHERE takeovers > 0", &[])
+            .await
+            .expect("taken-over keys")
+            .iter()
+            .map(|r| message_id(r.get(0)))
+            .collect()
+    }
+
+    /// Lease takeovers recorded in the inbox, in all.
+    pub async fn takeovers(&self) -> i64 {
+        self.db()
+            .await
+            .query_one(
+                "SELECT coalesce(sum(takeovers), 0)::bigint FROM postie_inbox",
+                &[],
+            )
+            .await
+            .expect("takeover count")
+            .get(0)
+    }
+
     pub async fn inbox_count(&self, condition: &str) -> i64 {
         self.db()
             .await
