@@ -31,7 +31,7 @@ ci: ## what CI runs: scripts/test-setup.sh, then make test
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)
 	$(CARGO) test --release --locked --test bench -- --ignored --nocapture bench_full
 
-bench-delay: ## ladder lateness for 10,000 jobs over 0-60 s, broker memory with 100,000 pending
+bench-delay: ## producer publish rates; ladder lateness for a 10,000-job burst over 0-60 s; 10^6 pending: parking time, broker memory, lateness behind them
 	$(CARGO) test --release --locked --test bench_delay -- --ignored --nocapture delay_bench_full
 
 chaos: ## fault-injection run: 10,000 jobs, 20 faults of each kind (POSTIE_CHAOS_SEED repeats a run)

@@ -56,6 +56,7 @@ struct Defaults {
     db_pool: usize,
     smtp_pool: u32,
     relay_concurrency: u16,
+    relay_prefetch: u16,
 }
 
 impl Defaults {
@@ -67,6 +68,7 @@ impl Defaults {
             db_pool: s.database.pool_size,
             smtp_pool: s.smtp.pool_size,
             relay_concurrency: s.delay.relay_concurrency,
+            relay_prefetch: s.delay.relay_prefetch,
         }
     }
 }
@@ -783,13 +785,14 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(
         w,
         "postie defaults: worker.concurrency = {}, amqp.prefetch = {}, database.pool_size = {}, \
-         smtp.pool_size = {}, delay.relay_concurrency = {}. Durable: persistent messages, quorum \
+         smtp.pool_size = {}, delay.relay_concurrency = {}, delay.relay_prefetch = {}. Durable: persistent messages, quorum \
          queues. {}. {} cores, CLK_TCK = {}.",
         d.concurrency,
         d.prefetch,
         d.db_pool,
         d.smtp_pool,
         d.relay_concurrency,
+        d.relay_prefetch,
         r.versions,
         std::thread::available_parallelism().map_or(0, |p| p.get()),
         clock_ticks(),
@@ -1007,6 +1010,7 @@ fn json(r: &Report) -> serde_json::Value {
             "worker.concurrency": d.concurrency, "amqp.prefetch": d.prefetch,
             "database.pool_size": d.db_pool, "smtp.pool_size": d.smtp_pool,
             "delay.relay_concurrency": d.relay_concurrency,
+            "delay.relay_prefetch": d.relay_prefetch,
         },
         "versions": r.versions,
         "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),

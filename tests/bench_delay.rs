@@ -11,12 +11,14 @@
 
 mod support;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
 use postie::broker::{self, ROUTING_KEY};
-use support::bench::{broker_connection, broker_memory, env_usize, publish_delayed, Lateness};
+use support::bench::{
+    broker_connection, broker_memory, env_usize, message_id, publish_delayed, Lateness,
+};
 use support::{eventually, job, TestEnv};
 
 /// Jobs due soon, published behind the pending backlog.
@@ -28,9 +30,14 @@ const BEHIND_SPREAD_MS: i64 = 5_000;
 /// a postie with another `delay.max` would add bindings for another number of levels.
 const PENDING_DELAY_MS: i64 = 9 * 60 * 1000;
 
+/// Bands of delay the burst's lateness is also shown by, ms (upper bounds).
+const BANDS_MS: [i64; 4] = [2_000, 10_000, 30_000, i64::MAX];
+
 struct Report {
     publish: Vec<PublishRate>,
     lateness: Lateness,
+    /// The burst's lateness per band of delay (`BANDS_MS`): where it comes from.
+    by_delay: Vec<(i64, i64, Lateness)>,
     spread_ms: i64,
     pending: usize,
     parked_s: f64,
@@ -113,9 +120,22 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
         .collect();
     let _postie = env.spawn_process(&postie_env);
     // Deterministic uniform spread (a fixed-step walk modulo the spread).
-    let delays = (0..jobs).map(|i| (i as i64 * 7_919) % (spread_ms + 1));
-    let due = publish_delayed(&env, "lat", delays).await;
+    let delays: Vec<i64> = (0..jobs)
+        .map(|i| (i as i64 * 7_919) % (spread_ms + 1))
+        .collect();
+    let burst_started = Instant::now();
+    let due = publish_delayed(&env, "lat", delays.iter().copied()).await;
+    let published_s = burst_started.elapsed().as_secs_f64();
     let envr = &env;
+    let intake = &env.topology.intake_queue();
+    eventually(
+        "the relay to take in the burst",
+        Duration::from_secs(600),
+        move || async move { (envr.depth(intake).await == 0).then_some(()) },
+    )
+    .await;
+    let relayed_s = burst_started.elapsed().as_secs_f64();
+    eprintln!("burst published in {published_s:.2}s; intake empty after {relayed_s:.2}s");
     env.wait_for_emails(
         "every delayed job",
         jobs,
@@ -123,13 +143,29 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let lateness = Lateness::measure(&due, &env.sink.messages(false).await);
+    let received = env.sink.messages(false).await;
+    let lateness = Lateness::measure(&due, &received);
+    let mut by_delay = Vec::new();
+    let mut low = 0;
+    for high in BANDS_MS {
+        let band: BTreeMap<String, i64> = delays
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| (low..high).contains(*d))
+            .map(|(i, _)| {
+                let id = message_id(&format!("lat-{i}"));
+                let due_ms = due[&id];
+                (id, due_ms)
+            })
+            .collect();
+        by_delay.push((low, high, Lateness::measure(&band, &received)));
+        low = high;
+    }
 
     // Memory with `pending` jobs parked in the ladder (due in 9 minutes).
     let broker_mem_before = broker_memory().await;
     let started = Instant::now();
     publish_delayed(&env, "pend", std::iter::repeat_n(PENDING_DELAY_MS, pending)).await;
-    let intake = &env.topology.intake_queue();
     eventually(
         "the relay to park every pending job",
         Duration::from_secs(900 + pending as u64 / 500),
@@ -167,6 +203,7 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
     Report {
         publish,
         lateness,
+        by_delay,
         spread_ms,
         pending,
         parked_s,
@@ -198,6 +235,25 @@ fn print(report: &Report) {
         l.lost,
         l.duplicates
     );
+    println!();
+    println!("| delay | jobs | lateness p50 | p99 | max | early |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (low, high, l) in &report.by_delay {
+        let high = if *high == i64::MAX {
+            format!("{} s", report.spread_ms / 1000)
+        } else {
+            format!("{} s", high / 1000)
+        };
+        println!(
+            "| {} s – {high} | {} | {} ms | {} ms | {} ms | {} |",
+            low / 1000,
+            l.jobs,
+            l.p50_ms,
+            l.p99_ms,
+            l.max_ms,
+            l.early
+        );
+    }
     println!();
     let b = &report.behind;
     println!("| pending in ladder | parked in | broker memory before | with them pending | per pending job | {BEHIND_JOBS} jobs due in 0–{} s behind them: p50 | p99 | max | early | lost | duplicates |", BEHIND_SPREAD_MS / 1000);

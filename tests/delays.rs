@@ -184,6 +184,48 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_relayed_earliest_due_first() {
+    // 1,500 jobs due in 9 minutes wait in the intake ahead of 20 due within 2 s.
+    // Relayed in queue order, every far job would be recorded before the first near
+    // one; the relay takes its prefetch window (default 10,000) earliest due first.
+    const FAR: usize = 1_500;
+    const NEAR: usize = 20;
+    let env = TestEnv::new("relayorder").await;
+    support::bench::publish_delayed(&env, "far", std::iter::repeat_n(9 * 60_000, FAR)).await;
+    let due =
+        support::bench::publish_delayed(&env, "near", (0..NEAR as i64).map(|i| i * 100)).await;
+    let _postie = env.spawn_process(&[]);
+    env.wait_for_emails("the near jobs", NEAR, Duration::from_secs(120))
+        .await;
+    let envr = &env;
+    eventually(
+        "every far job recorded as scheduled",
+        Duration::from_secs(120),
+        move || async move {
+            (envr.inbox_count("key LIKE 'far-%'").await == FAR as i64).then_some(())
+        },
+    )
+    .await;
+    let far_first = env
+        .inbox_count(
+            "key LIKE 'far-%' AND created_at < \
+             (SELECT max(created_at) FROM postie_inbox WHERE key LIKE 'near-%')",
+        )
+        .await;
+    assert!(
+        far_first < FAR as i64 / 2,
+        "{far_first} of {FAR} far jobs were relayed before the last near one"
+    );
+    let arrivals = env.sink.messages(false).await;
+    let lateness = support::bench::Lateness::measure(&due, &arrivals);
+    assert_eq!(
+        (lateness.lost, lateness.early, lateness.duplicates),
+        (0, 0, 0),
+        "{lateness:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_picks_ladder_on_a_broker_without_the_plugin() {
     let url = SecretString::from(amqp_url());
     assert!(

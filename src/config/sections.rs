@@ -254,8 +254,12 @@ pub struct DelaySettings {
     /// (Plugin mode: the plugin's 2^32-1 ms.)
     #[serde(deserialize_with = "duration")]
     pub max: Duration,
-    /// Ladder mode: intake deliveries relayed at once per instance (and its prefetch).
+    /// Ladder mode: intake deliveries relayed at once per instance.
     pub relay_concurrency: u16,
+    /// Ladder mode: intake deliveries one instance holds unacked (at least
+    /// `relay_concurrency`). The relay takes them earliest due first, so in a burst the
+    /// jobs due soon are relayed first; each waiting one costs its body's memory.
+    pub relay_prefetch: u16,
     /// Ladder mode: record each scheduled job in the inbox, for `postie pending`
     /// and the pending gauge (one upsert per job).
     pub track_pending: bool,
@@ -276,6 +280,7 @@ impl Default for DelaySettings {
             resolution: Duration::from_millis(100),
             max: Duration::from_secs(366 * 86_400),
             relay_concurrency: 64,
+            relay_prefetch: 10_000,
             track_pending: true,
             reconcile: true,
             reconcile_grace: Duration::from_secs(60),

@@ -3,6 +3,14 @@
 //! published with a confirm before the intake delivery is acked, so a relay killed
 //! mid-stream loses nothing: unacked jobs go back to `<p>.intake`, and the stamped
 //! due time keeps a re-relayed job from drifting later.
+//!
+//! The relay takes its prefetched deliveries earliest due first ([`DueOrder`]): in a
+//! burst, a job due in a second is not relayed behind thousands due in an hour. The
+//! route is spelled when the job is published, from the time left then, so time spent
+//! waiting for a turn or for the pending record is not added to the delay.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use lapin::message::Delivery;
 use lapin::types::FieldTable;
@@ -43,37 +51,116 @@ pub(super) fn decide(
         Ok(due) => due,
         Err(invalid) => return Decision::Invalid(invalid.0),
     };
+    let (exchange, routing_key) = route(topology, due_ms, now_ms);
+    Decision::Forward {
+        exchange,
+        routing_key,
+        due_ms,
+    }
+}
+
+/// Where a job due at `due_ms` goes at `now_ms`: the ladder's entry with the time
+/// left spelled as the routing key, or the work exchange when it is due.
+fn route(topology: &Topology, due_ms: i64, now_ms: i64) -> (String, String) {
     let route = match topology.delay() {
         DelayLayout::Ladder(ladder) => ladder.route(due_ms.saturating_sub(now_ms)),
         DelayLayout::Plugin => Route::Now,
     };
     match (route, topology.ladder_entry()) {
-        (Route::Ladder { routing_key, .. }, Some(entry)) => Decision::Forward {
-            exchange: entry,
-            routing_key,
-            due_ms,
-        },
-        _ => Decision::Forward {
-            exchange: topology.work_exchange(),
-            routing_key: ROUTING_KEY.to_string(),
-            due_ms,
-        },
+        (Route::Ladder { routing_key, .. }, Some(entry)) => (entry, routing_key),
+        _ => (topology.work_exchange(), ROUTING_KEY.to_string()),
+    }
+}
+
+/// How long a delivery may wait in the relay's window before it goes ahead of later
+/// arrivals due sooner: a job due far ahead is not starved by a stream of near ones
+/// (nor held unacked towards the broker's `consumer_timeout`).
+pub(super) const RELAY_WAIT_MAX_MS: i64 = 60_000;
+
+impl Decision {
+    /// When the relay should take this delivery, received at `received_ms`: at its
+    /// due time, but no later than [`RELAY_WAIT_MAX_MS`] after it arrived; invalid
+    /// ones at once (they only need dead-lettering).
+    pub(super) fn turn(&self, received_ms: i64) -> i64 {
+        match self {
+            Decision::Forward { due_ms, .. } => {
+                (*due_ms).min(received_ms.saturating_add(RELAY_WAIT_MAX_MS))
+            }
+            Decision::Invalid(_) => i64::MIN,
+        }
+    }
+}
+
+/// The relay's prefetched deliveries, taken by turn (see [`Decision::turn`]), then
+/// in delivery order.
+pub(super) struct DueOrder<T> {
+    heap: BinaryHeap<Reverse<Waiting<T>>>,
+}
+
+/// One waiting item with its place in the order.
+struct Waiting<T> {
+    turn: i64,
+    seq: u64,
+    item: T,
+}
+
+impl<T> PartialEq for Waiting<T> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.turn, self.seq) == (other.turn, other.seq)
+    }
+}
+impl<T> Eq for Waiting<T> {}
+impl<T> PartialOrd for Waiting<T> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl<T> Ord for Waiting<T> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.turn, self.seq).cmp(&(other.turn, other.seq))
+    }
+}
+
+impl<T> Default for DueOrder<T> {
+    fn default() -> Self {
+        Self {
+            heap: BinaryHeap::new(),
+        }
+    }
+}
+
+impl<T> DueOrder<T> {
+    /// Adds `item` (its delivery tag `seq`) to be taken at `turn`.
+    pub(super) fn push(&mut self, turn: i64, seq: u64, item: T) {
+        self.heap.push(Reverse(Waiting { turn, seq, item }));
+    }
+
+    /// The item whose turn comes first.
+    pub(super) fn pop(&mut self) -> Option<T> {
+        self.heap.pop().map(|Reverse(w)| w.item)
+    }
+
+    /// Whether nothing waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.heap.is_empty()
     }
 }
 
 impl Service {
-    /// One delivery of `<p>.intake`: recorded as scheduled (when pending jobs are
-    /// tracked), then forwarded into the ladder or to work, or dead-lettered.
-    pub(super) async fn handle_relay(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
-        let props = &delivery.properties;
-        let headers = props.headers().as_ref();
+    /// One delivery of `<p>.intake`, with the decision made when it arrived: recorded
+    /// as scheduled (when pending jobs are tracked), then forwarded into the ladder or
+    /// to work, or dead-lettered.
+    pub(super) async fn handle_relay(
+        &self,
+        delivery: Delivery,
+        decision: Decision,
+        publish: &Channel,
+        acks: &Acks,
+    ) {
+        let headers = delivery.properties.headers().as_ref();
         let metrics = self.worker.health().metrics();
-        let disposition = match decide(&self.topology, headers, *props.timestamp(), now_ms()) {
-            Decision::Forward {
-                exchange,
-                routing_key,
-                due_ms,
-            } => {
+        let disposition = match decision {
+            Decision::Forward { due_ms, .. } => {
                 if self.settings.delay.track_pending {
                     if let Some((key, revision)) = contract::peek_key(&delivery.data) {
                         let body = self.settings.delay.reconcile.then(|| delivery.data.clone());
@@ -84,6 +171,7 @@ impl Service {
                         }
                     }
                 }
+                let (exchange, routing_key) = route(&self.topology, due_ms, now_ms());
                 let route = if routing_key == ROUTING_KEY {
                     "now"
                 } else {
@@ -173,6 +261,45 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_relay_takes_the_earliest_turn_first_and_ages_far_ones() {
+        let received = 1_000_000;
+        let far = Decision::Forward {
+            exchange: "x".into(),
+            routing_key: "k".into(),
+            due_ms: received + 3_600_000,
+        };
+        let near = Decision::Forward {
+            exchange: "x".into(),
+            routing_key: "k".into(),
+            due_ms: received + 1_000,
+        };
+        let bad = Decision::Invalid("bad".into());
+        assert_eq!(far.turn(received), received + RELAY_WAIT_MAX_MS);
+        assert_eq!(near.turn(received), received + 1_000);
+        assert_eq!(bad.turn(received), i64::MIN);
+
+        let mut order = DueOrder::default();
+        order.push(far.turn(received), 1, "far, first in");
+        order.push(near.turn(received + 5), 2, "near");
+        order.push(near.turn(received + 5), 3, "near, later tag");
+        order.push(bad.turn(received + 9), 4, "invalid");
+        // A far job received a minute later still waits behind the first far one.
+        order.push(far.turn(received + 60_000), 5, "far, a minute later");
+        let taken: Vec<_> = std::iter::from_fn(|| order.pop()).collect();
+        assert_eq!(
+            taken,
+            [
+                "invalid",
+                "near",
+                "near, later tag",
+                "far, first in",
+                "far, a minute later"
+            ]
+        );
+        assert!(order.is_empty());
     }
 
     #[test]

@@ -108,14 +108,14 @@ impl Service {
             (&session_stop, &lost),
         );
         let end = if let DelayLayout::Ladder(_) = self.topology.delay() {
-            let concurrency = self.settings.delay.relay_concurrency;
+            let delay = &self.settings.delay;
             let relay = self.consume_loop(
                 conn,
                 Lane {
                     role: Role::Relay,
                     queue: self.topology.intake_queue(),
-                    prefetch: concurrency,
-                    concurrency: concurrency as usize,
+                    prefetch: delay.relay_prefetch.max(delay.relay_concurrency),
+                    concurrency: delay.relay_concurrency as usize,
                 },
                 &publish,
                 (&session_stop, &lost),

@@ -1,10 +1,12 @@
 //! One consumer on one queue: bounded concurrency, a pause while a dependency is
 //! down, and on stop a drain (consumer cancelled, in-flight work given the drain
-//! timeout). Deliveries go to the role's handler.
+//! timeout). Deliveries go to the role's handler: the send role's in delivery order,
+//! the relay's earliest due first from its prefetch window (`relay::DueOrder`).
 
 use std::sync::Arc;
 
 use futures_util::StreamExt;
+use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -12,9 +14,11 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::relay::{decide, Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker::Acks;
+use crate::work::now_ms;
 
 /// One consume loop's queue and limits.
 pub(super) struct Lane {
@@ -69,8 +73,40 @@ impl Service {
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
+        // The relay's prefetched deliveries wait here, taken earliest due first.
+        let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
+
         let end = loop {
-            if matches!(role, Role::Send) && health.paused() {
+            if let Role::Relay = role {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => break SessionEnd::Stopped,
+                    _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
+                    permit = slots.clone().acquire_owned(), if !waiting.is_empty() => {
+                        let permit = permit.expect("semaphore is never closed");
+                        let (delivery, decision) = waiting.pop().expect("not empty");
+                        let this = self.clone();
+                        let publish = publish.clone();
+                        let acks = acks.clone();
+                        tracker.spawn(async move {
+                            this.handle_relay(delivery, decision, &publish, &acks).await;
+                            drop(permit);
+                        });
+                    }
+                    next = deliveries.next() => match next {
+                        None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
+                        Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
+                        Some(Ok(delivery)) => {
+                            let now = now_ms();
+                            let props = &delivery.properties;
+                            let decision = decide(&self.topology, props.headers().as_ref(), *props.timestamp(), now);
+                            waiting.push(decision.turn(now), delivery.delivery_tag, (delivery, decision));
+                        }
+                    },
+                }
+                continue;
+            }
+            if health.paused() {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break SessionEnd::Stopped,
@@ -100,10 +136,7 @@ impl Service {
                     let publish = publish.clone();
                     let acks = acks.clone();
                     tracker.spawn(async move {
-                        match role {
-                            Role::Send => this.handle_send(delivery, &publish, &acks).await,
-                            Role::Relay => this.handle_relay(delivery, &publish, &acks).await,
-                        }
+                        this.handle_send(delivery, &publish, &acks).await;
                         drop(permit);
                     });
                 }
@@ -112,7 +145,8 @@ impl Service {
 
         if let SessionEnd::Stopped = end {
             health.set_draining();
-            // Stop taking work; prefetched but unstarted deliveries go back on close.
+            // Stop taking work; prefetched but unstarted deliveries (the relay's waiting
+            // ones too) go back on close.
             bounded(channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default())).await;
             tracker.close();
             let drain = self.settings.worker.drain_timeout;

@@ -389,7 +389,6 @@ impl TestEnv {
         pg_admin(&self.db_name).await
     }
 
-    /// Inbox rows matching `condition` (an SQL boolean expression).
     /// Message-IDs of the jobs whose claim was taken over (the known duplicate
     /// window: the previous owner may have sent them).
     pub async fn taken_over_ids(&self) -> std::collections::BTreeSet<String> {
@@ -416,6 +415,7 @@ impl TestEnv {
             .get(0)
     }
 
+    /// Inbox rows matching `condition` (an SQL boolean expression).
     pub async fn inbox_count(&self, condition: &str) -> i64 {
         self.db()
             .await
