@@ -23,7 +23,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = settings.worker.threads {
+        runtime.worker_threads(threads);
+    }
+    let runtime = runtime
+        .enable_all()
+        .build()
+        .expect("starting the tokio runtime");
     match runtime.block_on(cli::run(cli.command, settings)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

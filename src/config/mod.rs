@@ -146,6 +146,9 @@ impl Settings {
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
         }
+        if self.worker.threads == Some(0) {
+            return fail("worker.threads must be at least 1 (or unset: one per core)".into());
+        }
         if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
             return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
         }
@@ -228,8 +231,10 @@ mod tests {
             ("POSTIE__AMQP__PREFETCH", "7"),
             ("POSTIE__HTTP__LISTEN", ""),
             ("POSTIE__SMTP__URL", "file:///tmp/x"),
+            ("POSTIE__WORKER__THREADS", "1"),
         ]);
         let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.worker.threads, Some(1));
         assert_eq!(
             s.topology.retry_steps,
             [Duration::from_secs(1), Duration::from_secs(120)]
@@ -244,6 +249,8 @@ mod tests {
             ("POSTIE__SMTP__TIMEOUT", "soon", "smtp.timeout"),
             ("POSTIE__AMQP__PREFETCH", "lots", "amqp.prefetch"),
             ("POSTIE__AMQP__PREFECH", "5", "prefech"),
+            ("POSTIE__WORKER__THREADS", "0", "worker.threads"),
+            ("POSTIE__WORKER__THREADS", "many", "worker.threads"),
         ] {
             let env = [(key.to_string(), value.to_string())].into_iter().collect();
             let err = Settings::load_from(None, Some(env))

@@ -210,6 +210,10 @@ impl Default for TopologySettings {
 pub struct WorkerSettings {
     /// Deliveries processed at the same time by one instance.
     pub concurrency: usize,
+    /// Threads of the instance's async runtime (unset: one per core). With several
+    /// instances on one host, give each about cores ÷ instances: idle runtime threads
+    /// look for work before they sleep, and more threads than cores spend CPU on that.
+    pub threads: Option<usize>,
     /// How long a claim is exclusive. Another instance takes a job over only after
     /// the lease has expired, so it must be well above `smtp.timeout`.
     #[serde(deserialize_with = "duration")]
@@ -231,6 +235,7 @@ impl Default for WorkerSettings {
     fn default() -> Self {
         Self {
             concurrency: 64,
+            threads: None,
             lease: Duration::from_secs(60),
             max_body_bytes: 512 * 1024,
             instance_id: None,
