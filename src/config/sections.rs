@@ -210,9 +210,8 @@ impl Default for TopologySettings {
 pub struct WorkerSettings {
     /// Deliveries processed at the same time by one instance.
     pub concurrency: usize,
-    /// Threads of the instance's async runtime (unset: one per core). With several
-    /// instances on one host, give each about cores ÷ instances: idle runtime threads
-    /// look for work before they sleep, and more threads than cores spend CPU on that.
+    /// Threads of the instance's async runtime (unset: one per core). Several
+    /// instances on one small host may each take fewer (README, "Scaling").
     pub threads: Option<usize>,
     /// How long a claim is exclusive. Another instance takes a job over only after
     /// the lease has expired, so it must be well above `smtp.timeout`.
