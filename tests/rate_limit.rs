@@ -22,8 +22,10 @@ const QUOTA: u32 = 40;
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Run {
-    env: TestEnv,
+    // Fields drop in this order: the instances must be gone before the env deletes
+    // the topology, or a running instance reconnects and declares it again.
     instances: Vec<(PostieProcess, u16)>,
+    env: TestEnv,
     started: Instant,
     keys: Vec<String>,
 }
