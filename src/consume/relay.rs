@@ -24,15 +24,12 @@ use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::{DeadReason, RouteLabel};
 use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Target};
 
-/// Where one intake delivery goes.
+/// What becomes of one intake delivery, decided when it arrives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Decision {
-    /// Publish to `exchange` with `routing_key`, stamped with `due_ms`.
+    /// Forward it, stamped with its due time (Unix ms); the route is spelled when it
+    /// is published ([`route`]).
     Forward {
-        /// Target exchange.
-        exchange: String,
-        /// Routing key (binary delay for the ladder, `email` for work).
-        routing_key: String,
         /// Due time, Unix ms.
         due_ms: i64,
     },
@@ -40,8 +37,8 @@ pub(super) enum Decision {
     Invalid(String),
 }
 
-/// Decides the route of an intake delivery received at `now_ms`.
-pub(super) fn decide(
+/// Fixes the due time of an intake delivery received at `now_ms`.
+fn decide(
     topology: &Topology,
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
@@ -51,12 +48,7 @@ pub(super) fn decide(
         Ok(due) => due,
         Err(invalid) => return Decision::Invalid(invalid.0),
     };
-    let (exchange, routing_key) = route(topology, due_ms, now_ms);
-    Decision::Forward {
-        exchange,
-        routing_key,
-        due_ms,
-    }
+    Decision::Forward { due_ms }
 }
 
 /// Where a job due at `due_ms` goes at `now_ms`: the ladder's entry with the time
@@ -83,7 +75,7 @@ impl Decision {
     /// ones at once (they only need dead-lettering).
     pub(super) fn turn(&self, received_ms: i64) -> i64 {
         match self {
-            Decision::Forward { due_ms, .. } => {
+            Decision::Forward { due_ms } => {
                 (*due_ms).min(received_ms.saturating_add(RELAY_WAIT_MAX_MS))
             }
             Decision::Invalid(_) => i64::MIN,
@@ -129,6 +121,21 @@ impl<T> Default for DueOrder<T> {
     }
 }
 
+impl DueOrder<(Delivery, Decision)> {
+    /// Takes in an intake delivery received at `now_ms`: its due time is fixed now.
+    pub(super) fn arrive(&mut self, topology: &Topology, delivery: Delivery, now_ms: i64) {
+        let props = &delivery.properties;
+        let decision = decide(
+            topology,
+            props.headers().as_ref(),
+            *props.timestamp(),
+            now_ms,
+        );
+        let (turn, tag) = (decision.turn(now_ms), delivery.delivery_tag);
+        self.push(turn, tag, (delivery, decision));
+    }
+}
+
 impl<T> DueOrder<T> {
     /// Adds `item` (its delivery tag `seq`) to be taken at `turn`.
     pub(super) fn push(&mut self, turn: i64, seq: u64, item: T) {
@@ -160,7 +167,7 @@ impl Service {
         let headers = delivery.properties.headers().as_ref();
         let metrics = self.worker.health().metrics();
         let disposition = match decision {
-            Decision::Forward { due_ms, .. } => {
+            Decision::Forward { due_ms } => {
                 if self.settings.delay.track_pending {
                     if let Some((key, revision)) = contract::peek_key(&delivery.data) {
                         let body = self.settings.delay.reconcile.then(|| delivery.data.clone());
@@ -243,21 +250,25 @@ mod tests {
             crate::headers::HEADER_PUBLISHED_AT.into(),
             AMQPValue::LongLongInt(10_000),
         );
+        let topology = ladder();
         assert_eq!(
-            decide(&ladder(), Some(&h), None, 12_000),
-            Decision::Forward {
-                exchange: "p.delay.5".into(),
-                routing_key: "0.0.0.0.1.1.email".into(),
-                due_ms: 15_000
-            }
+            decide(&topology, Some(&h), None, 12_000),
+            Decision::Forward { due_ms: 15_000 }
+        );
+        assert_eq!(
+            route(&topology, 15_000, 12_000),
+            ("p.delay.5".into(), "0.0.0.0.1.1.email".into())
         );
     }
 
     #[test]
     fn due_or_overdue_jobs_go_straight_to_work() {
+        let topology = ladder();
         for h in [x_delay(0), x_delay(-1), x_delay(999)] {
-            match decide(&ladder(), Some(&h), None, 1_000) {
-                Decision::Forward { exchange, .. } => assert_eq!(exchange, "p.work"),
+            match decide(&topology, Some(&h), None, 1_000) {
+                Decision::Forward { due_ms } => {
+                    assert_eq!(route(&topology, due_ms, 1_000).0, "p.work")
+                }
                 other => panic!("{other:?}"),
             }
         }
@@ -267,13 +278,9 @@ mod tests {
     fn the_relay_takes_the_earliest_turn_first_and_ages_far_ones() {
         let received = 1_000_000;
         let far = Decision::Forward {
-            exchange: "x".into(),
-            routing_key: "k".into(),
             due_ms: received + 3_600_000,
         };
         let near = Decision::Forward {
-            exchange: "x".into(),
-            routing_key: "k".into(),
             due_ms: received + 1_000,
         };
         let bad = Decision::Invalid("bad".into());

@@ -10,15 +10,23 @@ use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::relay::{decide, Decision, DueOrder};
+use super::relay::{Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker::Acks;
 use crate::work::now_ms;
+
+/// A delivery to handle in a slot of its loop.
+enum Work {
+    /// A `<p>.send` delivery.
+    Send(Delivery),
+    /// An intake delivery, with the decision made when it arrived.
+    Relay(Delivery, Decision),
+}
 
 /// One consume loop's queue and limits.
 pub(super) struct Lane {
@@ -85,23 +93,12 @@ impl Service {
                     permit = slots.clone().acquire_owned(), if !waiting.is_empty() => {
                         let permit = permit.expect("semaphore is never closed");
                         let (delivery, decision) = waiting.pop().expect("not empty");
-                        let this = self.clone();
-                        let publish = publish.clone();
-                        let acks = acks.clone();
-                        tracker.spawn(async move {
-                            this.handle_relay(delivery, decision, &publish, &acks).await;
-                            drop(permit);
-                        });
+                        self.dispatch(&tracker, permit, Work::Relay(delivery, decision), publish, &acks);
                     }
                     next = deliveries.next() => match next {
                         None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
                         Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                        Some(Ok(delivery)) => {
-                            let now = now_ms();
-                            let props = &delivery.properties;
-                            let decision = decide(&self.topology, props.headers().as_ref(), *props.timestamp(), now);
-                            waiting.push(decision.turn(now), delivery.delivery_tag, (delivery, decision));
-                        }
+                        Some(Ok(delivery)) => waiting.arrive(&self.topology, delivery, now_ms()),
                     },
                 }
                 continue;
@@ -132,13 +129,7 @@ impl Service {
                 }
                 Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
                 Some(Ok(delivery)) => {
-                    let this = self.clone();
-                    let publish = publish.clone();
-                    let acks = acks.clone();
-                    tracker.spawn(async move {
-                        this.handle_send(delivery, &publish, &acks).await;
-                        drop(permit);
-                    });
+                    self.dispatch(&tracker, permit, Work::Send(delivery), publish, &acks)
                 }
             }
         };
@@ -174,5 +165,26 @@ impl Service {
         ack_task.finish(GOODBYE_TIMEOUT).await;
         bounded(channel.close(200, "done".into())).await;
         Ok(end)
+    }
+
+    /// Runs `work` on the tracker, holding its slot until it is done.
+    fn dispatch(
+        &self,
+        tracker: &TaskTracker,
+        slot: OwnedSemaphorePermit,
+        work: Work,
+        publish: &Channel,
+        acks: &Acks,
+    ) {
+        let (this, publish, acks) = (self.clone(), publish.clone(), acks.clone());
+        tracker.spawn(async move {
+            match work {
+                Work::Send(delivery) => this.handle_send(delivery, &publish, &acks).await,
+                Work::Relay(delivery, decision) => {
+                    this.handle_relay(delivery, decision, &publish, &acks).await
+                }
+            }
+            drop(slot);
+        });
     }
 }
