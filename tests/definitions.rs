@@ -216,20 +216,20 @@ fn expected_bindings(topology: &Topology) -> BTreeSet<Binding> {
         expected.insert(to_queue(
             level.clone(),
             level.clone(),
-            ladder.pattern(k, true),
+            Ladder::pattern(k, true),
         ));
         if k == 0 {
             expected.insert(to_queue(
                 level,
                 topology.send_queue(),
-                ladder.pattern(0, false),
+                Ladder::pattern(0, false),
             ));
         } else {
             expected.insert((
                 level,
                 topology.delay_level(k - 1),
                 "exchange".into(),
-                ladder.pattern(k, false),
+                Ladder::pattern(k, false),
             ));
         }
     }

@@ -3,12 +3,12 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
 use postie::broker;
-use postie::broker::{probe_plugin, resolve_mode};
+use postie::broker::{probe_plugin, resolve_mode, DelayLayout, Ladder, Topology};
 use postie::config::DelayMode;
 use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
@@ -223,6 +223,134 @@ async fn a_backlog_is_relayed_earliest_due_first() {
         (0, 0, 0),
         "{lateness:?}"
     );
+}
+
+/// The bindings at ladder level `k` as (destination, routing key), from the
+/// management API.
+async fn level_bindings(env: &TestEnv, k: u32) -> BTreeSet<(String, String)> {
+    let path = format!(
+        "exchanges/%2F/{}/bindings/source",
+        env.topology.delay_level(k)
+    );
+    let bindings = support::bench::management_api(&path).await;
+    bindings
+        .as_array()
+        .unwrap_or_else(|| panic!("bindings of level {k}: {bindings}"))
+        .iter()
+        .map(|b| {
+            let text = |field: &str| b[field].as_str().unwrap_or_default().to_string();
+            (text("destination"), text("routing_key"))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delay_max_changes_on_a_live_ladder_and_every_job_still_routes_right() {
+    // 10 min at 100 ms is 13 levels; 1 h is 16. A job relayed under the first
+    // layout is still in the ladder when postie restarts with the second, next to the
+    // left-counted patterns an earlier version bound for 13 levels.
+    let mut env = TestEnv::new("maxchange").await;
+    let mut due = BTreeMap::new();
+    let serving = env.serve(env.settings());
+    due.insert("old".to_string(), publish_delayed(&env, "old", 6_000).await);
+    let envr = &env;
+    eventually(
+        "the job in the ladder",
+        Duration::from_secs(30),
+        move || async move {
+            let mut held = 0;
+            for k in 0..13 {
+                held += envr.depth(&envr.topology.delay_level(k)).await;
+            }
+            (held == 1).then_some(())
+        },
+    )
+    .await;
+    serving.stop().await;
+
+    let DelayLayout::Ladder(old) = env.topology.delay() else {
+        panic!("the tests run in ladder mode");
+    };
+    assert_eq!(old.levels(), 13);
+    let conn = support::bench::broker_connection("postie-test-legacy").await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut legacy = BTreeSet::new();
+    for k in 0..old.levels() {
+        let level = env.topology.delay_level(k);
+        for bit in [false, true] {
+            // As versions before the right-anchored patterns spelled them.
+            let skip = "*.".repeat((old.levels() - 1 - k) as usize);
+            let pattern = format!("{skip}{}.#", u8::from(bit));
+            let queue = match (bit, k) {
+                (true, _) => level.clone(),
+                (false, 0) => env.topology.send_queue(),
+                (false, _) => {
+                    let below = env.topology.delay_level(k - 1);
+                    channel
+                        .exchange_bind(
+                            below.as_str().into(),
+                            level.as_str().into(),
+                            pattern.as_str().into(),
+                            Default::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                        .unwrap();
+                    legacy.insert((k, below, pattern));
+                    continue;
+                }
+            };
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    level.as_str().into(),
+                    pattern.as_str().into(),
+                    Default::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            legacy.insert((k, queue, pattern));
+        }
+    }
+    assert_eq!(legacy.len(), 2 * 13, "two left-counted patterns per level");
+    let bound = level_bindings(&env, 5).await;
+    assert!(legacy
+        .iter()
+        .filter(|(k, ..)| *k == 5)
+        .all(|(_, d, p)| bound.contains(&(d.clone(), p.clone()))));
+    let _ = conn.close(200, "done".into()).await;
+
+    let mut after = env.settings();
+    after.delay.max = Duration::from_secs(3_600);
+    env.topology = Topology::new(&after.topology, &after.delay, after.delay.mode);
+    let DelayLayout::Ladder(new) = env.topology.delay() else {
+        unreachable!()
+    };
+    assert_eq!(new.levels(), 16);
+    let serving = env.serve(after);
+    for (key, delay_ms) in [("new-short", 500), ("new-long", 3_000)] {
+        due.insert(key.to_string(), publish_delayed(&env, key, delay_ms).await);
+    }
+    env.wait_for_emails("the three jobs", 3, Duration::from_secs(60))
+        .await;
+    // Copies routed through a wrong level would come back as duplicates or early.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    serving.stop().await;
+    let lateness = check_on_time(&env, &due).await;
+    assert!(lateness.iter().all(|ms| *ms < 5_000), "late: {lateness:?}");
+    assert_eq!(env.inbox_count("duplicates > 0").await, 0);
+    for k in 0..new.levels() {
+        let below = match k {
+            0 => env.topology.send_queue(),
+            _ => env.topology.delay_level(k - 1),
+        };
+        let expected = BTreeSet::from([
+            (env.topology.delay_level(k), Ladder::pattern(k, true)),
+            (below, Ladder::pattern(k, false)),
+        ]);
+        assert_eq!(level_bindings(&env, k).await, expected, "level {k}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,12 +102,34 @@ impl Ladder {
         key
     }
 
-    /// The topic pattern at exchange `k` matching bit `k` = `bit`.
-    pub fn pattern(&self, k: u32, bit: bool) -> String {
-        let skip = (self.levels - 1 - k) as usize;
-        format!("{}{}.#", "*.".repeat(skip), if bit { '1' } else { '0' })
+    /// The topic pattern at exchange `k` matching bit `k` = `bit`. It counts from the
+    /// right (`#.1.*.*.email` is bit 2), so it reads the same bit of a key whatever
+    /// the key's length: it does not depend on the number of levels, and every
+    /// instance binds the same patterns whatever its `delay.max`. A job spelled for
+    /// an earlier layout still routes right.
+    pub fn pattern(k: u32, bit: bool) -> String {
+        format!(
+            "#.{}.{}{}",
+            if bit { '1' } else { '0' },
+            "*.".repeat(k as usize),
+            super::topology::ROUTING_KEY
+        )
+    }
+
+    /// The patterns that versions before the right-anchored ones bound at exchange
+    /// `k`, with the bit each matched, for any number of levels a layout could have
+    /// had: counted from the left (`*.*.1.#`), they read another bit once the levels
+    /// change. Unbinding what is not bound is a no-op.
+    pub fn legacy_patterns(k: u32) -> impl Iterator<Item = (bool, String)> {
+        (k + 1..=MAX_LEVELS).flat_map(move |levels| {
+            let skip = "*.".repeat((levels - 1 - k) as usize);
+            [false, true].map(|bit| (bit, format!("{skip}{}.#", u8::from(bit))))
+        })
     }
 }
+
+/// The most levels any layout has: RabbitMQ's longest TTL in units of 1 ms.
+pub const MAX_LEVELS: u32 = 64 - (PLUGIN_MAX_DELAY.as_millis() as u64).leading_zeros();
 
 #[cfg(test)]
 mod tests {
@@ -152,8 +174,8 @@ mod tests {
         let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(7));
         assert_eq!(ladder.levels(), 3);
         assert_eq!(ladder.routing_key(5), "1.0.1.email");
-        assert_eq!(ladder.pattern(2, true), "1.#");
-        assert_eq!(ladder.pattern(0, false), "*.*.0.#");
+        assert_eq!(Ladder::pattern(2, true), "#.1.*.*.email");
+        assert_eq!(Ladder::pattern(0, false), "#.0.email");
         assert_eq!(ladder.route(999), Route::Now);
         assert_eq!(
             ladder.route(5_400),
@@ -202,8 +224,8 @@ mod tests {
                     prop_assert!(hops <= ladder.levels());
                     // Exactly one pattern per level matches each key.
                     for k in 0..ladder.levels() {
-                        let one = topic_matches(&ladder.pattern(k, true), &routing_key);
-                        let zero = topic_matches(&ladder.pattern(k, false), &routing_key);
+                        let one = topic_matches(&Ladder::pattern(k, true), &routing_key);
+                        let zero = topic_matches(&Ladder::pattern(k, false), &routing_key);
                         prop_assert!(one != zero);
                     }
                 }
@@ -211,25 +233,76 @@ mod tests {
         }
     }
 
-    /// RabbitMQ topic matching for the patterns used here (`*` one word, `#` the rest).
-    fn topic_matches(pattern: &str, key: &str) -> bool {
-        let p: Vec<&str> = pattern.split('.').collect();
-        let k: Vec<&str> = key.split('.').collect();
-        for (i, word) in p.iter().enumerate() {
-            match *word {
-                "#" => return true,
-                "*" => {
-                    if i >= k.len() {
-                        return false;
-                    }
-                }
-                w => {
-                    if k.get(i) != Some(&w) {
-                        return false;
-                    }
+    /// A layout's levels changed (`delay.max`): a job spelled for the old layout, in
+    /// flight when the new patterns were bound, reads the same bits at every level
+    /// the two layouts share, and so still waits exactly its delay.
+    #[test]
+    fn patterns_read_the_same_bit_of_a_key_whatever_its_length() {
+        for (old_max_s, new_max_s) in [(7u64, 1_000), (1_000, 7), (86_400, 600)] {
+            let old = Ladder::new(Duration::from_secs(1), Duration::from_secs(old_max_s));
+            let new = Ladder::new(Duration::from_secs(1), Duration::from_secs(new_max_s));
+            for units in [1u64, 5, 6, 7] {
+                let key = old.routing_key(units);
+                for k in 0..old.levels().min(new.levels()) {
+                    let bit = units >> k & 1 == 1;
+                    assert!(
+                        topic_matches(&Ladder::pattern(k, bit), &key),
+                        "{key} at {k}"
+                    );
+                    assert!(
+                        !topic_matches(&Ladder::pattern(k, !bit), &key),
+                        "{key} at {k}"
+                    );
                 }
             }
         }
-        p.len() == k.len()
+    }
+
+    /// What earlier versions bound is in the list that start-up unbinds, and the list
+    /// holds none of today's patterns.
+    #[test]
+    fn legacy_patterns_cover_every_earlier_layout_and_spare_todays() {
+        assert_eq!(MAX_LEVELS, 32);
+        let earlier = |levels: u32, k: u32, bit: char| {
+            format!("{}{bit}.#", "*.".repeat((levels - 1 - k) as usize))
+        };
+        for levels in 1..=MAX_LEVELS {
+            for k in 0..levels {
+                let legacy: Vec<(bool, String)> = Ladder::legacy_patterns(k).collect();
+                assert!(legacy.contains(&(false, earlier(levels, k, '0'))));
+                assert!(legacy.contains(&(true, earlier(levels, k, '1'))));
+                for bit in [false, true] {
+                    let today = Ladder::pattern(k, bit);
+                    assert!(legacy.iter().all(|(_, p)| *p != today));
+                }
+            }
+        }
+        assert_eq!(Ladder::legacy_patterns(MAX_LEVELS - 1).count(), 2);
+    }
+
+    /// RabbitMQ topic matching: `*` is one word, `#` zero or more.
+    fn topic_matches(pattern: &str, key: &str) -> bool {
+        fn words(p: &[&str], k: &[&str]) -> bool {
+            match p.split_first() {
+                None => k.is_empty(),
+                Some((&"#", rest)) => (0..=k.len()).any(|skip| words(rest, &k[skip..])),
+                Some((&w, rest)) => match k.split_first() {
+                    Some((&first, more)) if w == "*" || w == first => words(rest, more),
+                    _ => false,
+                },
+            }
+        }
+        let p: Vec<&str> = pattern.split('.').collect();
+        let k: Vec<&str> = key.split('.').collect();
+        words(&p, &k)
+    }
+
+    #[test]
+    fn topic_matching_follows_rabbitmq() {
+        assert!(topic_matches("#.1.email", "1.email"));
+        assert!(topic_matches("#.1.email", "0.0.1.email"));
+        assert!(!topic_matches("#.1.*.email", "1.email"));
+        assert!(topic_matches("*.*.1.#", "0.0.1.email"));
+        assert!(!topic_matches("*.1", "1"));
     }
 }
