@@ -244,12 +244,91 @@ async fn level_bindings(env: &TestEnv, k: u32) -> BTreeSet<(String, String)> {
         .collect()
 }
 
+/// Checks that levels `0..levels` hold today's two bindings each, and nothing else.
+async fn assert_only_todays_bindings(env: &TestEnv, levels: u32) {
+    for k in 0..levels {
+        let below = match k {
+            0 => env.topology.send_queue(),
+            _ => env.topology.delay_level(k - 1),
+        };
+        let expected = BTreeSet::from([
+            (env.topology.delay_level(k), Ladder::pattern(k, true)),
+            (below, Ladder::pattern(k, false)),
+        ]);
+        assert_eq!(level_bindings(env, k).await, expected, "level {k}");
+    }
+}
+
+/// Binds, at levels `0..levels`, what versions before the right-anchored patterns
+/// bound for a layout of `layout` levels: patterns counted from the left.
+async fn bind_earlier_patterns(env: &TestEnv, layout: u32, levels: u32) {
+    let conn = support::bench::broker_connection("postie-test-legacy").await;
+    let channel = conn.create_channel().await.unwrap();
+    for k in 0..levels {
+        let level = env.topology.delay_level(k);
+        for bit in [false, true] {
+            let pattern = format!(
+                "{}{}.#",
+                "*.".repeat((layout - 1 - k) as usize),
+                u8::from(bit)
+            );
+            let (p, l) = (pattern.as_str(), level.as_str());
+            match (bit, k) {
+                (true, _) => {
+                    channel
+                        .queue_bind(
+                            l.into(),
+                            l.into(),
+                            p.into(),
+                            Default::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                }
+                (false, 0) => {
+                    let send = env.topology.send_queue();
+                    channel
+                        .queue_bind(
+                            send.as_str().into(),
+                            l.into(),
+                            p.into(),
+                            Default::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                }
+                (false, _) => {
+                    let below = env.topology.delay_level(k - 1);
+                    channel
+                        .exchange_bind(
+                            below.as_str().into(),
+                            l.into(),
+                            p.into(),
+                            Default::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                }
+            }
+            .unwrap();
+        }
+    }
+    // They are there, next to today's.
+    assert_eq!(level_bindings(env, levels - 1).await.len(), 4);
+    let _ = conn.close(200, "done".into()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_max_changes_on_a_live_ladder_and_every_job_still_routes_right() {
-    // 10 min at 100 ms is 13 levels; 1 h is 16. A job relayed under the first
-    // layout is still in the ladder when postie restarts with the second, next to the
-    // left-counted patterns an earlier version bound for 13 levels.
+    // 10 min at 100 ms is 13 levels; 1 h is 16. The broker still has the patterns an
+    // earlier version bound for 13 levels; this version starts with the same
+    // delay.max, relays a job, and restarts with 1 h while the job is in the ladder.
     let mut env = TestEnv::new("maxchange").await;
+    let DelayLayout::Ladder(old) = env.topology.delay() else {
+        panic!("the tests run in ladder mode");
+    };
+    assert_eq!(old.levels(), 13);
+    bind_earlier_patterns(&env, 13, 13).await;
     let mut due = BTreeMap::new();
     let serving = env.serve(env.settings());
     due.insert("old".to_string(), publish_delayed(&env, "old", 6_000).await);
@@ -267,59 +346,6 @@ async fn delay_max_changes_on_a_live_ladder_and_every_job_still_routes_right() {
     )
     .await;
     serving.stop().await;
-
-    let DelayLayout::Ladder(old) = env.topology.delay() else {
-        panic!("the tests run in ladder mode");
-    };
-    assert_eq!(old.levels(), 13);
-    let conn = support::bench::broker_connection("postie-test-legacy").await;
-    let channel = conn.create_channel().await.unwrap();
-    let mut legacy = BTreeSet::new();
-    for k in 0..old.levels() {
-        let level = env.topology.delay_level(k);
-        for bit in [false, true] {
-            // As versions before the right-anchored patterns spelled them.
-            let skip = "*.".repeat((old.levels() - 1 - k) as usize);
-            let pattern = format!("{skip}{}.#", u8::from(bit));
-            let queue = match (bit, k) {
-                (true, _) => level.clone(),
-                (false, 0) => env.topology.send_queue(),
-                (false, _) => {
-                    let below = env.topology.delay_level(k - 1);
-                    channel
-                        .exchange_bind(
-                            below.as_str().into(),
-                            level.as_str().into(),
-                            pattern.as_str().into(),
-                            Default::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                        .unwrap();
-                    legacy.insert((k, below, pattern));
-                    continue;
-                }
-            };
-            channel
-                .queue_bind(
-                    queue.as_str().into(),
-                    level.as_str().into(),
-                    pattern.as_str().into(),
-                    Default::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-            legacy.insert((k, queue, pattern));
-        }
-    }
-    assert_eq!(legacy.len(), 2 * 13, "two left-counted patterns per level");
-    let bound = level_bindings(&env, 5).await;
-    assert!(legacy
-        .iter()
-        .filter(|(k, ..)| *k == 5)
-        .all(|(_, d, p)| bound.contains(&(d.clone(), p.clone()))));
-    let _ = conn.close(200, "done".into()).await;
 
     let mut after = env.settings();
     after.delay.max = Duration::from_secs(3_600);
@@ -340,17 +366,17 @@ async fn delay_max_changes_on_a_live_ladder_and_every_job_still_routes_right() {
     let lateness = check_on_time(&env, &due).await;
     assert!(lateness.iter().all(|ms| *ms < 5_000), "late: {lateness:?}");
     assert_eq!(env.inbox_count("duplicates > 0").await, 0);
-    for k in 0..new.levels() {
-        let below = match k {
-            0 => env.topology.send_queue(),
-            _ => env.topology.delay_level(k - 1),
-        };
-        let expected = BTreeSet::from([
-            (env.topology.delay_level(k), Ladder::pattern(k, true)),
-            (below, Ladder::pattern(k, false)),
-        ]);
-        assert_eq!(level_bindings(&env, k).await, expected, "level {k}");
-    }
+    assert_only_todays_bindings(&env, new.levels()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postie_topology_unbinds_the_patterns_of_any_earlier_layout() {
+    // An earlier version ran with 20 levels, then with 13 (without a topology
+    // delete): start-up unbinds the 13-level patterns, `postie topology` all of them.
+    let env = TestEnv::new("legacyall").await;
+    bind_earlier_patterns(&env, 20, 13).await;
+    env.postie(&["topology"]).expect("postie topology");
+    assert_only_todays_bindings(&env, 13).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -116,15 +116,18 @@ impl Ladder {
         )
     }
 
-    /// The patterns that versions before the right-anchored ones bound at exchange
-    /// `k`, with the bit each matched, for any number of levels a layout could have
-    /// had: counted from the left (`*.*.1.#`), they read another bit once the levels
-    /// change. Unbinding what is not bound is a no-op.
-    pub fn legacy_patterns(k: u32) -> impl Iterator<Item = (bool, String)> {
-        (k + 1..=MAX_LEVELS).flat_map(move |levels| {
-            let skip = "*.".repeat((levels - 1 - k) as usize);
-            [false, true].map(|bit| (bit, format!("{skip}{}.#", u8::from(bit))))
-        })
+    /// The pattern that versions before the right-anchored ones bound at exchange `k`
+    /// for bit `bit`, in a layout of `levels` levels: counted from the left
+    /// (`*.*.1.#`), it reads another bit once the levels change.
+    pub fn legacy_pattern(levels: u32, k: u32, bit: bool) -> String {
+        let skip = "*.".repeat(levels.saturating_sub(k + 1) as usize);
+        format!("{skip}{}.#", u8::from(bit))
+    }
+
+    /// Every layout an earlier version could have bound at exchange `k`: from `k + 1`
+    /// levels to [`MAX_LEVELS`].
+    pub fn legacy_layouts(k: u32) -> std::ops::RangeInclusive<u32> {
+        k + 1..=MAX_LEVELS
     }
 }
 
@@ -258,26 +261,22 @@ mod tests {
         }
     }
 
-    /// What earlier versions bound is in the list that start-up unbinds, and the list
-    /// holds none of today's patterns.
+    /// What earlier versions bound, for any layout, and none of today's patterns.
     #[test]
-    fn legacy_patterns_cover_every_earlier_layout_and_spare_todays() {
+    fn legacy_patterns_are_what_earlier_versions_bound() {
         assert_eq!(MAX_LEVELS, 32);
-        let earlier = |levels: u32, k: u32, bit: char| {
-            format!("{}{bit}.#", "*.".repeat((levels - 1 - k) as usize))
-        };
-        for levels in 1..=MAX_LEVELS {
-            for k in 0..levels {
-                let legacy: Vec<(bool, String)> = Ladder::legacy_patterns(k).collect();
-                assert!(legacy.contains(&(false, earlier(levels, k, '0'))));
-                assert!(legacy.contains(&(true, earlier(levels, k, '1'))));
+        assert_eq!(Ladder::legacy_pattern(3, 2, true), "1.#");
+        assert_eq!(Ladder::legacy_pattern(3, 0, false), "*.*.0.#");
+        assert_eq!(Ladder::legacy_layouts(MAX_LEVELS - 1).count(), 1);
+        for k in 0..MAX_LEVELS {
+            for levels in Ladder::legacy_layouts(k) {
                 for bit in [false, true] {
-                    let today = Ladder::pattern(k, bit);
-                    assert!(legacy.iter().all(|(_, p)| *p != today));
+                    let legacy = Ladder::legacy_pattern(levels, k, bit);
+                    assert_ne!(legacy, Ladder::pattern(k, bit));
+                    assert_ne!(legacy, Ladder::pattern(k, !bit));
                 }
             }
         }
-        assert_eq!(Ladder::legacy_patterns(MAX_LEVELS - 1).count(), 2);
     }
 
     /// RabbitMQ topic matching: `*` is one word, `#` zero or more.

@@ -371,20 +371,44 @@ impl Topology {
                     .map_err(|e| classify(format!("binding {source} → {destination}"), e))?;
             }
         }
-        self.unbind_legacy(channel, ladder).await
+        let current = |_| ladder.levels()..=ladder.levels();
+        self.unbind_legacy(channel, ladder, current).await
     }
 
-    /// Unbinds the ladder patterns of earlier versions (`Ladder::legacy_patterns`),
-    /// which misroute once `delay.max` changes. Today's patterns are bound first, so
-    /// a job in flight always has its route: with the levels unchanged, an old and a
-    /// new pattern match the same bit, and the broker routes a message once to each
-    /// destination however many bindings match. Sent without waiting for each reply
-    /// in turn: several hundred calls, all no-ops on a ladder that has none.
-    async fn unbind_legacy(&self, channel: &Channel, ladder: Ladder) -> Result<(), TopologyError> {
+    /// Unbinds every ladder pattern an earlier version could have bound, whatever its
+    /// `delay.max` (`postie topology`): several hundred calls, each a no-op where
+    /// there is nothing to unbind.
+    pub async fn unbind_every_legacy_pattern(
+        &self,
+        channel: &Channel,
+    ) -> Result<(), TopologyError> {
+        match self.delay {
+            DelayLayout::Ladder(ladder) => {
+                (self.unbind_legacy(channel, ladder, Ladder::legacy_layouts)).await
+            }
+            DelayLayout::Plugin => Ok(()),
+        }
+    }
+
+    /// Unbinds, at each level `k`, the left-counted patterns that versions before the
+    /// right-anchored ones bound for the layouts `layouts(k)` (see
+    /// `Ladder::legacy_pattern`): they misroute once `delay.max` changes. Start-up
+    /// unbinds those of the current layout, which an upgrade leaves. Today's
+    /// patterns are bound first, so a job in flight always has its route: with the
+    /// levels unchanged, an old and a new pattern match the same bit, and the broker
+    /// routes a message once to each destination however many bindings match. The
+    /// calls go out without waiting for each reply in turn.
+    async fn unbind_legacy(
+        &self,
+        channel: &Channel,
+        ladder: Ladder,
+        layouts: impl Fn(u32) -> std::ops::RangeInclusive<u32>,
+    ) -> Result<(), TopologyError> {
         let mut unbinds = Vec::new();
         for k in 0..ladder.levels() {
             let source = self.delay_level(k);
-            for (bit, pattern) in Ladder::legacy_patterns(k) {
+            for (levels, bit) in layouts(k).flat_map(|l| [(l, false), (l, true)]) {
+                let pattern = Ladder::legacy_pattern(levels, k, bit);
                 // As bound: a set bit to the level's queue, a clear one to the level
                 // below (the send queue under level 0).
                 let (destination, to_queue) = match (bit, k) {
