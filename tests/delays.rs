@@ -272,43 +272,18 @@ async fn bind_earlier_patterns(env: &TestEnv, layout: u32, levels: u32) {
                 "*.".repeat((layout - 1 - k) as usize),
                 u8::from(bit)
             );
-            let (p, l) = (pattern.as_str(), level.as_str());
-            match (bit, k) {
-                (true, _) => {
-                    channel
-                        .queue_bind(
-                            l.into(),
-                            l.into(),
-                            p.into(),
-                            Default::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                }
-                (false, 0) => {
-                    let send = env.topology.send_queue();
-                    channel
-                        .queue_bind(
-                            send.as_str().into(),
-                            l.into(),
-                            p.into(),
-                            Default::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                }
-                (false, _) => {
-                    let below = env.topology.delay_level(k - 1);
-                    channel
-                        .exchange_bind(
-                            below.as_str().into(),
-                            l.into(),
-                            p.into(),
-                            Default::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                }
+            let (destination, to_queue) = match (bit, k) {
+                (true, _) => (level.clone(), true),
+                (false, 0) => (env.topology.send_queue(), true),
+                (false, _) => (env.topology.delay_level(k - 1), false),
+            };
+            let (d, l, p) = (destination.as_str(), level.as_str(), pattern.as_str());
+            let (options, args) = (Default::default(), FieldTable::default());
+            if to_queue {
+                (channel.queue_bind(d.into(), l.into(), p.into(), options, args)).await
+            } else {
+                (channel.exchange_bind(d.into(), l.into(), p.into(), Default::default(), args))
+                    .await
             }
             .unwrap();
         }
