@@ -216,20 +216,20 @@ fn expected_bindings(topology: &Topology) -> BTreeSet<Binding> {
         expected.insert(to_queue(
             level.clone(),
             level.clone(),
-            Ladder::pattern(k, true),
+            ladder.pattern(k, true),
         ));
         if k == 0 {
             expected.insert(to_queue(
                 level,
                 topology.send_queue(),
-                Ladder::pattern(0, false),
+                ladder.pattern(0, false),
             ));
         } else {
             expected.insert((
                 level,
                 topology.delay_level(k - 1),
                 "exchange".into(),
-                Ladder::pattern(k, false),
+                ladder.pattern(k, false),
             ));
         }
     }

@@ -3,12 +3,12 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
 use postie::broker;
-use postie::broker::{probe_plugin, resolve_mode, DelayLayout, Ladder, Topology};
+use postie::broker::{probe_plugin, resolve_mode};
 use postie::config::DelayMode;
 use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
@@ -223,135 +223,6 @@ async fn a_backlog_is_relayed_earliest_due_first() {
         (0, 0, 0),
         "{lateness:?}"
     );
-}
-
-/// The bindings at ladder level `k` as (destination, routing key), from the
-/// management API.
-async fn level_bindings(env: &TestEnv, k: u32) -> BTreeSet<(String, String)> {
-    let path = format!(
-        "exchanges/%2F/{}/bindings/source",
-        env.topology.delay_level(k)
-    );
-    let bindings = support::bench::management_api(&path).await;
-    bindings
-        .as_array()
-        .unwrap_or_else(|| panic!("bindings of level {k}: {bindings}"))
-        .iter()
-        .map(|b| {
-            let text = |field: &str| b[field].as_str().unwrap_or_default().to_string();
-            (text("destination"), text("routing_key"))
-        })
-        .collect()
-}
-
-/// Checks that levels `0..levels` hold today's two bindings each, and nothing else.
-async fn assert_only_todays_bindings(env: &TestEnv, levels: u32) {
-    for k in 0..levels {
-        let below = match k {
-            0 => env.topology.send_queue(),
-            _ => env.topology.delay_level(k - 1),
-        };
-        let expected = BTreeSet::from([
-            (env.topology.delay_level(k), Ladder::pattern(k, true)),
-            (below, Ladder::pattern(k, false)),
-        ]);
-        assert_eq!(level_bindings(env, k).await, expected, "level {k}");
-    }
-}
-
-/// Binds, at levels `0..levels`, what versions before the right-anchored patterns
-/// bound for a layout of `layout` levels: patterns counted from the left.
-async fn bind_earlier_patterns(env: &TestEnv, layout: u32, levels: u32) {
-    let conn = support::bench::broker_connection("postie-test-legacy").await;
-    let channel = conn.create_channel().await.unwrap();
-    for k in 0..levels {
-        let level = env.topology.delay_level(k);
-        for bit in [false, true] {
-            let pattern = format!(
-                "{}{}.#",
-                "*.".repeat((layout - 1 - k) as usize),
-                u8::from(bit)
-            );
-            let (destination, to_queue) = match (bit, k) {
-                (true, _) => (level.clone(), true),
-                (false, 0) => (env.topology.send_queue(), true),
-                (false, _) => (env.topology.delay_level(k - 1), false),
-            };
-            let (d, l, p) = (destination.as_str(), level.as_str(), pattern.as_str());
-            let (options, args) = (Default::default(), FieldTable::default());
-            if to_queue {
-                (channel.queue_bind(d.into(), l.into(), p.into(), options, args)).await
-            } else {
-                (channel.exchange_bind(d.into(), l.into(), p.into(), Default::default(), args))
-                    .await
-            }
-            .unwrap();
-        }
-    }
-    // They are there, next to today's.
-    assert_eq!(level_bindings(env, levels - 1).await.len(), 4);
-    let _ = conn.close(200, "done".into()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delay_max_changes_on_a_live_ladder_and_every_job_still_routes_right() {
-    // 10 min at 100 ms is 13 levels; 1 h is 16. The broker still has the patterns an
-    // earlier version bound for 13 levels; this version starts with the same
-    // delay.max, relays a job, and restarts with 1 h while the job is in the ladder.
-    let mut env = TestEnv::new("maxchange").await;
-    let DelayLayout::Ladder(old) = env.topology.delay() else {
-        panic!("the tests run in ladder mode");
-    };
-    assert_eq!(old.levels(), 13);
-    bind_earlier_patterns(&env, 13, 13).await;
-    let mut due = BTreeMap::new();
-    let serving = env.serve(env.settings());
-    due.insert("old".to_string(), publish_delayed(&env, "old", 6_000).await);
-    let envr = &env;
-    eventually(
-        "the job in the ladder",
-        Duration::from_secs(30),
-        move || async move {
-            let mut held = 0;
-            for k in 0..13 {
-                held += envr.depth(&envr.topology.delay_level(k)).await;
-            }
-            (held == 1).then_some(())
-        },
-    )
-    .await;
-    serving.stop().await;
-
-    let mut after = env.settings();
-    after.delay.max = Duration::from_secs(3_600);
-    env.topology = Topology::new(&after.topology, &after.delay, after.delay.mode);
-    let DelayLayout::Ladder(new) = env.topology.delay() else {
-        unreachable!()
-    };
-    assert_eq!(new.levels(), 16);
-    let serving = env.serve(after);
-    for (key, delay_ms) in [("new-short", 500), ("new-long", 3_000)] {
-        due.insert(key.to_string(), publish_delayed(&env, key, delay_ms).await);
-    }
-    env.wait_for_emails("the three jobs", 3, Duration::from_secs(60))
-        .await;
-    // Copies routed through a wrong level would come back as duplicates or early.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    serving.stop().await;
-    let lateness = check_on_time(&env, &due).await;
-    assert!(lateness.iter().all(|ms| *ms < 5_000), "late: {lateness:?}");
-    assert_eq!(env.inbox_count("duplicates > 0").await, 0);
-    assert_only_todays_bindings(&env, new.levels()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postie_topology_unbinds_the_patterns_of_any_earlier_layout() {
-    // An earlier version ran with 20 levels, then with 13 (without a topology
-    // delete): start-up unbinds the 13-level patterns, `postie topology` all of them.
-    let env = TestEnv::new("legacyall").await;
-    bind_earlier_patterns(&env, 20, 13).await;
-    env.postie(&["topology"]).expect("postie topology");
-    assert_only_todays_bindings(&env, 13).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,37 +102,12 @@ impl Ladder {
         key
     }
 
-    /// The topic pattern at exchange `k` matching bit `k` = `bit`. It counts from the
-    /// right (`#.1.*.*.email` is bit 2), so it reads the same bit of a key whatever
-    /// the key's length: it does not depend on the number of levels, and every
-    /// instance binds the same patterns whatever its `delay.max`. A job spelled for
-    /// an earlier layout still routes right.
-    pub fn pattern(k: u32, bit: bool) -> String {
-        format!(
-            "#.{}.{}{}",
-            if bit { '1' } else { '0' },
-            "*.".repeat(k as usize),
-            super::topology::ROUTING_KEY
-        )
-    }
-
-    /// The pattern that versions before the right-anchored ones bound at exchange `k`
-    /// for bit `bit`, in a layout of `levels` levels: counted from the left
-    /// (`*.*.1.#`), it reads another bit once the levels change.
-    pub fn legacy_pattern(levels: u32, k: u32, bit: bool) -> String {
-        let skip = "*.".repeat(levels.saturating_sub(k + 1) as usize);
-        format!("{skip}{}.#", u8::from(bit))
-    }
-
-    /// Every layout an earlier version could have bound at exchange `k`: from `k + 1`
-    /// levels to [`MAX_LEVELS`].
-    pub fn legacy_layouts(k: u32) -> std::ops::RangeInclusive<u32> {
-        k + 1..=MAX_LEVELS
+    /// The topic pattern at exchange `k` matching bit `k` = `bit`.
+    pub fn pattern(&self, k: u32, bit: bool) -> String {
+        let skip = (self.levels - 1 - k) as usize;
+        format!("{}{}.#", "*.".repeat(skip), if bit { '1' } else { '0' })
     }
 }
-
-/// The most levels any layout has: RabbitMQ's longest TTL in units of 1 ms.
-pub const MAX_LEVELS: u32 = 64 - (PLUGIN_MAX_DELAY.as_millis() as u64).leading_zeros();
 
 #[cfg(test)]
 mod tests {
@@ -177,8 +152,8 @@ mod tests {
         let ladder = Ladder::new(Duration::from_secs(1), Duration::from_secs(7));
         assert_eq!(ladder.levels(), 3);
         assert_eq!(ladder.routing_key(5), "1.0.1.email");
-        assert_eq!(Ladder::pattern(2, true), "#.1.*.*.email");
-        assert_eq!(Ladder::pattern(0, false), "#.0.email");
+        assert_eq!(ladder.pattern(2, true), "1.#");
+        assert_eq!(ladder.pattern(0, false), "*.*.0.#");
         assert_eq!(ladder.route(999), Route::Now);
         assert_eq!(
             ladder.route(5_400),
@@ -227,8 +202,8 @@ mod tests {
                     prop_assert!(hops <= ladder.levels());
                     // Exactly one pattern per level matches each key.
                     for k in 0..ladder.levels() {
-                        let one = topic_matches(&Ladder::pattern(k, true), &routing_key);
-                        let zero = topic_matches(&Ladder::pattern(k, false), &routing_key);
+                        let one = topic_matches(&ladder.pattern(k, true), &routing_key);
+                        let zero = topic_matches(&ladder.pattern(k, false), &routing_key);
                         prop_assert!(one != zero);
                     }
                 }
@@ -236,72 +211,25 @@ mod tests {
         }
     }
 
-    /// A layout's levels changed (`delay.max`): a job spelled for the old layout, in
-    /// flight when the new patterns were bound, reads the same bits at every level
-    /// the two layouts share, and so still waits exactly its delay.
-    #[test]
-    fn patterns_read_the_same_bit_of_a_key_whatever_its_length() {
-        for (old_max_s, new_max_s) in [(7u64, 1_000), (1_000, 7), (86_400, 600)] {
-            let old = Ladder::new(Duration::from_secs(1), Duration::from_secs(old_max_s));
-            let new = Ladder::new(Duration::from_secs(1), Duration::from_secs(new_max_s));
-            for units in [1u64, 5, 6, 7] {
-                let key = old.routing_key(units);
-                for k in 0..old.levels().min(new.levels()) {
-                    let bit = units >> k & 1 == 1;
-                    assert!(
-                        topic_matches(&Ladder::pattern(k, bit), &key),
-                        "{key} at {k}"
-                    );
-                    assert!(
-                        !topic_matches(&Ladder::pattern(k, !bit), &key),
-                        "{key} at {k}"
-                    );
-                }
-            }
-        }
-    }
-
-    /// What earlier versions bound, for any layout, and none of today's patterns.
-    #[test]
-    fn legacy_patterns_are_what_earlier_versions_bound() {
-        assert_eq!(MAX_LEVELS, 32);
-        assert_eq!(Ladder::legacy_pattern(3, 2, true), "1.#");
-        assert_eq!(Ladder::legacy_pattern(3, 0, false), "*.*.0.#");
-        assert_eq!(Ladder::legacy_layouts(MAX_LEVELS - 1).count(), 1);
-        for k in 0..MAX_LEVELS {
-            for levels in Ladder::legacy_layouts(k) {
-                for bit in [false, true] {
-                    let legacy = Ladder::legacy_pattern(levels, k, bit);
-                    assert_ne!(legacy, Ladder::pattern(k, bit));
-                    assert_ne!(legacy, Ladder::pattern(k, !bit));
-                }
-            }
-        }
-    }
-
-    /// RabbitMQ topic matching: `*` is one word, `#` zero or more.
+    /// RabbitMQ topic matching for the patterns used here (`*` one word, `#` the rest).
     fn topic_matches(pattern: &str, key: &str) -> bool {
-        fn words(p: &[&str], k: &[&str]) -> bool {
-            match p.split_first() {
-                None => k.is_empty(),
-                Some((&"#", rest)) => (0..=k.len()).any(|skip| words(rest, &k[skip..])),
-                Some((&w, rest)) => match k.split_first() {
-                    Some((&first, more)) if w == "*" || w == first => words(rest, more),
-                    _ => false,
-                },
-            }
-        }
         let p: Vec<&str> = pattern.split('.').collect();
         let k: Vec<&str> = key.split('.').collect();
-        words(&p, &k)
-    }
-
-    #[test]
-    fn topic_matching_follows_rabbitmq() {
-        assert!(topic_matches("#.1.email", "1.email"));
-        assert!(topic_matches("#.1.email", "0.0.1.email"));
-        assert!(!topic_matches("#.1.*.email", "1.email"));
-        assert!(topic_matches("*.*.1.#", "0.0.1.email"));
-        assert!(!topic_matches("*.1", "1"));
+        for (i, word) in p.iter().enumerate() {
+            match *word {
+                "#" => return true,
+                "*" => {
+                    if i >= k.len() {
+                        return false;
+                    }
+                }
+                w => {
+                    if k.get(i) != Some(&w) {
+                        return false;
+                    }
+                }
+            }
+        }
+        p.len() == k.len()
     }
 }

@@ -14,8 +14,8 @@
 use std::time::Duration;
 
 use lapin::options::{
-    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, ExchangeUnbindOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
@@ -348,12 +348,12 @@ impl Topology {
                 dead_letter_to(&mut args, &self.delay_level(k - 1));
             }
             self.declare_queue(channel, &name, args).await?;
-            self.bind(channel, &name, &name, &Ladder::pattern(k, true))
+            self.bind(channel, &name, &name, &ladder.pattern(k, true))
                 .await?;
         }
         // Zero bits skip a level without waiting; below level 0 is the send queue.
         for k in 0..ladder.levels() {
-            let zero = Ladder::pattern(k, false);
+            let zero = ladder.pattern(k, false);
             if k == 0 {
                 self.bind(channel, &self.send_queue(), &self.delay_level(0), &zero)
                     .await?;
@@ -371,71 +371,7 @@ impl Topology {
                     .map_err(|e| classify(format!("binding {source} → {destination}"), e))?;
             }
         }
-        let current = |_| ladder.levels()..=ladder.levels();
-        self.unbind_legacy(channel, ladder, current).await
-    }
-
-    /// Unbinds every ladder pattern an earlier version could have bound, whatever its
-    /// `delay.max` (`postie topology`): several hundred calls, each a no-op where
-    /// there is nothing to unbind.
-    pub async fn unbind_every_legacy_pattern(
-        &self,
-        channel: &Channel,
-    ) -> Result<(), TopologyError> {
-        match self.delay {
-            DelayLayout::Ladder(ladder) => {
-                (self.unbind_legacy(channel, ladder, Ladder::legacy_layouts)).await
-            }
-            DelayLayout::Plugin => Ok(()),
-        }
-    }
-
-    /// Unbinds, at each level `k`, the left-counted patterns that versions before the
-    /// right-anchored ones bound for the layouts `layouts(k)` (see
-    /// `Ladder::legacy_pattern`): they misroute once `delay.max` changes. Start-up
-    /// unbinds those of the current layout, which an upgrade leaves. Today's
-    /// patterns are bound first, so a job in flight always has its route: with the
-    /// levels unchanged, an old and a new pattern match the same bit, and the broker
-    /// routes a message once to each destination however many bindings match. The
-    /// calls go out without waiting for each reply in turn.
-    async fn unbind_legacy(
-        &self,
-        channel: &Channel,
-        ladder: Ladder,
-        layouts: impl Fn(u32) -> std::ops::RangeInclusive<u32>,
-    ) -> Result<(), TopologyError> {
-        let mut unbinds = Vec::new();
-        for k in 0..ladder.levels() {
-            let source = self.delay_level(k);
-            for (levels, bit) in layouts(k).flat_map(|l| [(l, false), (l, true)]) {
-                let pattern = Ladder::legacy_pattern(levels, k, bit);
-                // As bound: a set bit to the level's queue, a clear one to the level
-                // below (the send queue under level 0).
-                let (destination, to_queue) = match (bit, k) {
-                    (true, _) => (source.clone(), true),
-                    (false, 0) => (self.send_queue(), true),
-                    (false, _) => (self.delay_level(k - 1), false),
-                };
-                let (channel, source) = (channel.clone(), source.clone());
-                unbinds.push(async move {
-                    let (d, s, p) = (destination.as_str(), source.as_str(), pattern.as_str());
-                    let result = if to_queue {
-                        let args = FieldTable::default();
-                        channel
-                            .queue_unbind(d.into(), s.into(), p.into(), args)
-                            .await
-                    } else {
-                        let options = ExchangeUnbindOptions::default();
-                        let args = FieldTable::default();
-                        (channel.exchange_unbind(d.into(), s.into(), p.into(), options, args)).await
-                    };
-                    result.map_err(|e| classify(format!("unbinding {source} → {destination}"), e))
-                });
-            }
-        }
-        futures_util::future::try_join_all(unbinds)
-            .await
-            .map(|_| ())
+        Ok(())
     }
 
     async fn declare_exchange(

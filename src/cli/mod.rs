@@ -43,8 +43,7 @@ pub enum Command {
     Serve,
     /// Apply the database migrations in sql/.
     Migrate,
-    /// Declare the exchanges and queues (idempotent; also unbinds the ladder patterns
-    /// of earlier versions), or delete them.
+    /// Declare the exchanges and queues (idempotent), or delete them.
     Topology(topology::TopologyArgs),
     /// Publish one job to the contract exchange, with a publisher confirm.
     Publish(PublishArgs),

@@ -1,5 +1,4 @@
-//! `postie topology [--delete]`: declare the exchanges and queues (and unbind the
-//! ladder patterns of earlier versions), or delete them.
+//! `postie topology [--delete]`: declare the exchanges and queues, or delete them.
 
 use crate::broker;
 use crate::config::Settings;
@@ -25,9 +24,6 @@ pub(super) async fn run(settings: &Settings, args: &TopologyArgs) -> anyhow::Res
         );
     } else {
         topology.declare(&channel).await?;
-        // Start-up unbinds the earlier patterns of the current layout only; here every
-        // layout's, for a ladder that changed delay.max before or during an upgrade.
-        topology.unbind_every_legacy_pattern(&channel).await?;
         out!(
             "delay mode: {} (configured: {})",
             topology.mode_name(),
