@@ -391,7 +391,11 @@ async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
             let message = mailer
                 .build(&parse_job(body.as_bytes(), &settings))
                 .unwrap();
-            mailer.send(&message).await.expect("the sink accepts");
+            let slot = mailer.slot().await;
+            mailer
+                .send(&slot, &message)
+                .await
+                .expect("the sink accepts");
         }
     })
     .await;

@@ -5,6 +5,8 @@
 //! against the quota's minimum, the busiest 1,000 ms, throttle replies, dead letters,
 //! and the limiter's PostgreSQL statements per email. Timing is reported, and only
 //! asserted with generous bounds: timing goals belong in benchmarks.
+//!
+//! Also here, the other limit a provider sets: `smtp.pool_size` caps the connections.
 
 mod support;
 
@@ -334,4 +336,40 @@ async fn three_limiters_share_one_rate_through_postgresql() {
     let (n, leases) = limiter_alone("2000/s", 2000.0).await;
     assert!((5_000..=6_300).contains(&n), "{n} tokens");
     assert!(leases as usize <= n / 200 + 4, "{leases} statements");
+}
+
+/// `smtp.pool_size` is the most connections an instance opens to the relay, whatever
+/// `worker.concurrency` (providers cap concurrent connections). lettre's pool caps
+/// only its idle connections: without postie's own cap, 16 sends at once to a slow
+/// relay opened 16 connections here, and every send beyond the idle cap opened and
+/// closed one of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smtp_pool_size_caps_the_connections_to_the_relay() {
+    const SENDS: usize = 24;
+    let env = TestEnv::new("smtpcap").await;
+    // Every email takes 150 ms to be accepted, so that sends overlap.
+    env.sink
+        .set_faults(serde_json::json!([{"stage": "data_end", "action": {"delay_ms": 150}}]))
+        .await;
+    let mut settings = env.settings();
+    settings.smtp.pool_size = 2;
+    settings.worker.concurrency = 16;
+    let serving = env.serve(settings);
+    let bodies: Vec<_> = (0..SENDS)
+        .map(|i| job(&format!("cap-{i}"), "r@example.com"))
+        .collect();
+    env.publish_many(&bodies).await;
+    let env = &env;
+    support::eventually("every email", Duration::from_secs(60), move || async move {
+        (env.sink.count().await >= SENDS).then_some(())
+    })
+    .await;
+    serving.stop().await;
+    let stats = env.sink.stats().await;
+    assert_eq!(stats.accepted as usize, SENDS);
+    assert!(
+        (1..=2).contains(&stats.connections),
+        "{} connections for smtp.pool_size = 2",
+        stats.connections
+    );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use postie::config::{DatabaseSettings, SmtpSettings};
 use postie::inbox::Inbox;
-use postie::mail::Mailer;
+use postie::mail::{Mailer, SendError};
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
@@ -252,13 +252,16 @@ fn message(to: &str) -> lettre::Message {
         .unwrap()
 }
 
-fn mailer(url: &str) -> Mailer {
-    Mailer::new(&SmtpSettings {
+/// Sends one email to `to` through a mailer built for `url`.
+async fn send_to(url: &str, to: &str) -> Result<(), SendError> {
+    let mailer = Mailer::new(&SmtpSettings {
         url: SecretString::from(url.to_string()),
         timeout: Duration::from_secs(5),
         ..Default::default()
     })
-    .unwrap_or_else(|e| panic!("{url}: {e}"))
+    .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let slot = mailer.slot().await;
+    mailer.send(&slot, &message(to)).await
 }
 
 #[tokio::test]
@@ -266,8 +269,7 @@ async fn smtp_to_a_host_that_is_not_loopback_requires_starttls_unless_told_tls_n
     let sink = support::SmtpSink::start().await;
     let port = sink.smtp_addr().rsplit(':').next().unwrap().to_string();
     // Loopback: plaintext by default (the sink offers no STARTTLS).
-    mailer(&format!("smtp://127.0.0.1:{port}"))
-        .send(&message("a@example.com"))
+    send_to(&format!("smtp://127.0.0.1:{port}"), "a@example.com")
         .await
         .expect("loopback");
     let Some(hostname) = this_machine_by_name() else {
@@ -277,16 +279,14 @@ async fn smtp_to_a_host_that_is_not_loopback_requires_starttls_unless_told_tls_n
         return;
     };
     let remote = format!("smtp://{hostname}:{port}");
-    let err = mailer(&remote)
-        .send(&message("b@example.com"))
+    let err = send_to(&remote, "b@example.com")
         .await
         .expect_err("STARTTLS is required");
     assert!(
         err.to_string().to_lowercase().contains("starttls") || err.to_string().contains("TLS"),
         "{err}"
     );
-    mailer(&format!("{remote}?tls=none"))
-        .send(&message("c@example.com"))
+    send_to(&format!("{remote}?tls=none"), "c@example.com")
         .await
         .expect("explicit tls=none");
     let received: Vec<String> = sink

@@ -146,6 +146,9 @@ impl Settings {
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
         }
+        if self.smtp.pool_size == 0 {
+            return fail("smtp.pool_size must be at least 1".into());
+        }
         if self.worker.threads == Some(0) {
             return fail("worker.threads must be at least 1 (or unset: one per core)".into());
         }
@@ -318,6 +321,14 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("amqp.url is empty"));
+    }
+
+    #[test]
+    fn smtp_pool_size_must_be_at_least_one() {
+        let mut s = Settings::default();
+        s.smtp.pool_size = 0;
+        let err = s.validate().unwrap_err().to_string();
+        assert!(err.contains("smtp.pool_size must be at least 1"), "{err}");
     }
 
     #[test]

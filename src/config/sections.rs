@@ -129,7 +129,9 @@ pub struct SmtpSettings {
     /// `?tls=opportunistic` or `?tls=required` to choose), `smtps://host:port`
     /// (implicit TLS), or `file:///dir` to write `.eml` files. See [`smtp_endpoint`].
     pub url: SecretString,
-    /// Pooled SMTP connections.
+    /// The most SMTP connections (so sends at once) this instance opens to the relay;
+    /// a job waits for a free one before it claims. Kept open between sends. Above
+    /// `worker.concurrency` the rest is never used.
     pub pool_size: u32,
     /// Longest wait for the relay on any one SMTP step (connect, each command and
     /// reply). A send takes a handful of steps, so keep the lease several times longer.
@@ -158,7 +160,7 @@ impl Default for SmtpSettings {
     fn default() -> Self {
         Self {
             url: SecretString::from("smtp://127.0.0.1:1025"),
-            pool_size: 16,
+            pool_size: 64,
             timeout: Duration::from_secs(20),
             default_from: None,
             message_id_domain: "postie.local".into(),

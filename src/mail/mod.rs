@@ -11,6 +11,7 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use lettre::Message;
 use secrecy::ExposeSecret;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod file;
 mod message;
@@ -63,7 +64,16 @@ pub trait Transport: Send + Sync {
 pub struct Mailer {
     transport: Arc<dyn Transport>,
     message_id_domain: String,
+    /// `smtp.pool_size` turns: at most that many sends at once, so at most that many
+    /// connections to the relay (lettre's pool caps only the idle ones, and opened and
+    /// closed a connection for every send beyond them).
+    slots: Arc<Semaphore>,
 }
+
+/// A turn on one of the transport's `smtp.pool_size` connections, which a send needs.
+/// The worker takes it before the claim: waiting for a connection never eats into a
+/// lease.
+pub struct Slot(#[allow(dead_code)] OwnedSemaphorePermit);
 
 impl Mailer {
     /// Builds the transport named by `smtp.url` (no connection is made yet):
@@ -83,7 +93,14 @@ impl Mailer {
         Self {
             transport,
             message_id_domain: settings.message_id_domain.clone(),
+            slots: Arc::new(Semaphore::new(settings.pool_size as usize)),
         }
+    }
+
+    /// Waits for a free connection turn (see [`Slot`]).
+    pub async fn slot(&self) -> Slot {
+        let permit = self.slots.clone().acquire_owned().await;
+        Slot(permit.expect("the mailer never closes its semaphore"))
     }
 
     /// The Message-ID the job's emails carry.
@@ -102,7 +119,9 @@ impl Mailer {
     /// on that connection would read the previous one's late replies, so a reply meant
     /// for another command could be taken for "250 accepted" (found by the chaos
     /// harness as emails recorded sent that the server never took).
-    pub async fn send(&self, message: &Message) -> Result<(), SendError> {
+    ///
+    /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]).
+    pub async fn send(&self, _slot: &Slot, message: &Message) -> Result<(), SendError> {
         self.transport.send(message).await
     }
 

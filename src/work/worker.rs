@@ -30,7 +30,7 @@ use crate::config::Settings;
 use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
 use crate::headers::{header_int, HEADER_ATTEMPT};
 use crate::inbox::{Claim, DbError, Inbox, Scheduled};
-use crate::mail::{Mailer, SendError};
+use crate::mail::{Mailer, SendError, Slot};
 use crate::ops::health::{next_backoff, Health};
 
 /// What [`Worker::follow`] leads to.
@@ -216,6 +216,12 @@ impl Worker {
                     self.db("rate limit", || self.limiter.fleet_token()).await
                 } => turn?,
             };
+            // A connection turn, before the claim: a send that had to wait for one
+            // after it would be waiting on the lease's time.
+            let slot = tokio::select! {
+                _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                slot = self.mailer.slot() => slot,
+            };
             let claim = self
                 .db("claim", || {
                     self.inbox.claim(
@@ -231,6 +237,7 @@ impl Worker {
                 Claim::Cancelled => return Ok(Outcome::Cancelled { key }),
                 Claim::Stale => return Ok(Outcome::Stale { key }),
                 Claim::Busy { remaining } => {
+                    drop(slot);
                     let next = self
                         .policy
                         .next(Failure::LeaseBusy { remaining }, failed_so_far);
@@ -250,7 +257,9 @@ impl Worker {
             if let Some(outcome) = self.throttle(&job, fence, due_ms).await? {
                 return Ok(outcome);
             }
-            let error = match self.send(&job).await {
+            let sent = self.send(&slot, &job).await;
+            drop(slot);
+            let error = match sent {
                 Ok(()) => {
                     self.limiter.sent();
                     return self.record_sent(key, fence, takeover, due_ms, &job).await;
@@ -373,10 +382,10 @@ impl Worker {
         Ok(())
     }
 
-    async fn send(&self, job: &EmailJob) -> Result<(), SendError> {
+    async fn send(&self, slot: &Slot, job: &EmailJob) -> Result<(), SendError> {
         let message = self.mailer.build(job)?;
         let started = std::time::Instant::now();
-        let sent = self.mailer.send(&message).await;
+        let sent = self.mailer.send(slot, &message).await;
         self.health
             .metrics()
             .smtp_send_seconds
