@@ -16,7 +16,7 @@ fn main() -> ExitCode {
         }
     };
     // Before the runtime: the OTLP exporter runs a blocking client on its own thread.
-    let _telemetry = match postie::ops::telemetry::init(&settings.log, &settings.otel) {
+    let telemetry = match postie::ops::telemetry::init(&settings.log, &settings.otel) {
         Ok(guard) => guard,
         Err(e) => {
             eprintln!("postie: configuration error: {e}");
@@ -31,7 +31,11 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("starting the tokio runtime");
-    match runtime.block_on(cli::run(cli.command, settings)) {
+    let result = runtime.block_on(cli::run(cli.command, settings));
+    // The log lines still queued go out before the last word.
+    drop(runtime);
+    drop(telemetry);
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("postie: {}", postie::describe_error(&e));

@@ -333,7 +333,8 @@ async fn command_output_into_a_closed_pipe_exits_quietly() {
 }
 
 /// `postie serve 2> file`: logs that go to a pipe or a file carry no ANSI colour
-/// codes (colour is for terminals only).
+/// codes (colour is for terminals only). The last line, logged as postie exits,
+/// reaches the pipe although a thread of postie's own writes the log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_into_a_pipe_carry_no_colour_codes() {
     let env = TestEnv::new("nocolour").await;
