@@ -84,7 +84,9 @@ impl Default for AmqpSettings {
 pub struct DatabaseSettings {
     /// `postgres://user:pass@host:port/db` (key=value strings work too).
     pub url: SecretString,
-    /// Connections in the pool.
+    /// Connections in the pool. Every instance opens its own: PostgreSQL spends more
+    /// per statement the more backends run at once, so keep the fleet's total near
+    /// a few per database core (README, "Scaling").
     pub pool_size: usize,
     /// Apply the migrations in `sql/` at start-up.
     pub migrate_on_start: bool,
@@ -103,7 +105,7 @@ impl Default for DatabaseSettings {
     fn default() -> Self {
         Self {
             url: SecretString::from("postgres://postgres@127.0.0.1:5432/postgres"),
-            pool_size: 16,
+            pool_size: 8,
             migrate_on_start: true,
             connect_timeout: Duration::from_secs(5),
             allow_plaintext: false,
