@@ -73,7 +73,9 @@ pub struct Mailer {
 /// A turn on one of the transport's `smtp.pool_size` connections, which a send needs.
 /// The worker takes it before the claim: waiting for a connection never eats into a
 /// lease.
-pub struct Slot(#[allow(dead_code)] OwnedSemaphorePermit);
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
 
 impl Mailer {
     /// Builds the transport named by `smtp.url` (no connection is made yet):
@@ -100,7 +102,9 @@ impl Mailer {
     /// Waits for a free connection turn (see [`Slot`]).
     pub async fn slot(&self) -> Slot {
         let permit = self.slots.clone().acquire_owned().await;
-        Slot(permit.expect("the mailer never closes its semaphore"))
+        Slot {
+            _permit: permit.expect("the mailer never closes its semaphore"),
+        }
     }
 
     /// The Message-ID the job's emails carry.

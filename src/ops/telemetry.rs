@@ -1,6 +1,7 @@
 //! Logs and traces. Logs: human lines for development, JSON lines for production,
-//! to stderr, written by a thread of their own (see [`init`]). Traces: OpenTelemetry over OTLP/HTTP when `otel.endpoint` is set; each
-//! delivery's span continues the producer's trace from the job's `traceparent`.
+//! to stderr, written by a thread of their own (see [`init`]). Traces: OpenTelemetry
+//! over OTLP/HTTP when `otel.endpoint` is set; each delivery's span continues the
+//! producer's trace from the job's `traceparent`.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
