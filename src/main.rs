@@ -31,7 +31,13 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("starting the tokio runtime");
-    let result = runtime.block_on(cli::run(cli.command, settings));
+    // The command runs as a task on the runtime's workers, not on this thread:
+    // `block_on`'s own future is polled here, outside the worker pool, so a consume
+    // loop left on it would hand every delivery across threads (a wake-up each).
+    let command = runtime.spawn(cli::run(cli.command, settings));
+    let result = runtime
+        .block_on(command)
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
     // The log lines still queued go out before the last word.
     drop(runtime);
     drop(telemetry);
