@@ -168,6 +168,17 @@ impl Round {
     fn ratio(&self) -> f64 {
         self.runs[0].run.rate() / self.fair_bound()
     }
+
+    /// The largest share of the machine's CPU that the hypervisor took during any of
+    /// the round's measurements: a leg or a run measured while it did ran on a
+    /// slower machine than the rest, so that round's ratios compare unlike things.
+    fn stolen(&self) -> f64 {
+        [&self.broker, &self.database, &self.smtp]
+            .into_iter()
+            .chain(self.runs.iter().map(|e| &e.run))
+            .map(|m| m.cpu.machine_stolen)
+            .fold(0.0, f64::max)
+    }
 }
 
 struct Report {
@@ -818,17 +829,23 @@ fn markdown(r: &Report) -> String {
             w,
             "{rounds} rounds, each: the three legs, then the send path with 1 and 3 processes. \
              The tables below show the round with the median 1-process ratio (round {}); \
-             the delayed path ran once after the rounds and is divided by that round's bound.",
+             the delayed path ran once after the rounds and is divided by that round's bound. \
+             `stolen` is the most CPU the hypervisor took from this machine during any of a \
+             round's measurements (steal in /proc/stat): a round with much of it compares \
+             measurements taken on machines of different speeds.",
             r.median + 1
         );
         let _ = writeln!(w);
-        let _ = writeln!(w, "| round | C_broker | C_db | C_smtp | fair bound | 1 process | ratio | 3 processes | ratio | ratios from the first email (1 / 3) |");
-        let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(w, "| round | C_broker | C_db | C_smtp | fair bound | 1 process | ratio | 3 processes | ratio | ratios from the first email (1 / 3) | stolen |");
+        let _ = writeln!(
+            w,
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
         for (i, round) in r.rounds.iter().enumerate() {
             let bound = round.fair_bound();
             let _ = writeln!(
                 w,
-                "| {} | {:.0} | {:.0} | {:.0} | {bound:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.2} / {:.2} |",
+                "| {} | {:.0} | {:.0} | {:.0} | {bound:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.2} / {:.2} | {:.0} % |",
                 i + 1,
                 round.broker.rate(),
                 round.database.rate(),
@@ -839,6 +856,7 @@ fn markdown(r: &Report) -> String {
                 round.runs[1].run.rate() / bound,
                 round.runs[0].running_rate / bound,
                 round.runs[1].running_rate / bound,
+                round.stolen() * 100.0,
             );
         }
         let _ = writeln!(w);
@@ -896,11 +914,12 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "CPU ms per email, by process (from /proc; `other` = the rest of the machine's busy time):"
+        "CPU ms per email, by process (from /proc; `other` = the rest of the machine's busy time; \
+         `stolen` = the machine's CPU the hypervisor took, in none of the other columns):"
     );
     let _ = writeln!(w);
-    let _ = writeln!(w, "| measurement | postie | postgres | rabbitmq | sink | harness | other | all | machine busy |");
-    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(w, "| measurement | postie | postgres | rabbitmq | sink | harness | other | all | machine busy | stolen |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let all = [
         &shown.broker,
         &shown.database,
@@ -919,12 +938,13 @@ fn markdown(r: &Report) -> String {
             .collect();
         let _ = writeln!(
             w,
-            "| {} | {} | {:.3} | {:.3} | {:.0} % |",
+            "| {} | {} | {:.3} | {:.3} | {:.0} % | {:.0} % |",
             m.label,
             by.join(" | "),
             c.other_ms_per_email,
             c.busy_ms_per_email,
             c.machine_busy * 100.0,
+            c.machine_stolen * 100.0,
         );
     }
     let _ = writeln!(w);
@@ -979,6 +999,7 @@ fn json(r: &Report) -> serde_json::Value {
                 "one_process_ratio": round3(round.runs[0].run.rate() / b),
                 "three_processes": round3(round.runs[1].run.rate()),
                 "three_processes_ratio": round3(round.runs[1].run.rate() / b),
+                "stolen": round3(round.stolen()),
             })
         })
         .collect();
@@ -1057,6 +1078,17 @@ fn assert_sane(r: &Report) {
         r.delayed_bound() > 0.0 && r.relay.n > 0,
         "relay leg measured"
     );
+    for round in &r.rounds {
+        // Shares of the machine's CPU time: busy and stolen never overlap.
+        let c = &round.runs[0].run.cpu;
+        assert!(
+            (0.0..=1.0).contains(&round.stolen())
+                && c.machine_busy + c.machine_stolen <= 1.0 + 1e-9,
+            "busy {} + stolen {} of the machine",
+            c.machine_busy,
+            c.machine_stolen
+        );
+    }
     for b in &r.backlogs {
         let l = &b.lateness;
         assert_eq!(

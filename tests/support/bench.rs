@@ -274,7 +274,17 @@ pub fn clock_ticks() -> u64 {
 }
 
 /// The machine's busy and total ticks, from the first line of `/proc/stat`.
-fn machine_ticks() -> (u64, u64) {
+/// The machine's CPU ticks since boot, summed over its cores.
+struct MachineTicks {
+    /// Spent working: user, nice, system, irq, softirq.
+    busy: u64,
+    /// Taken by the hypervisor for other guests while this one wanted to run.
+    steal: u64,
+    /// Everything, idle included.
+    total: u64,
+}
+
+fn machine_ticks() -> MachineTicks {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let values: Vec<u64> = text
         .lines()
@@ -285,17 +295,20 @@ fn machine_ticks() -> (u64, u64) {
         .filter_map(|v| v.parse().ok())
         .collect();
     // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let at = |i: usize| values.get(i).copied().unwrap_or(0);
     let total: u64 = values.iter().take(8).sum();
-    let idle = values.get(3).copied().unwrap_or(0) + values.get(4).copied().unwrap_or(0);
-    (total - idle, total)
+    MachineTicks {
+        busy: total - at(3) - at(4) - at(7),
+        steal: at(7),
+        total,
+    }
 }
 
 /// CPU ticks per process (grouped by [`Who`]) and for the whole machine, at one instant.
 pub struct CpuSnapshot {
     at: Instant,
     procs: BTreeMap<u32, (Who, u64)>,
-    busy: u64,
-    total: u64,
+    machine: MachineTicks,
 }
 
 impl CpuSnapshot {
@@ -323,12 +336,10 @@ impl CpuSnapshot {
             };
             procs.insert(pid, (who, stat.ticks));
         }
-        let (busy, total) = machine_ticks();
         Self {
             at: Instant::now(),
             procs,
-            busy,
-            total,
+            machine: machine_ticks(),
         }
     }
 
@@ -343,8 +354,9 @@ impl CpuSnapshot {
             };
             *by_who.get_mut(who).unwrap() += ticks.saturating_sub(before) as f64 * tick_ms;
         }
-        let busy_ms = later.busy.saturating_sub(self.busy) as f64 * tick_ms;
-        let total = later.total.saturating_sub(self.total).max(1) as f64;
+        let (was, is) = (&self.machine, &later.machine);
+        let busy_ms = is.busy.saturating_sub(was.busy) as f64 * tick_ms;
+        let total = is.total.saturating_sub(was.total).max(1) as f64;
         let emails = emails.max(1) as f64;
         let grouped: f64 = by_who.values().sum();
         CpuUse {
@@ -352,7 +364,8 @@ impl CpuSnapshot {
             ms_per_email: by_who.into_iter().map(|(w, ms)| (w, ms / emails)).collect(),
             other_ms_per_email: (busy_ms - grouped).max(0.0) / emails,
             busy_ms_per_email: busy_ms / emails,
-            machine_busy: later.busy.saturating_sub(self.busy) as f64 / total,
+            machine_busy: is.busy.saturating_sub(was.busy) as f64 / total,
+            machine_stolen: is.steal.saturating_sub(was.steal) as f64 / total,
         }
     }
 }
@@ -370,6 +383,10 @@ pub struct CpuUse {
     pub busy_ms_per_email: f64,
     /// Fraction of the machine's CPU time that was busy (1.0 = every core).
     pub machine_busy: f64,
+    /// Fraction of the machine's CPU time the hypervisor gave to other guests while
+    /// this one had work (`steal` in /proc/stat). Not in `machine_busy` nor in any
+    /// ms per email; a measurement with much of it ran on a slower machine.
+    pub machine_stolen: f64,
 }
 
 impl CpuUse {
@@ -391,6 +408,7 @@ impl CpuUse {
             "cpu_ms_per_email": by,
             "cpu_ms_per_email_all": round3(self.busy_ms_per_email),
             "machine_busy": round3(self.machine_busy),
+            "machine_stolen": round3(self.machine_stolen),
         })
     }
 }
