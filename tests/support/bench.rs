@@ -273,7 +273,6 @@ pub fn clock_ticks() -> u64 {
     })
 }
 
-/// The machine's busy and total ticks, from the first line of `/proc/stat`.
 /// The machine's CPU ticks since boot, summed over its cores.
 struct MachineTicks {
     /// Spent working: user, nice, system, irq, softirq.
@@ -284,6 +283,7 @@ struct MachineTicks {
     total: u64,
 }
 
+/// The machine's busy, stolen and total ticks, from the first line of `/proc/stat`.
 fn machine_ticks() -> MachineTicks {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let values: Vec<u64> = text
@@ -355,7 +355,8 @@ impl CpuSnapshot {
             *by_who.get_mut(who).unwrap() += ticks.saturating_sub(before) as f64 * tick_ms;
         }
         let (was, is) = (&self.machine, &later.machine);
-        let busy_ms = is.busy.saturating_sub(was.busy) as f64 * tick_ms;
+        let busy_ticks = is.busy.saturating_sub(was.busy) as f64;
+        let busy_ms = busy_ticks * tick_ms;
         let total = is.total.saturating_sub(was.total).max(1) as f64;
         let emails = emails.max(1) as f64;
         let grouped: f64 = by_who.values().sum();
@@ -364,7 +365,7 @@ impl CpuSnapshot {
             ms_per_email: by_who.into_iter().map(|(w, ms)| (w, ms / emails)).collect(),
             other_ms_per_email: (busy_ms - grouped).max(0.0) / emails,
             busy_ms_per_email: busy_ms / emails,
-            machine_busy: is.busy.saturating_sub(was.busy) as f64 / total,
+            machine_busy: busy_ticks / total,
             machine_stolen: is.steal.saturating_sub(was.steal) as f64 / total,
         }
     }
