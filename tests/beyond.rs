@@ -271,6 +271,37 @@ async fn reschedule_earlier_and_later_by_revision() {
     );
 }
 
+/// `postie pending` lists and counts one snapshot: while the relay records jobs one
+/// commit at a time, every answer lists exactly as many jobs as it counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_lists_what_it_counts_while_jobs_are_recorded() {
+    let env = TestEnv::new("pendingsnap").await;
+    let inbox = postie::inbox::Inbox::new(&env.settings().database).unwrap();
+    inbox.migrate().await.unwrap();
+    let writer = inbox.clone();
+    let recording = tokio::spawn(async move {
+        for i in 0..300 {
+            let job = postie::inbox::Scheduled {
+                key: format!("snap-{i}"),
+                revision: 0,
+                due_ms: now_ms() + 600_000,
+                body: None,
+            };
+            writer.schedule_many(&[job]).await.unwrap();
+        }
+    });
+    let mut answers = 0;
+    while !recording.is_finished() {
+        let (jobs, total) = inbox.pending(None, None, 1_000).await.unwrap();
+        assert_eq!(jobs.len() as i64, total, "listed against counted");
+        answers += 1;
+    }
+    recording.await.unwrap();
+    let (jobs, total) = inbox.pending(None, None, 1_000).await.unwrap();
+    assert_eq!((jobs.len(), total), (300, 300));
+    assert!(answers > 10, "only {answers} answers while recording");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_agrees_with_what_is_sent() {
     let env = TestEnv::new("pending").await;

@@ -118,11 +118,19 @@ impl Inbox {
         key: Option<&str>,
         limit: i64,
     ) -> Result<(Vec<PendingJob>, i64), DbError> {
-        let client = self.pool.get().await?;
+        let mut client = self.pool.get().await?;
+        // The list and its count read one snapshot: as two statements on their own,
+        // a relay's commit between them listed none of six jobs it counted.
+        let snapshot = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
         let filter = "status = 'scheduled'
                       AND ($1::bigint IS NULL OR due_at < to_timestamp($1::bigint / 1000.0))
                       AND ($2::text IS NULL OR key = $2)";
-        let rows = client
+        let rows = snapshot
             .query(
                 &format!(
                     "SELECT key, revision, (extract(epoch FROM due_at) * 1000)::bigint
@@ -131,13 +139,14 @@ impl Inbox {
                 &[&due_before_ms, &key, &limit],
             )
             .await?;
-        let total: i64 = client
+        let total: i64 = snapshot
             .query_one(
                 &format!("SELECT count(*) FROM postie_inbox WHERE {filter}"),
                 &[&due_before_ms, &key],
             )
             .await?
             .get(0);
+        snapshot.commit().await?;
         let jobs = rows
             .iter()
             .map(|r| PendingJob {
