@@ -1,5 +1,6 @@
 //! Competing `postie serve` OS processes: exactly one email per key with three
-//! instances racing, and lease takeover after one is killed with SIGKILL.
+//! instances racing, and lease takeover after one is killed with SIGKILL; and the
+//! claim they race through (`postie_claim`), from every state a key can be in.
 //!
 //! Each test prints its figures (rate, takeover time) to stderr; run with
 //! `--nocapture` to see them.
@@ -210,4 +211,117 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
          lost {}, early {}, duplicates {}, lateness p50 {} ms p99 {} ms max {} ms",
         report.lost, report.early, report.duplicates, report.p50_ms, report.p99_ms, report.max_ms
     );
+}
+
+/// `postie_claim` from every state a key can be in, then a race: eight tasks claim the
+/// same scheduled keys at once (as instances do with a ladder job delivered twice), and
+/// each key is claimed exactly once, the others told it is busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
+    use postie::inbox::{Claim, Inbox, Scheduled};
+
+    let env = TestEnv::new("claimstates").await;
+    let inbox = Inbox::new(&env.settings().database).unwrap();
+    inbox.migrate().await.unwrap();
+    let lease = Duration::from_secs(60);
+    let scheduled = |key: &str, revision: i32| Scheduled {
+        key: key.to_owned(),
+        revision,
+        due_ms: chrono::Utc::now().timestamp_millis(),
+        body: Some(b"{}".to_vec()),
+    };
+    let claimed = |fence, attempts, takeover| Claim::Claimed {
+        fence,
+        attempts,
+        takeover,
+    };
+    let claim = |key: &'static str, revision: i32, lease: Duration| {
+        let inbox = inbox.clone();
+        async move { inbox.claim(key, "test", lease, revision).await.unwrap() }
+    };
+
+    assert_eq!(claim("new", 0, lease).await, claimed(1, 0, false));
+
+    inbox
+        .schedule_many(&[scheduled("scheduled", 0)])
+        .await
+        .unwrap();
+    assert_eq!(claim("scheduled", 0, lease).await, claimed(2, 0, false));
+
+    assert_eq!(claim("retrying", 0, lease).await, claimed(1, 0, false));
+    assert!(inbox
+        .mark_retrying("retrying", 1, "451 later")
+        .await
+        .unwrap());
+    assert_eq!(claim("retrying", 0, lease).await, claimed(2, 1, false));
+
+    assert_eq!(claim("dead", 0, lease).await, claimed(1, 0, false));
+    assert!(inbox.mark_dead("dead", 1, "550 no").await.unwrap());
+    assert_eq!(claim("dead", 0, lease).await, claimed(2, 1, false));
+
+    assert_eq!(claim("throttled", 0, lease).await, claimed(1, 0, false));
+    assert!(inbox.mark_throttled("throttled", 1).await.unwrap());
+    assert_eq!(claim("throttled", 0, lease).await, claimed(2, 0, false));
+
+    assert_eq!(claim("sent", 0, lease).await, claimed(1, 0, false));
+    assert!(inbox.mark_sent("sent", 1, "<m@x>", 0).await.unwrap());
+    assert_eq!(claim("sent", 0, lease).await, Claim::AlreadySent);
+
+    inbox
+        .schedule_many(&[scheduled("cancelled", 0)])
+        .await
+        .unwrap();
+    inbox.cancel("cancelled", None).await.unwrap();
+    assert_eq!(claim("cancelled", 0, lease).await, Claim::Cancelled);
+    assert_eq!(claim("cancelled", 1, lease).await, claimed(2, 0, false));
+
+    inbox.schedule_many(&[scheduled("stale", 2)]).await.unwrap();
+    assert_eq!(claim("stale", 1, lease).await, Claim::Stale);
+
+    assert_eq!(claim("busy", 0, lease).await, claimed(1, 0, false));
+    match claim("busy", 0, lease).await {
+        Claim::Busy { remaining } => assert!(remaining <= lease, "{remaining:?}"),
+        other => panic!("a live lease answered {other:?}"),
+    }
+
+    let short = Duration::from_millis(1);
+    assert_eq!(claim("expired", 0, short).await, claimed(1, 0, false));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(claim("expired", 0, lease).await, claimed(2, 0, true));
+    assert!(
+        !inbox.mark_sent("expired", 1, "<m@x>", 0).await.unwrap(),
+        "the first holder's completion is fenced off"
+    );
+
+    const KEYS: usize = 50;
+    const TASKS: usize = 8;
+    let jobs: Vec<_> = (0..KEYS)
+        .map(|i| scheduled(&format!("race-{i}"), 0))
+        .collect();
+    inbox.schedule_many(&jobs).await.unwrap();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let inbox = inbox.clone();
+            tokio::spawn(async move {
+                let mut won = Vec::new();
+                for i in 0..KEYS {
+                    let key = format!("race-{}", (i + t * 7) % KEYS);
+                    match inbox.claim(&key, "racer", lease, 0).await.unwrap() {
+                        Claim::Claimed { fence, .. } => won.push((key, fence)),
+                        Claim::Busy { .. } => {}
+                        other => panic!("{key}: {other:?}"),
+                    }
+                }
+                won
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for task in tasks {
+        winners.extend(task.await.unwrap());
+    }
+    let keys: BTreeSet<_> = winners.iter().map(|(k, _)| k.clone()).collect();
+    assert_eq!(winners.len(), KEYS, "claims won: {winners:?}");
+    assert_eq!(keys.len(), KEYS);
+    assert!(winners.iter().all(|(_, fence)| *fence == 2), "{winners:?}");
 }

@@ -48,7 +48,7 @@ pub enum Claim {
 
 impl Inbox {
     /// Claims revision `revision` of `key` for `owner` for `lease` (see `postie_claim`
-    /// in `sql/0002_cancel_throttle_pending.sql`).
+    /// in `sql/0008_claim_in_one_update.sql`; 0002 had it first).
     pub async fn claim(
         &self,
         key: &str,

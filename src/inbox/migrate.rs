@@ -22,6 +22,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../sql/0005_rate_limit.sql"),
     ),
     (7, "reconcile", include_str!("../../sql/0007_reconcile.sql")),
+    (
+        8,
+        "claim_in_one_update",
+        include_str!("../../sql/0008_claim_in_one_update.sql"),
+    ),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.
