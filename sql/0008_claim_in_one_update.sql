@@ -6,18 +6,19 @@
 -- clients, 2 cores): 6,902/s with 0002's function, 7,222/s with this one, 7,774/s
 -- on new keys, so it takes back a third of what claiming a scheduled row cost.
 --
--- The UPDATE's conditions are exactly those under which 0002 claimed a row that was
--- not 'sending': not sent, not cancelled through this revision, not stale. Under
--- READ COMMITTED a concurrent claim makes this UPDATE wait and re-check the row, so
--- it then finds 'sending' and falls through to the locked path below, unchanged from
--- 0002 (sent, cancelled, stale, busy, or an expired lease taken over). prior_status
--- is only ever read for 'sending' (a takeover); the fast path, which never takes a
--- 'sending' row, reports 'claimable'.
-CREATE OR REPLACE FUNCTION postie_claim(p_key text, p_owner text, p_lease_ms bigint, p_revision integer)
+-- 0002's function stays, unchanged, as postie_claim_locked: the path for every row
+-- the UPDATE does not take (sent, cancelled through this revision, stale, a live or
+-- an expired lease). The UPDATE's conditions are exactly those under which 0002
+-- claimed a row that was not 'sending'. Under READ COMMITTED a concurrent claim makes
+-- the UPDATE wait and re-check the row, so it then finds 'sending' and falls through
+-- to the locked path. prior_status is only ever read for 'sending' (a takeover); the
+-- UPDATE, which never takes a 'sending' row, reports 'claimable'.
+ALTER FUNCTION postie_claim(text, text, bigint, integer) RENAME TO postie_claim_locked;
+
+CREATE FUNCTION postie_claim(p_key text, p_owner text, p_lease_ms bigint, p_revision integer)
 RETURNS TABLE (outcome text, fence bigint, attempts integer, prior_status text, wait_ms bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
-    r postie_inbox%ROWTYPE;
     lease timestamptz := clock_timestamp() + p_lease_ms * interval '1 millisecond';
     new_fence bigint;
     prior_attempts integer;
@@ -43,30 +44,6 @@ BEGIN
         RETURN;
     END IF;
 
-    SELECT * INTO r FROM postie_inbox i WHERE i.key = p_key FOR UPDATE;
-
-    IF r.status = 'sent' THEN
-        UPDATE postie_inbox i SET duplicates = i.duplicates + 1 WHERE i.key = p_key;
-        RETURN QUERY SELECT 'done'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through THEN
-        RETURN QUERY SELECT 'cancelled'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF p_revision < r.revision THEN
-        RETURN QUERY SELECT 'stale'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF r.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled')
-       OR (r.status = 'sending' AND r.lease_until <= clock_timestamp()) THEN
-        UPDATE postie_inbox i
-           SET status = 'sending', owner = p_owner, lease_until = lease,
-               fence = i.fence + 1, revision = p_revision,
-               takeovers = i.takeovers + (r.status = 'sending')::int,
-               updated_at = now()
-         WHERE i.key = p_key;
-        RETURN QUERY SELECT 'claimed'::text, r.fence + 1, r.attempts, r.status, 0::bigint;
-    ELSE
-        -- 'sending' under a live lease. A newer revision is remembered, so that the
-        -- older one in flight is the last of its kind.
-        UPDATE postie_inbox i SET revision = greatest(i.revision, p_revision) WHERE i.key = p_key;
-        RETURN QUERY SELECT 'busy'::text, r.fence, r.attempts, r.status,
-            greatest(1, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint;
-    END IF;
+    RETURN QUERY SELECT * FROM postie_claim_locked(p_key, p_owner, p_lease_ms, p_revision);
 END
 $$;

@@ -48,7 +48,8 @@ pub enum Claim {
 
 impl Inbox {
     /// Claims revision `revision` of `key` for `owner` for `lease` (see `postie_claim`
-    /// in `sql/0008_claim_in_one_update.sql`; 0002 had it first).
+    /// in `sql/0008_claim_in_one_update.sql`, which falls back to 0002's function,
+    /// kept as `postie_claim_locked`).
     pub async fn claim(
         &self,
         key: &str,
