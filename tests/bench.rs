@@ -854,8 +854,8 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(
         w,
         "{rounds} round(s), each: the four legs, then the send path and the delayed path \
-         with 1 and 3 processes, each run divided by its bound from that round's legs. \
-         The detailed tables below show the round with the median 1-process send-path \
+         with 1 and 3 processes, each run divided by its bound from that round's legs \
+         (in brackets: its pace from the first email, so without start-up). The detailed tables below show the round with the median 1-process send-path \
          ratio (round {}). `stolen` is the most CPU the hypervisor took from this machine \
          during any of a round's measurements (steal in /proc/stat): a round with much of \
          it compares measurements taken on machines of different speeds.",
@@ -870,10 +870,12 @@ fn markdown(r: &Report) -> String {
     for (i, round) in r.rounds.iter().enumerate() {
         let runs: Vec<String> = (0..ROUND_RUNS.len())
             .map(|k| {
+                let e = &round.runs[k];
                 format!(
-                    "{:.0}/s, **{:.2}**",
-                    round.runs[k].run.rate(),
-                    round.ratio_of(k)
+                    "{:.0}/s, **{:.2}** ({:.2})",
+                    e.run.rate(),
+                    round.ratio_of(k),
+                    e.running_rate / round.bound_of(e)
                 )
             })
             .collect();
@@ -894,7 +896,7 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(w);
     let _ = writeln!(w, "| end to end ÷ its bound | each round | median |");
     let _ = writeln!(w, "|---|---|---:|");
-    for (k, e) in r.shown().runs.iter().enumerate() {
+    for (k, e) in r.runs().enumerate() {
         let (all, median) = r.ratios(k);
         let all: Vec<String> = all.iter().map(|x| format!("{x:.2}")).collect();
         let _ = writeln!(
@@ -1080,9 +1082,7 @@ fn json(r: &Report) -> serde_json::Value {
         })
         .collect();
     let medians: Vec<_> = r
-        .shown()
-        .runs
-        .iter()
+        .runs()
         .enumerate()
         .map(|(k, e)| {
             let (all, median) = r.ratios(k);
