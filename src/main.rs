@@ -16,13 +16,16 @@ fn main() -> ExitCode {
         }
     };
     // Before the runtime: the OTLP exporter runs a blocking client on its own thread.
-    let telemetry = match postie::ops::telemetry::init(&settings.log, &settings.otel) {
-        Ok(guard) => guard,
-        Err(e) => {
-            eprintln!("postie: configuration error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    // Every password of the settings: scrubbed from each log line and the last word.
+    let secrets = settings.passwords();
+    let telemetry =
+        match postie::ops::telemetry::init(&settings.log, &settings.otel, secrets.clone()) {
+            Ok(guard) => guard,
+            Err(e) => {
+                eprintln!("postie: configuration error: {e}");
+                return ExitCode::from(2);
+            }
+        };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = settings.worker.threads {
         runtime.worker_threads(threads);
@@ -44,7 +47,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("postie: {}", postie::describe_error(&e));
+            let message = postie::describe_error(&e);
+            eprintln!("postie: {}", postie::endpoint::scrub(&message, &secrets));
             ExitCode::FAILURE
         }
     }

@@ -11,7 +11,7 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::config::AmqpSettings;
-use crate::endpoint::{is_loopback_host, redact_one, split_urls};
+use crate::endpoint::{is_loopback_host, passwords, redact_url, scrub, split_urls};
 
 /// A publish that did not reach a queue durably.
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +85,7 @@ pub async fn connect_to(
                 next_address().store(i.wrapping_add(1), Ordering::Relaxed);
                 return Ok(Connected {
                     connection,
-                    address: redact_one(addresses[i]),
+                    address: redact_url(addresses[i]),
                 });
             }
             Err(error) => {
@@ -124,7 +124,7 @@ pub async fn connect(
 async fn connect_one(url: &str, name: &str, timeout: Duration) -> anyhow::Result<Connection> {
     static PLAINTEXT_WARNED: std::sync::Once = std::sync::Once::new();
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    let redacted = redact_one(url);
+    let redacted = redact_url(url);
     if let Ok(parsed) = url::Url::parse(url) {
         let host = parsed.host_str().unwrap_or("");
         if parsed.scheme() == "amqp" && !host.is_empty() && !is_loopback_host(host) {
@@ -143,7 +143,7 @@ async fn connect_one(url: &str, name: &str, timeout: Duration) -> anyhow::Result
     let mut uri = lapin::uri::AMQPUri::from_str(url).map_err(|e| {
         anyhow::anyhow!(
             "amqp.url {redacted} is not valid: {}",
-            scrub(&e.replace(url, &redacted), url)
+            scrub(&e.replace(url, &redacted), &passwords(url))
         )
     })?;
     if uri.query.heartbeat.is_none() {
@@ -153,27 +153,13 @@ async fn connect_one(url: &str, name: &str, timeout: Duration) -> anyhow::Result
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: {}",
-            scrub(&e.to_string(), url)
+            scrub(&e.to_string(), &passwords(url))
         )),
         Err(_) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: no answer within {}",
             humantime::format_duration(timeout)
         )),
     }
-}
-
-/// `text` with the password of `url` (raw and percent-decoded) replaced by `***`, in
-/// case a library quotes it.
-fn scrub(text: &str, url: &str) -> String {
-    let Some(password) = url::Url::parse(url)
-        .ok()
-        .and_then(|u| u.password().map(str::to_string))
-        .filter(|p| p.len() >= 3)
-    else {
-        return text.to_string();
-    };
-    let decoded = crate::endpoint::percent_decode(&password);
-    text.replace(&password, "***").replace(&decoded, "***")
 }
 
 /// [`connect`] with `amqp.url` and `amqp.connect_timeout`, under connection name `name`.

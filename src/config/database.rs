@@ -6,7 +6,7 @@ use std::path::Path;
 use std::str::FromStr;
 
 use super::ConfigError;
-use crate::endpoint::{is_loopback_host, percent_decode, redact_url};
+use crate::endpoint::{is_loopback_host, key_values, passwords, percent_decode, redact_url, scrub};
 
 /// How postie protects its PostgreSQL connections, from `sslmode` in `database.url`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,9 +54,11 @@ pub fn database_plan(
         }
     };
     let mut config = tokio_postgres::Config::from_str(&rewritten).map_err(|e| {
+        let shown = redact_url(url);
+        let detail = scrub(&e.to_string(), &passwords(url));
         ConfigError(format!(
-            "database.url {} is not valid: {e}",
-            redact_url(url)
+            "database.url {shown} is not valid: {}",
+            quoting_only(&detail, &shown)
         ))
     })?;
     match tls {
@@ -87,6 +89,24 @@ pub fn database_plan(
         }
     }
     Ok(DbPlan { config, tls })
+}
+
+/// `detail` (tokio-postgres's words) with every `quoted` part that `shown` (the
+/// redacted address) does not show replaced by `***`: "unknown option `x`" may quote
+/// half of an unquoted password that held a space.
+fn quoting_only(detail: &str, shown: &str) -> String {
+    detail
+        .split('`')
+        .enumerate()
+        .map(|(i, part)| {
+            if i % 2 == 1 && !shown.contains(part) {
+                "***"
+            } else {
+                part
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("`")
 }
 
 /// The first host (or `hostaddr`, which is where tokio-postgres connects when given)
@@ -136,75 +156,25 @@ fn split_sslmode(raw: &str) -> (String, Option<String>) {
             .collect();
         return (format!("{base}?{}", pairs.join("&")), mode);
     }
-    // key=value: `key = value` or `key = 'quoted \' value'`, separated by whitespace.
+    // key=value: rewrite only the value of sslmode; a malformed string is left to
+    // tokio-postgres to refuse.
+    let (pairs, _) = key_values(raw);
     let mut out = String::with_capacity(raw.len());
-    let mut mode = None;
-    let mut rest = raw;
-    let copy_space = |rest: &mut &str, out: &mut String| {
-        let trimmed = rest.trim_start();
-        out.push_str(&rest[..rest.len() - trimmed.len()]);
-        *rest = trimmed;
-    };
-    loop {
-        copy_space(&mut rest, &mut out);
-        if rest.is_empty() {
-            break;
+    let (mut copied, mut mode) = (0, None);
+    for pair in pairs {
+        if &raw[pair.key] != "sslmode" {
+            continue;
         }
-        let key_end = rest
-            .find(|c: char| c == '=' || c.is_whitespace())
-            .unwrap_or(rest.len());
-        let key = &rest[..key_end];
-        out.push_str(key);
-        rest = &rest[key_end..];
-        copy_space(&mut rest, &mut out);
-        let Some(after) = rest.strip_prefix('=') else {
-            // Malformed: leave it to tokio-postgres to say so.
-            out.push_str(rest);
-            break;
-        };
-        out.push('=');
-        rest = after;
-        copy_space(&mut rest, &mut out);
-        let (len, value) = scan_value(rest);
-        if key == "sslmode" {
-            let value = value.to_ascii_lowercase();
-            out.push_str(if value.starts_with("verify-") {
-                "require"
-            } else {
-                &rest[..len]
-            });
-            mode = Some(value);
-        } else {
-            out.push_str(&rest[..len]);
+        let value = pair.text.to_ascii_lowercase();
+        if value.starts_with("verify-") {
+            out.push_str(&raw[copied..pair.value.start]);
+            out.push_str("require");
+            copied = pair.value.end;
         }
-        rest = &rest[len..];
+        mode = Some(value);
     }
+    out.push_str(&raw[copied..]);
     (out, mode)
-}
-
-/// One key=value value at the start of `s`: its length as written and its unescaped text.
-fn scan_value(s: &str) -> (usize, String) {
-    let mut value = String::new();
-    let mut chars = s.char_indices();
-    if s.starts_with('\'') {
-        chars.next();
-        while let Some((i, c)) = chars.next() {
-            match c {
-                '\\' => value.extend(chars.next().map(|(_, c)| c)),
-                '\'' => return (i + 1, value),
-                c => value.push(c),
-            }
-        }
-        return (s.len(), value);
-    }
-    while let Some((i, c)) = chars.next() {
-        match c {
-            c if c.is_whitespace() => return (i, value),
-            '\\' => value.extend(chars.next().map(|(_, c)| c)),
-            c => value.push(c),
-        }
-    }
-    (s.len(), value)
 }
 
 #[cfg(test)]
@@ -343,6 +313,41 @@ mod tests {
                 (Ok(got), Ok(tls)) => assert_eq!(got, tls, "{url}"),
                 (Err(err), Err(words)) => assert!(err.contains(words), "{url}: {err}"),
                 (got, _) => panic!("{url}: {got:?}, expected {expected:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_invalid_database_url_is_named_without_its_password() {
+        for (url, shown) in [
+            (
+                "postgres://u:PgMulti1@h1:5432,h2:99999/x",
+                "postgres://u:***@h1:5432,h2:99999/x",
+            ),
+            (
+                "postgres://u:PgPort2@127.0.0.1:99999/x",
+                "postgres://u:***@127.0.0.1:99999/x",
+            ),
+            (
+                "host=localhost password=Half3 Way4=x",
+                "host=localhost password=*** Way4=x",
+            ),
+            (
+                "host=localhost password=Half5 Way6",
+                "host=localhost password=*** ***",
+            ),
+            (
+                "postgres://h/x?password=Query7&port=nope",
+                "postgres://h/x?password=***&port=nope",
+            ),
+        ] {
+            let err = db_decision(url, true, None).unwrap_err();
+            assert!(
+                err.contains(&format!("database.url {shown} is not valid")),
+                "{err}"
+            );
+            for secret in ["PgMulti1", "PgPort2", "Half3", "Half5", "Way6", "Query7"] {
+                assert!(!err.contains(secret), "{url}: {err}");
             }
         }
     }

@@ -25,7 +25,7 @@ pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 
-use crate::endpoint::{redact_one, redact_url, split_urls};
+use crate::endpoint::{passwords, redact_url, split_urls};
 
 /// Everything postie can be told.
 #[derive(Debug, Default, Deserialize)]
@@ -182,7 +182,7 @@ impl Settings {
             if let Err(e) = url::Url::parse(address) {
                 return fail(format!(
                     "amqp.url {} is not a URL: {e}",
-                    redact_one(address)
+                    redact_url(address)
                 ));
             }
         }
@@ -191,6 +191,15 @@ impl Settings {
                 "smtp.url {} is not a URL: {e}",
                 redact_url(self.smtp.url.expose_secret())
             ));
+        }
+        if let Some(endpoint) = &self.otel.endpoint {
+            let endpoint = endpoint.expose_secret();
+            if let Err(e) = url::Url::parse(endpoint) {
+                return fail(format!(
+                    "otel.endpoint {} is not a URL: {e}",
+                    redact_url(endpoint)
+                ));
+            }
         }
         // The transport rules, checked here so that a refusal comes before any connection.
         smtp_endpoint(self.smtp.url.expose_secret())?;
@@ -208,6 +217,27 @@ impl Settings {
             self.database.ca_file(),
         )?;
         Ok(())
+    }
+
+    /// Every password in the connection addresses (`amqp.url`, `database.url`,
+    /// `smtp.url`, `otel.endpoint`), as written and decoded: what the log writer and
+    /// the last error line scrub, in case a library quotes an address.
+    pub fn passwords(&self) -> Vec<String> {
+        let mut found: Vec<String> = [
+            Some(&self.amqp.url),
+            Some(&self.database.url),
+            Some(&self.smtp.url),
+            self.otel.endpoint.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .flat_map(|url| passwords(url.expose_secret()))
+        .collect();
+        found.sort();
+        found.dedup();
+        // The longest first, so that a password containing another is replaced whole.
+        found.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        found
     }
 
     /// This instance's name in the inbox `owner` column.
@@ -319,7 +349,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("amqp.url amqp://***@10.0.0.2:notaport"),
+            err.contains("amqp.url amqp://u:***@10.0.0.2:notaport"),
             "{err}"
         );
         assert!(!err.contains("SECRETPW"), "{err}");

@@ -388,7 +388,9 @@ impl Default for LogSettings {
 #[serde(deny_unknown_fields, default)]
 pub struct OtelSettings {
     /// OTLP/HTTP traces endpoint, e.g. `http://127.0.0.1:4318/v1/traces`; unset = off.
-    pub endpoint: Option<String>,
+    /// It may carry credentials (`https://user:password@collector/v1/traces`, or a
+    /// `?api_key=`): kept secret, shown only redacted.
+    pub endpoint: Option<SecretString>,
     /// `service.name` of the exported spans.
     pub service_name: String,
 }

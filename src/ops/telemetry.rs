@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
+use std::sync::Arc;
 
 use lapin::types::FieldTable;
 use opentelemetry::propagation::TextMapPropagator;
@@ -12,11 +13,14 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use secrecy::ExposeSecret;
+use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::config::{LogFormat, LogSettings, OtelSettings};
+use crate::endpoint::{passwords, redact_url, scrub};
 use crate::headers::header_text;
 
 /// Flushes and shuts the trace exporter down when dropped (end of `main`), then
@@ -35,8 +39,15 @@ impl Drop for TelemetryGuard {
 }
 
 /// Installs the global subscriber; `RUST_LOG` overrides `log.filter`. Call it before
-/// the async runtime starts: the OTLP exporter runs on a thread of its own.
-pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryGuard> {
+/// the async runtime starts: the OTLP exporter runs on a thread of its own. Every line
+/// written has each of `secrets` (the configured passwords, see
+/// [`Settings::passwords`](crate::config::Settings::passwords)) replaced by `***`: a
+/// library's error or debug line may quote a connection address whole.
+pub fn init(
+    log: &LogSettings,
+    otel: &OtelSettings,
+    secrets: Vec<String>,
+) -> anyhow::Result<TelemetryGuard> {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&log.filter))
         .unwrap_or_else(|_| EnvFilter::new("info"));
@@ -57,6 +68,10 @@ pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryG
             64 * 1024,
             std::io::stderr(),
         ));
+    let writer = ScrubbingWriter {
+        inner: writer,
+        secrets: secrets.into(),
+    };
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(ansi);
@@ -70,11 +85,18 @@ pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryG
     };
     let provider = match &otel.endpoint {
         Some(endpoint) => {
+            let endpoint = endpoint.expose_secret();
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
-                .with_endpoint(endpoint.clone())
+                .with_endpoint(endpoint)
                 .build()
-                .map_err(|e| anyhow::anyhow!("otel.endpoint {endpoint}: {e}"))?;
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "otel.endpoint {}: {}",
+                        redact_url(endpoint),
+                        scrub(&e.to_string(), &passwords(endpoint))
+                    )
+                })?;
             let resource = opentelemetry_sdk::Resource::builder()
                 .with_service_name(otel.service_name.clone())
                 .build();
@@ -112,6 +134,45 @@ fn not_a_probe_refusal(
             && *meta.level() <= tracing::Level::WARN
             && crate::broker::expecting_refusals())
     })
+}
+
+/// The log writer, each line scrubbed of the configured passwords.
+struct ScrubbingWriter {
+    inner: tracing_appender::non_blocking::NonBlocking,
+    secrets: Arc<[String]>,
+}
+
+impl<'a> MakeWriter<'a> for ScrubbingWriter {
+    type Writer = Scrubbed;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        Scrubbed {
+            inner: self.inner.clone(),
+            secrets: self.secrets.clone(),
+        }
+    }
+}
+
+/// One event's writer: the formatter hands it the whole line in one `write`.
+struct Scrubbed {
+    inner: tracing_appender::non_blocking::NonBlocking,
+    secrets: Arc<[String]>,
+}
+
+impl std::io::Write for Scrubbed {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(buf);
+        if !self.secrets.iter().any(|s| text.contains(s.as_str())) {
+            return self.inner.write(buf);
+        }
+        self.inner
+            .write_all(scrub(&text, &self.secrets).as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// The producer's trace context from the W3C `traceparent` / `tracestate` headers
