@@ -489,3 +489,230 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
     }
     drop(process);
 }
+
+/// A setting to give a postie process, and what it must never print.
+struct Form {
+    /// What the form is, for failure messages.
+    what: &'static str,
+    /// The environment variables (setting → value).
+    vars: Vec<(&'static str, String)>,
+}
+
+/// Runs `migrate`, `topology`, `status` and (when it must fail at start-up) `serve`
+/// with `env`: (command, exit code, stdout + stderr) for each.
+fn run_commands(env: &[(String, String)], serve: bool) -> Vec<(String, Option<i32>, String)> {
+    let mut commands = vec!["migrate", "topology", "status"];
+    if serve {
+        commands.push("serve");
+    }
+    commands
+        .into_iter()
+        .map(|command| {
+            let (code, output) = run_postie(&[command], env);
+            (command.to_string(), code, output)
+        })
+        .collect()
+}
+
+/// Panics with the line if `text` holds `marker` (every password of the test holds it).
+fn assert_no_marker(what: &str, text: &str, marker: &str) {
+    if let Some(at) = text.find(marker) {
+        let line = text[..at].rsplit('\n').next().unwrap_or("");
+        panic!("{what} printed a password, in the line starting {line:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ge_every_address_form_is_redacted_by_every_command() {
+    // Every password below holds `marker`, and nothing else does: no output may.
+    let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let marker = format!("Mk{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let env = TestEnv::new("ge-secrets").await;
+    let rmq_user = format!("postie-ge-{id}");
+    let broker = url::Url::parse(&amqp_url()).unwrap();
+    let vhost = match broker.path().trim_start_matches('/') {
+        "" | "%2f" | "%2F" => "/".to_string(),
+        other => other.replace("%2f", "/").replace("%2F", "/"),
+    };
+    let live_password = format!("Live-{marker}");
+    let _broker_user = BrokerUser::create(&rmq_user, &live_password, &env.prefix, &vhost);
+    let pg = url::Url::parse(&pg_base()).unwrap();
+    let (pg_host, pg_port) = (pg.host_str().unwrap().to_string(), pg.port().unwrap_or(5432));
+    let pg_user = match pg.username() {
+        "" => "postgres".to_string(),
+        user => user.to_string(),
+    };
+    let db = env.db_name.clone();
+    let (closed, closed2) = (support::free_port(), support::free_port());
+    let live_broker = {
+        let mut url = broker.clone();
+        url.set_username(&rmq_user).unwrap();
+        url.set_password(Some(&live_password)).unwrap();
+        url.to_string()
+    };
+    let noisy = [("RUST_LOG", "debug,lapin=debug".to_string())];
+
+    // Forms a running postie accepts (the server trusts local connections, so any
+    // password passes): serve sends a job with each, and every command succeeds.
+    let running = [
+        Form {
+            what: "several PostgreSQL hosts, a list of AMQP addresses, otel.endpoint with credentials",
+            vars: vec![
+                (
+                    "POSTIE__DATABASE__URL",
+                    format!("postgres://{pg_user}:PgMulti-{marker}@{pg_host}:{pg_port},127.0.0.1:{closed}/{db}"),
+                ),
+                (
+                    "POSTIE__AMQP__URL",
+                    format!("amqp://ge-dead:Dead-{marker}@127.0.0.1:{closed2}/%2f, {live_broker}"),
+                ),
+                (
+                    "POSTIE__OTEL__ENDPOINT",
+                    format!("http://otel:Otel-{marker}@127.0.0.1:{closed}/v1/traces?api_key=Key-{marker}"),
+                ),
+            ],
+        },
+        Form {
+            what: "a libpq key=value string with a quoted password",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("host={pg_host} port={pg_port} user={pg_user} password='Kv pw {marker}' dbname={db}"),
+            )],
+        },
+        Form {
+            what: "a percent-encoded password in the query",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("postgres://{pg_user}@{pg_host}:{pg_port}/{db}?password=Q%2F{marker}%40x"),
+            )],
+        },
+        Form {
+            what: "a percent-encoded password in the user info",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("postgres://{pg_user}:Enc%2F{marker}%3A%40@{pg_host}:{pg_port}/{db}"),
+            )],
+        },
+    ];
+    // Forms that stop start-up (bad ports, unreachable hosts, malformed strings).
+    let failing = [
+        Form {
+            what: "an SMTP URL with a port out of range",
+            vars: vec![(
+                "POSTIE__SMTP__URL",
+                format!("smtp://u:Smtp-{marker}@127.0.0.1:99999"),
+            )],
+        },
+        Form {
+            what: "an SMTP URL with a raw slash in the password",
+            vars: vec![(
+                "POSTIE__SMTP__URL",
+                format!("smtp://u:Sl/{marker}@127.0.0.1:2525"),
+            )],
+        },
+        Form {
+            what: "an AMQP URL with a port out of range",
+            vars: vec![(
+                "POSTIE__AMQP__URL",
+                format!("amqp://u:Amqp-{marker}@127.0.0.1:99999/%2f"),
+            )],
+        },
+        Form {
+            what: "an AMQP list whose every address refuses",
+            vars: vec![(
+                "POSTIE__AMQP__URL",
+                format!(
+                    "amqp://{rmq_user}:Wrong-{marker}@127.0.0.1:5672/%2f,amqp://x:Gone-{marker}@127.0.0.1:{closed}/%2f"
+                ),
+            )],
+        },
+        Form {
+            what: "several PostgreSQL hosts, none answering",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("postgres://u:PgDown-{marker}@127.0.0.1:{closed},127.0.0.1:{closed2}/x"),
+            )],
+        },
+        Form {
+            what: "a PostgreSQL URL with a port out of range",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("postgres://u:PgPort-{marker}@127.0.0.1:99999/x"),
+            )],
+        },
+        Form {
+            what: "a key=value string with an unquoted password holding a space",
+            vars: vec![(
+                "POSTIE__DATABASE__URL",
+                format!("host=127.0.0.1 password=Half-{marker} Way-{marker} dbname=x"),
+            )],
+        },
+        Form {
+            what: "otel.endpoint with a port out of range",
+            vars: vec![(
+                "POSTIE__OTEL__ENDPOINT",
+                format!("http://o:Otel-{marker}@127.0.0.1:99999/v1/traces"),
+            )],
+        },
+    ];
+
+    for (n, form) in running.iter().enumerate() {
+        let mut cli_env = env.env_vars();
+        for (k, v) in noisy.iter().chain(&form.vars) {
+            cli_env = with(&cli_env, k, v);
+        }
+        for (command, code, output) in run_commands(&cli_env, false) {
+            assert_eq!(code, Some(0), "{} · {command}: {output}", form.what);
+            assert_no_marker(&format!("{} · {command}", form.what), &output, &marker);
+        }
+        let extra: Vec<(&str, &str)> = noisy
+            .iter()
+            .chain(&form.vars)
+            .map(|(k, v)| (*k, v.as_str()))
+            .collect();
+        let mut process = env.spawn_process(&extra);
+        let key = format!("ge-sec-{n}");
+        env.publish(&job(&key, &format!("{key}@example.com"))).await;
+        let envr = &env;
+        let keyr = key.as_str();
+        eventually(&format!("{} · the send", form.what), Duration::from_secs(60), move || async move {
+            envr.inbox_row(keyr)
+                .await
+                .filter(|r| r.status == "sent")
+                .map(|_| ())
+        })
+        .await;
+        let status = process.terminate(Duration::from_secs(60));
+        assert!(status.is_some_and(|s| s.success()), "{}: {status:?}", form.what);
+        let served = process.log();
+        assert!(served.contains("postie serving"), "{}: {served}", form.what);
+        assert!(served.contains("DEBUG"), "{}: no debug output", form.what);
+        assert_no_marker(&format!("{} · serve", form.what), &served, &marker);
+    }
+    env.wait_for_emails("one email per running form", running.len(), Duration::from_secs(30))
+        .await;
+
+    for form in &failing {
+        let mut cli_env = env.env_vars();
+        for (k, v) in noisy.iter().chain(&form.vars) {
+            cli_env = with(&cli_env, k, v);
+        }
+        let runs = run_commands(&cli_env, true);
+        // Each form stops serve and at least one other command, with a line naming
+        // the setting: the check below reads real refusals, not silence.
+        let refused = runs.iter().filter(|(_, code, _)| *code != Some(0)).count();
+        assert!(refused >= 2, "{}: {refused} refusals", form.what);
+        let (_, serve_code, serve_output) = runs.last().unwrap();
+        assert_ne!(*serve_code, Some(0), "{} · serve: {serve_output}", form.what);
+        let setting = form.vars[0].0.trim_start_matches("POSTIE__").replace("__", ".");
+        let setting = setting.to_ascii_lowercase();
+        let named = runs.iter().any(|(_, _, output)| {
+            output.contains(&setting)
+                || output.contains("cannot connect to")
+        });
+        assert!(named, "{}: no line names {setting}: {runs:?}", form.what);
+        for (command, _, output) in &runs {
+            assert_no_marker(&format!("{} · {command}", form.what), output, &marker);
+        }
+    }
+}
