@@ -276,6 +276,8 @@ fn parse_job(body: &[u8], settings: &Settings) -> EmailJob {
     let rules = ParseRules {
         max_body_bytes: settings.worker.max_body_bytes,
         default_from: None,
+        key_namespace: postie::config::KeyNamespace::Off,
+        user_id: None,
     };
     EmailJob::parse(body, &rules).expect("a valid job")
 }

@@ -19,6 +19,8 @@ use serde_json::Value;
 const RULES: ParseRules<'static> = ParseRules {
     max_body_bytes: 512 * 1024,
     default_from: None,
+    key_namespace: postie::config::KeyNamespace::Off,
+    user_id: None,
 };
 
 fn manifest_path(relative: &str) -> PathBuf {

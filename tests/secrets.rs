@@ -537,7 +537,10 @@ async fn ge_every_address_form_is_redacted_by_every_command() {
     let live_password = format!("Live-{marker}");
     let _broker_user = BrokerUser::create(&rmq_user, &live_password, &env.prefix, &vhost);
     let pg = url::Url::parse(&pg_base()).unwrap();
-    let (pg_host, pg_port) = (pg.host_str().unwrap().to_string(), pg.port().unwrap_or(5432));
+    let (pg_host, pg_port) = (
+        pg.host_str().unwrap().to_string(),
+        pg.port().unwrap_or(5432),
+    );
     let pg_user = match pg.username() {
         "" => "postgres".to_string(),
         user => user.to_string(),
@@ -675,22 +678,34 @@ async fn ge_every_address_form_is_redacted_by_every_command() {
         env.publish(&job(&key, &format!("{key}@example.com"))).await;
         let envr = &env;
         let keyr = key.as_str();
-        eventually(&format!("{} · the send", form.what), Duration::from_secs(60), move || async move {
-            envr.inbox_row(keyr)
-                .await
-                .filter(|r| r.status == "sent")
-                .map(|_| ())
-        })
+        eventually(
+            &format!("{} · the send", form.what),
+            Duration::from_secs(60),
+            move || async move {
+                envr.inbox_row(keyr)
+                    .await
+                    .filter(|r| r.status == "sent")
+                    .map(|_| ())
+            },
+        )
         .await;
         let status = process.terminate(Duration::from_secs(60));
-        assert!(status.is_some_and(|s| s.success()), "{}: {status:?}", form.what);
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{}: {status:?}",
+            form.what
+        );
         let served = process.log();
         assert!(served.contains("postie serving"), "{}: {served}", form.what);
         assert!(served.contains("DEBUG"), "{}: no debug output", form.what);
         assert_no_marker(&format!("{} · serve", form.what), &served, &marker);
     }
-    env.wait_for_emails("one email per running form", running.len(), Duration::from_secs(30))
-        .await;
+    env.wait_for_emails(
+        "one email per running form",
+        running.len(),
+        Duration::from_secs(30),
+    )
+    .await;
 
     for form in &failing {
         let mut cli_env = env.env_vars();
@@ -703,12 +718,19 @@ async fn ge_every_address_form_is_redacted_by_every_command() {
         let refused = runs.iter().filter(|(_, code, _)| *code != Some(0)).count();
         assert!(refused >= 2, "{}: {refused} refusals", form.what);
         let (_, serve_code, serve_output) = runs.last().unwrap();
-        assert_ne!(*serve_code, Some(0), "{} · serve: {serve_output}", form.what);
-        let setting = form.vars[0].0.trim_start_matches("POSTIE__").replace("__", ".");
+        assert_ne!(
+            *serve_code,
+            Some(0),
+            "{} · serve: {serve_output}",
+            form.what
+        );
+        let setting = form.vars[0]
+            .0
+            .trim_start_matches("POSTIE__")
+            .replace("__", ".");
         let setting = setting.to_ascii_lowercase();
         let named = runs.iter().any(|(_, _, output)| {
-            output.contains(&setting)
-                || output.contains("cannot connect to")
+            output.contains(&setting) || output.contains("cannot connect to")
         });
         assert!(named, "{}: no line names {setting}: {runs:?}", form.what);
         for (command, _, output) in &runs {

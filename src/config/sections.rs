@@ -244,6 +244,25 @@ pub struct WorkerSettings {
     /// handed back to the broker unacked.
     #[serde(deserialize_with = "duration")]
     pub drain_timeout: Duration,
+    /// Producer isolation: `off` (the default), or `user_id` to keep every job's and
+    /// cancel request's key in the key space of the AMQP `user_id` property, which
+    /// RabbitMQ checks against the publishing connection's user (README,
+    /// "Producer isolation").
+    pub key_namespace: KeyNamespace,
+}
+
+/// Whose key space a job's key lives in (`worker.key_namespace`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyNamespace {
+    /// One key space shared by every producer: keys are used as published.
+    #[default]
+    Off,
+    /// One key space per RabbitMQ user: the key `K` published with `user_id` `U` is
+    /// `U:K` (`%` and `:` in `U` percent-encoded). A message without `user_id` is
+    /// dead-lettered. postie's own RabbitMQ user needs the `impersonator` tag, since
+    /// it re-publishes jobs (ladder, retries, replays) with their `user_id`.
+    UserId,
 }
 
 impl Default for WorkerSettings {
@@ -256,6 +275,7 @@ impl Default for WorkerSettings {
             instance_id: None,
             outage_backoff_max: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
+            key_namespace: KeyNamespace::Off,
         }
     }
 }

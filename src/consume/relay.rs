@@ -169,7 +169,14 @@ impl Service {
         let disposition = match decision {
             Decision::Forward { due_ms } => {
                 if self.settings.delay.track_pending {
-                    if let Some((key, revision)) = contract::peek_key(&delivery.data) {
+                    // In its producer's key space (worker.key_namespace); a job the
+                    // worker will refuse has no record.
+                    let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+                    let rules =
+                        contract::ParseRules::from_settings(&self.settings).for_user(user_id);
+                    let peeked = contract::peek_key(&delivery.data)
+                        .and_then(|(key, revision)| Some((rules.namespaced(&key).ok()?, revision)));
+                    if let Some((key, revision)) = peeked {
                         let body = self.settings.delay.reconcile.then(|| delivery.data.clone());
                         let recorded = self.scheduler.schedule(&key, revision, due_ms, body);
                         if recorded.await.is_err() {

@@ -35,9 +35,10 @@ impl Service {
         let started = std::time::Instant::now();
         async {
             let timestamp = *delivery.properties.timestamp();
+            let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
             let disposition = match self
                 .worker
-                .process(&delivery.data, headers, timestamp)
+                .process(&delivery.data, headers, timestamp, user_id)
                 .await
             {
                 Ok(outcome) => outcome.settle(&metrics, &self.topology, headers),

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use super::{
     check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
 };
-use crate::config::Settings;
+use crate::config::{KeyNamespace, Settings};
 
 /// Most recipients (to + cc + bcc) on one job.
 const MAX_RECIPIENTS: usize = 100;
@@ -112,8 +112,22 @@ pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
 }
 
 impl Request {
-    /// Parses a job or a cancel request.
+    /// Parses a job or a cancel request, its key in the namespace `rules` give.
     pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        match Self::parse_as_published(body, rules)? {
+            Self::Job(mut job) => {
+                job.key = rules.namespaced(&job.key)?;
+                Ok(Self::Job(job))
+            }
+            Self::Cancel { key, revision } => Ok(Self::Cancel {
+                key: rules.namespaced(&key)?,
+                revision,
+            }),
+        }
+    }
+
+    /// [`Request::parse`] with the key as published.
+    fn parse_as_published(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
             if value.get("cancel").is_some() {
                 let cancel: CancelRequest = serde_json::from_value(value)
@@ -168,12 +182,16 @@ struct RawJob {
 }
 
 /// What the contract allows around the body.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct ParseRules<'a> {
     /// Largest body in bytes.
     pub max_body_bytes: usize,
     /// Sender for jobs without `from`.
     pub default_from: Option<&'a str>,
+    /// Whose key space keys live in (`worker.key_namespace`).
+    pub key_namespace: KeyNamespace,
+    /// The message's AMQP `user_id` property, checked by the broker.
+    pub user_id: Option<&'a str>,
 }
 
 impl<'a> ParseRules<'a> {
@@ -182,6 +200,27 @@ impl<'a> ParseRules<'a> {
         Self {
             max_body_bytes: settings.worker.max_body_bytes,
             default_from: settings.smtp.default_from.as_deref(),
+            key_namespace: settings.worker.key_namespace,
+            user_id: None,
+        }
+    }
+
+    /// The same rules for a message published with AMQP `user_id` `user_id`.
+    pub fn for_user(self, user_id: Option<&'a str>) -> Self {
+        Self { user_id, ..self }
+    }
+
+    /// `key` in the key space these rules name: as published, or (`worker.key_namespace
+    /// = "user_id"`) in the namespace of the message's `user_id`, refused without one.
+    pub fn namespaced(&self, key: &IdempotencyKey) -> Result<IdempotencyKey, InvalidJob> {
+        match (self.key_namespace, self.user_id) {
+            (KeyNamespace::Off, _) => Ok(key.clone()),
+            (KeyNamespace::UserId, Some(user)) if !user.is_empty() => Ok(key.in_namespace(user)),
+            (KeyNamespace::UserId, _) => invalid(
+                "no AMQP user_id property: with worker.key_namespace = \"user_id\" every job \
+                 and cancel request must be published with user_id set to the publishing \
+                 RabbitMQ user",
+            ),
         }
     }
 }

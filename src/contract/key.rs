@@ -22,6 +22,14 @@ impl IdempotencyKey {
         &self.0
     }
 
+    /// This key in the key space of the RabbitMQ user `user` (`worker.key_namespace =
+    /// "user_id"`): `user:key`, with `%` and `:` in `user` percent-encoded so that no
+    /// two (user, key) pairs give the same text.
+    pub fn in_namespace(&self, user: &str) -> Self {
+        let user = user.replace('%', "%25").replace(':', "%3A");
+        Self(format!("{user}:{}", self.0))
+    }
+
     /// The Message-ID every attempt of this key carries: the same key always gives
     /// the same id, so even a duplicate that slips through can be recognised.
     pub fn message_id(&self, domain: &str) -> String {

@@ -133,7 +133,8 @@ pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
 /// raw JSON, so that invalid jobs can still be told apart.
 fn key_of(body: &[u8], rules: &ParseRules<'_>) -> Option<String> {
     if let Ok(job) = EmailJob::parse(body, rules) {
-        return Some(job.key.as_str().to_owned());
+        // The key the inbox knows: in its producer's namespace, when keys have one.
+        return Some(rules.namespaced(&job.key).unwrap_or(job.key).to_string());
     }
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
     let text = |name: &str| value.get(name)?.as_str().filter(|s| !s.trim().is_empty());
@@ -219,6 +220,8 @@ mod tests {
     const RULES: ParseRules<'static> = ParseRules {
         max_body_bytes: 1 << 20,
         default_from: None,
+        key_namespace: crate::config::KeyNamespace::Off,
+        user_id: None,
     };
 
     fn table_of(pairs: &[(&str, AMQPValue)]) -> FieldTable {

@@ -91,7 +91,7 @@ pub async fn peek(
             letters.push(summarize(
                 &delivery.data,
                 delivery.properties.headers().as_ref(),
-                &rules,
+                &rules.for_user(user_id(&delivery)),
             ));
             // Not acked, on purpose.
         }
@@ -134,7 +134,7 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
             };
             examined += 1;
             let headers = delivery.properties.headers().as_ref();
-            let summary = summarize(&delivery.data, headers, &rules);
+            let summary = summarize(&delivery.data, headers, &rules.for_user(user_id(&delivery)));
             if !filter.matches(&summary) {
                 report.kept += 1;
                 continue;
@@ -219,4 +219,10 @@ async fn ack(delivery: &Delivery) -> anyhow::Result<()> {
     } else {
         anyhow::bail!("the ack of a moved dead letter was not delivered (channel closed)")
     }
+}
+
+/// The AMQP `user_id` a dead letter was published with: its key's namespace under
+/// `worker.key_namespace = "user_id"`.
+fn user_id(delivery: &Delivery) -> Option<&str> {
+    delivery.properties.user_id().as_ref().map(|u| u.as_str())
 }

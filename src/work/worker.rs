@@ -132,18 +132,23 @@ impl Worker {
         &self.health
     }
 
-    /// Processes one delivery's body, headers and AMQP timestamp.
+    /// Processes one delivery's body, headers, AMQP timestamp and AMQP `user_id`.
     pub async fn process(
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,
         timestamp_s: Option<u64>,
+        user_id: Option<&str>,
     ) -> Result<Outcome, Interrupted> {
-        match self.process_steps(body, headers, timestamp_s).await {
+        match self
+            .process_steps(body, headers, timestamp_s, user_id)
+            .await
+        {
             Ok(outcome) => Ok(outcome),
             Err(Stop::Interrupted) => Err(Interrupted),
             Err(Stop::Refused(error)) => Ok(Outcome::DeadLetter {
-                key: contract::peek_key(body).map(|(key, _)| key),
+                key: contract::peek_key(body)
+                    .and_then(|(key, _)| self.rules(user_id).namespaced(&key).ok()),
                 kind: DeadKind::Invalid,
                 reason: format!("the database refused this job: {error}"),
                 attempts: 0,
@@ -156,12 +161,13 @@ impl Worker {
         body: &[u8],
         headers: Option<&FieldTable>,
         timestamp_s: Option<u64>,
+        user_id: Option<&str>,
     ) -> Result<Outcome, Stop> {
         // Our own counter, but a producer can set any header: keep it in range.
         let failed_so_far = header_int(headers, HEADER_ATTEMPT)
             .unwrap_or(0)
             .clamp(0, 1_000) as u32;
-        let job = match self.parse(body) {
+        let job = match Request::parse(body, &self.rules(user_id)) {
             Ok(Request::Job(job)) => job,
             Ok(Request::Cancel { key, revision }) => {
                 let cancelled = self
@@ -441,8 +447,9 @@ impl Worker {
         })
     }
 
-    fn parse(&self, body: &[u8]) -> Result<Request, InvalidJob> {
-        Request::parse(body, &ParseRules::from_settings(&self.settings))
+    /// The contract's rules for a message published by `user_id`.
+    fn rules<'a>(&'a self, user_id: Option<&'a str>) -> ParseRules<'a> {
+        ParseRules::from_settings(&self.settings).for_user(user_id)
     }
 
     /// Runs one database step until PostgreSQL answers, with capped backoff.

@@ -6,6 +6,8 @@ use proptest::prelude::*;
 const RULES: ParseRules<'static> = ParseRules {
     max_body_bytes: 64 * 1024,
     default_from: Some("Shop <noreply@shop.example>"),
+    key_namespace: crate::config::KeyNamespace::Off,
+    user_id: None,
 };
 
 fn parse(json: serde_json::Value) -> Result<EmailJob, InvalidJob> {

@@ -1,0 +1,293 @@
+//! Producer isolation (`worker.key_namespace = "user_id"`): two services, each with
+//! a RabbitMQ user of its own, publish the same business key; each gets its email,
+//! and one's cancel touches only its own key. RabbitMQ refuses a forged `user_id`,
+//! and a job without one is dead-lettered with a reason a person can read.
+
+mod support;
+
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable};
+use postie::broker::{self, PublishError, ROUTING_KEY};
+use secrecy::SecretString;
+use support::{amqp_url, eventually, job, TestEnv};
+
+/// The management API of the test broker.
+const MANAGEMENT: &str = "http://127.0.0.1:15672/api";
+
+/// A RabbitMQ user made through the management API, with every permission on `/`;
+/// deleted on drop.
+struct ManagedUser {
+    name: String,
+    password: String,
+}
+
+impl ManagedUser {
+    async fn create(name: &str, tags: &str) -> Self {
+        let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
+        let http = reqwest::Client::new();
+        let user = http
+            .put(format!("{MANAGEMENT}/users/{name}"))
+            .basic_auth("guest", Some("guest"))
+            .json(&serde_json::json!({"password": password, "tags": tags}))
+            .send()
+            .await
+            .expect("management API answers");
+        assert!(
+            user.status().is_success(),
+            "create {name}: {}",
+            user.status()
+        );
+        let permissions = http
+            .put(format!("{MANAGEMENT}/permissions/%2F/{name}"))
+            .basic_auth("guest", Some("guest"))
+            .json(&serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}))
+            .send()
+            .await
+            .expect("management API answers");
+        assert!(
+            permissions.status().is_success(),
+            "permissions of {name}: {}",
+            permissions.status()
+        );
+        Self {
+            name: name.to_string(),
+            password,
+        }
+    }
+
+    /// `amqp.url` of the test broker with this user's credentials.
+    fn url(&self) -> String {
+        let mut url = url::Url::parse(&amqp_url()).unwrap();
+        url.set_username(&self.name).unwrap();
+        url.set_password(Some(&self.password)).unwrap();
+        url.to_string()
+    }
+}
+
+impl Drop for ManagedUser {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs inside the test's runtime: delete from a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let _ = reqwest::Client::new()
+                    .delete(format!("{MANAGEMENT}/users/{name}"))
+                    .basic_auth("guest", Some("guest"))
+                    .send()
+                    .await;
+            })
+        })
+        .join();
+    }
+}
+
+/// A producer service: its own connection, as its own user.
+struct Producer {
+    channel: lapin::Channel,
+    _connection: lapin::Connection,
+}
+
+impl Producer {
+    async fn connect(user: &ManagedUser) -> Self {
+        let connection = broker::connect(
+            &SecretString::from(user.url()),
+            "postie-test-producer",
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("producer connects");
+        let channel = broker::confirm_channel(&connection).await.unwrap();
+        Self {
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// Publishes `body` to the contract exchange with `user_id` (and `x-delay`).
+    async fn publish(
+        &self,
+        env: &TestEnv,
+        body: &serde_json::Value,
+        user_id: Option<&str>,
+        delay_ms: Option<i64>,
+    ) -> Result<(), PublishError> {
+        let mut properties = broker::job_properties();
+        if let Some(user_id) = user_id {
+            properties = properties.with_user_id(user_id.into());
+        }
+        if let Some(delay) = delay_ms {
+            let mut headers = FieldTable::default();
+            headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay));
+            properties = properties.with_headers(headers);
+        }
+        broker::publish_confirmed(
+            &self.channel,
+            &env.topology.delayed_exchange(),
+            ROUTING_KEY,
+            true,
+            body.to_string().as_bytes(),
+            properties,
+        )
+        .await
+    }
+}
+
+/// The Message-ID postie gives `key` in the namespace of `user`.
+fn namespaced_message_id(user: &str, key: &str) -> String {
+    let key = postie::contract::IdempotencyKey::parse(key)
+        .unwrap()
+        .in_namespace(user);
+    key.message_id("postie.local")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ge_keys_are_namespaced_by_the_producers_user() {
+    let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let env = TestEnv::new("ge-isolation").await;
+    let svc_a = ManagedUser::create(&format!("ge-svc-a-{id}"), "").await;
+    let svc_b = ManagedUser::create(&format!("ge-svc-b-{id}"), "").await;
+    // postie republishes each job (ladder, retries, dead letters) with the producer's
+    // user_id: its own user needs the impersonator tag.
+    let postie_user = ManagedUser::create(&format!("ge-postie-{id}"), "impersonator").await;
+    let postie_url = postie_user.url();
+    let mut process = env.spawn_process(&[
+        ("POSTIE__AMQP__URL", postie_url.as_str()),
+        ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
+    ]);
+    let a = Producer::connect(&svc_a).await;
+    let b = Producer::connect(&svc_b).await;
+
+    // The same business key from both services: two emails, one per namespace.
+    let key = "ge-order-1:confirmation";
+    a.publish(&env, &job(key, "a@example.com"), Some(&svc_a.name), None)
+        .await
+        .expect("svc-a publishes as itself");
+    b.publish(&env, &job(key, "b@example.com"), Some(&svc_b.name), None)
+        .await
+        .expect("svc-b publishes as itself");
+    env.wait_for_emails("one email per namespace", 2, Duration::from_secs(60))
+        .await;
+
+    // The same delayed key from both, and a cancel from svc-a: only svc-b's is sent.
+    let later = "ge-order-2:reminder";
+    a.publish(
+        &env,
+        &job(later, "a@example.com"),
+        Some(&svc_a.name),
+        Some(3_000),
+    )
+    .await
+    .unwrap();
+    b.publish(
+        &env,
+        &job(later, "b@example.com"),
+        Some(&svc_b.name),
+        Some(3_000),
+    )
+    .await
+    .unwrap();
+    a.publish(
+        &env,
+        &serde_json::json!({"cancel": later}),
+        Some(&svc_a.name),
+        None,
+    )
+    .await
+    .unwrap();
+    env.wait_for_emails("svc-b's reminder", 3, Duration::from_secs(60))
+        .await;
+
+    // svc-a cannot speak for svc-b: the broker refuses the forged user_id.
+    let forged = a
+        .publish(
+            &env,
+            &serde_json::json!({"cancel": key}),
+            Some(&svc_b.name),
+            None,
+        )
+        .await;
+    let refusal = forged
+        .expect_err("the broker refuses a forged user_id")
+        .to_string();
+    assert!(
+        refusal.contains("PRECONDITION_FAILED") && refusal.contains("user_id"),
+        "{refusal}"
+    );
+    println!("forged user_id refused: {refusal}");
+
+    // A job without user_id (from a fresh channel: the forged publish closed the old).
+    let a = Producer::connect(&svc_a).await;
+    a.publish(
+        &env,
+        &job("ge-order-3:anonymous", "a@example.com"),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    let envr = &env;
+    let dead = eventually(
+        "the job without user_id dead-lettered",
+        Duration::from_secs(60),
+        move || async move {
+            let letters = envr.take_dead_letters().await;
+            (!letters.is_empty()).then_some(letters)
+        },
+    )
+    .await;
+    assert_eq!(dead.len(), 1);
+    let reason = dead[0].reason().to_string();
+    assert!(
+        reason.contains("user_id") && reason.contains("worker.key_namespace"),
+        "{reason}"
+    );
+
+    // Give a late email the time to show, then count: two for key 1 (one per
+    // namespace, each with its namespace's Message-ID), one for key 2 (svc-b's).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let messages = env.sink.messages(false).await;
+    let mut sent: Vec<(String, String)> = messages
+        .iter()
+        .map(|m| (m.message_id.clone(), m.rcpt_to.join(",")))
+        .collect();
+    sent.sort();
+    let mut expected = vec![
+        (
+            namespaced_message_id(&svc_a.name, key),
+            "a@example.com".to_string(),
+        ),
+        (
+            namespaced_message_id(&svc_b.name, key),
+            "b@example.com".to_string(),
+        ),
+        (
+            namespaced_message_id(&svc_b.name, later),
+            "b@example.com".to_string(),
+        ),
+    ];
+    expected.sort();
+    assert_eq!(sent, expected);
+    // svc-a's reminder is cancelled in its own namespace; svc-b's is sent.
+    let a_row = env
+        .inbox_row(&format!("{}:{later}", svc_a.name))
+        .await
+        .expect("svc-a's reminder has a row");
+    assert_eq!(a_row.status, "cancelled");
+    let b_row = env
+        .inbox_row(&format!("{}:{later}", svc_b.name))
+        .await
+        .expect("svc-b's reminder has a row");
+    assert_eq!(b_row.status, "sent");
+
+    let status = process.terminate(Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        process.log()
+    );
+}
