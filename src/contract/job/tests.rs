@@ -205,6 +205,64 @@ fn message_id_is_a_function_of_the_key() {
     assert!(a.message_id("d.example").ends_with("@d.example>"));
 }
 
+#[test]
+fn keys_are_kept_as_published_unless_namespaced_by_user_id() {
+    let body = serde_json::json!({
+        "key": "order-1:x", "to": ["a@example.com"], "subject": "s", "text": "t"
+    })
+    .to_string();
+    let key_of = |rules: &ParseRules<'_>| match Request::parse(body.as_bytes(), rules) {
+        Ok(Request::Job(job)) => Ok(job.key),
+        Ok(Request::Cancel { .. }) => panic!("a job"),
+        Err(e) => Err(e.0),
+    };
+    // Off (the default): the key, and so its Message-ID, is what was published,
+    // whatever user_id says.
+    let published = IdempotencyKey::parse("order-1:x").unwrap();
+    assert_eq!(
+        key_of(&RULES.for_user(Some("svc-a"))),
+        Ok(published.clone())
+    );
+    // The Message-ID of an existing key is pinned: it must not move.
+    assert_eq!(
+        published.message_id("d.example"),
+        "<3c8ba6d7e21d615962563e8be808f05e@d.example>"
+    );
+    let on = ParseRules {
+        key_namespace: crate::config::KeyNamespace::UserId,
+        ..RULES
+    };
+    let a = key_of(&on.for_user(Some("svc-a"))).unwrap();
+    let b = key_of(&on.for_user(Some("svc-b"))).unwrap();
+    assert_eq!(a.as_str(), "svc-a:order-1:x");
+    assert_ne!(a, b);
+    assert_ne!(a.message_id("d.example"), b.message_id("d.example"));
+    // No two (user, key) pairs meet: `:` and `%` in the user are escaped.
+    assert_ne!(
+        published.in_namespace("u:order-1").as_str(),
+        IdempotencyKey::parse("order-1:order-1:x")
+            .unwrap()
+            .in_namespace("u")
+            .as_str()
+    );
+    assert_eq!(
+        published.in_namespace("a:b%").as_str(),
+        "a%3Ab%25:order-1:x"
+    );
+    // Without user_id (or an empty one) the job is refused with the reason.
+    for user in [None, Some("")] {
+        let reason = key_of(&on.for_user(user)).unwrap_err();
+        assert!(reason.contains("no AMQP user_id property"), "{reason}");
+    }
+    // Cancels live in the same key space.
+    let cancel = br#"{"cancel": "order-1:x"}"#;
+    match Request::parse(cancel, &on.for_user(Some("svc-b"))) {
+        Ok(Request::Cancel { key, .. }) => assert_eq!(key, b),
+        other => panic!("{other:?}"),
+    }
+    assert!(Request::parse(cancel, &on).is_err());
+}
+
 proptest! {
     #[test]
     fn no_accepted_header_value_can_break_a_line(subject in "\\PC{0,40}[\\r\\n\\u{0}\\u{2028}\\u{85}]\\PC{0,40}") {
