@@ -155,6 +155,18 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     // user_id: its own user needs the impersonator tag.
     let postie_user = ManagedUser::create(&format!("ge-postie-{id}"), "impersonator").await;
     let postie_url = postie_user.url();
+    // Without the tag, serve refuses to start, with the way out.
+    let mut untagged = env.env_vars();
+    untagged.retain(|(k, _)| k != "POSTIE__AMQP__URL");
+    untagged.push(("POSTIE__AMQP__URL".into(), svc_a.url()));
+    untagged.push(("POSTIE__WORKER__KEY_NAMESPACE".into(), "user_id".into()));
+    let refused = support::run_postie(&["serve"], &untagged);
+    assert_ne!(refused.code, Some(0), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("impersonator tag"),
+        "{}",
+        refused.stderr
+    );
     let mut process = env.spawn_process(&[
         ("POSTIE__AMQP__URL", postie_url.as_str()),
         ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
@@ -200,6 +212,39 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     .await
     .unwrap();
     env.wait_for_emails("svc-b's reminder", 3, Duration::from_secs(60))
+        .await;
+
+    // An operator's cancel names the producer: `postie cancel K --user U`.
+    let third = "ge-order-4:invoice";
+    a.publish(
+        &env,
+        &job(third, "a@example.com"),
+        Some(&svc_a.name),
+        Some(3_000),
+    )
+    .await
+    .unwrap();
+    b.publish(
+        &env,
+        &job(third, "b@example.com"),
+        Some(&svc_b.name),
+        Some(3_000),
+    )
+    .await
+    .unwrap();
+    let mut cli_env = env.env_vars();
+    cli_env.push(("POSTIE__WORKER__KEY_NAMESPACE".into(), "user_id".into()));
+    let unnamed = support::run_postie(&["cancel", third], &cli_env);
+    assert_ne!(unnamed.code, Some(0), "{}", unnamed.stdout);
+    assert!(unnamed.stderr.contains("--user"), "{}", unnamed.stderr);
+    let named = support::run_postie(&["cancel", third, "--user", &svc_b.name], &cli_env);
+    assert_eq!(named.code, Some(0), "{}", named.stderr);
+    assert!(
+        named.stdout.contains(&format!("{}:{third}", svc_b.name)),
+        "{}",
+        named.stdout
+    );
+    env.wait_for_emails("svc-a's invoice", 4, Duration::from_secs(60))
         .await;
 
     // svc-a cannot speak for svc-b: the broker refuses the forged user_id.
@@ -248,7 +293,7 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     );
 
     // Give a late email the time to show, then count: two for key 1 (one per
-    // namespace, each with its namespace's Message-ID), one for key 2 (svc-b's).
+    // namespace, each with its namespace's Message-ID), svc-b's key 2, svc-a's key 4.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let messages = env.sink.messages(false).await;
     let mut sent: Vec<(String, String)> = messages
@@ -269,6 +314,10 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
             namespaced_message_id(&svc_b.name, later),
             "b@example.com".to_string(),
         ),
+        (
+            namespaced_message_id(&svc_a.name, third),
+            "a@example.com".to_string(),
+        ),
     ];
     expected.sort();
     assert_eq!(sent, expected);
@@ -283,6 +332,8 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         .await
         .expect("svc-b's reminder has a row");
     assert_eq!(b_row.status, "sent");
+    let b_invoice = env.inbox_row(&format!("{}:{third}", svc_b.name)).await;
+    assert_eq!(b_invoice.expect("a row").status, "cancelled");
 
     let status = process.terminate(Duration::from_secs(60));
     assert!(

@@ -167,6 +167,28 @@ pub async fn open(settings: &AmqpSettings, name: &str) -> anyhow::Result<Connect
     connect(&settings.url, name, settings.connect_timeout).await
 }
 
+/// Whether the connection's RabbitMQ user may publish a message whose `user_id` is
+/// another user's (the `impersonator` tag), as postie must under
+/// `worker.key_namespace = "user_id"` to re-publish producers' jobs. Publishes one
+/// empty message that no queue receives, under a made-up `user_id`, on a channel of
+/// its own: the broker closes that channel with 406 if the user may not.
+pub async fn may_impersonate(conn: &Connection) -> Result<bool, lapin::Error> {
+    let channel = confirm_channel(conn).await?;
+    let nobody = format!("postie-probe-{}", uuid::Uuid::new_v4().simple());
+    let properties = BasicProperties::default().with_user_id(nobody.as_str().into());
+    match publish_confirmed(&channel, "", &nobody, false, b"", properties).await {
+        Err(PublishError::Broker(e)) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => Ok(false),
+            _ => Err(e),
+        },
+        // Acked, or nacked for another reason: the user_id itself passed.
+        Ok(()) | Err(_) => {
+            let _ = channel.close(200, "probe done".into()).await;
+            Ok(true)
+        }
+    }
+}
+
 /// Opens a channel with publisher confirms switched on.
 pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
     let channel = conn.create_channel().await?;

@@ -2,11 +2,46 @@
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
+use crate::broker;
+use crate::config::{KeyNamespace, Settings};
 
 /// Serves until a stop signal.
 pub(super) async fn run(settings: Settings) -> anyhow::Result<()> {
+    if settings.worker.key_namespace == KeyNamespace::UserId {
+        check_impersonation(&settings).await?;
+    }
     crate::consume::serve(settings, shutdown_signal()).await
+}
+
+/// Under `worker.key_namespace = "user_id"` postie re-publishes every job (ladder,
+/// retries, dead letters) with its producer's `user_id`, which RabbitMQ refuses
+/// unless postie's own user has the `impersonator` tag: without it, refuse to start.
+/// A broker that cannot be reached now is not a reason to stop (serve waits for it):
+/// the check is then skipped, with a warning.
+async fn check_impersonation(settings: &Settings) -> anyhow::Result<()> {
+    let conn = match broker::open(&settings.amqp, "postie-impersonation-check").await {
+        Ok(conn) => conn,
+        Err(error) => {
+            tracing::warn!(%error, "cannot check that postie's RabbitMQ user may re-publish producers' user_id; going on");
+            return Ok(());
+        }
+    };
+    let allowed = broker::may_impersonate(&conn).await;
+    let _ = conn.close(200, "done".into()).await;
+    match allowed {
+        Ok(true) => Ok(()),
+        Ok(false) => anyhow::bail!(
+            "worker.key_namespace = \"user_id\" needs postie's RabbitMQ user to have the \
+             impersonator tag: postie re-publishes each job (ladder, retries, dead letters) \
+             with its producer's user_id, which RabbitMQ refuses otherwise; run \
+             rabbitmqctl set_user_tags <postie's user> impersonator, or set \
+             worker.key_namespace = \"off\""
+        ),
+        Err(error) => {
+            tracing::warn!(%error, "cannot check that postie's RabbitMQ user may re-publish producers' user_id; going on");
+            Ok(())
+        }
+    }
 }
 
 /// A token cancelled on SIGTERM or Ctrl-C.
