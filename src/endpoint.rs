@@ -204,10 +204,12 @@ fn key_value_secrets(raw: &str) -> Vec<Secret> {
 }
 
 /// True for a parameter name that may hold a credential: `password`, `sslpassword`,
-/// `pass`, `pwd`, `secret`, `token`, `api_key`, `auth…`, `credential…`.
+/// `pass`, `pwd`, `secret`, `token`, `api_key`, `authorization`, `credential…`. Not
+/// `passfile` (a path) nor `auth_mechanism` (`PLAIN`): their values are no secret,
+/// and scrubbing them from every log line would mangle it.
 fn is_secret_key(key: &str) -> bool {
     let key = key.trim().to_ascii_lowercase();
-    [
+    let words = [
         "pass",
         "pwd",
         "secret",
@@ -215,11 +217,10 @@ fn is_secret_key(key: &str) -> bool {
         "apikey",
         "api_key",
         "api-key",
-        "auth",
+        "authorization",
         "credential",
-    ]
-    .iter()
-    .any(|word| key.contains(word))
+    ];
+    key != "passfile" && words.iter().any(|word| key.contains(word))
 }
 
 /// One `key = value` pair of a libpq key=value string.
@@ -466,6 +467,15 @@ mod tests {
         );
         assert!(passwords("smtp://127.0.0.1:1025").is_empty());
         assert!(passwords("amqp://u:pw@h").is_empty(), "too short to scrub");
+        // Settings that merely look like secrets are neither hidden nor scrubbed.
+        let plain = "amqp://h/%2f?auth_mechanism=PLAIN&heartbeat=5";
+        assert_eq!(redact_url(plain), plain);
+        assert!(passwords(plain).is_empty());
+        let file = "host=db passfile=/etc/postie/pgpass sslpassword=KeyPw";
+        assert_eq!(
+            redact_url(file),
+            "host=db passfile=/etc/postie/pgpass sslpassword=***"
+        );
         assert_eq!(
             scrub(
                 "bad url amqp://u:p%40ss%2Fw%3Ard@h (p@ss/w:rd)",
