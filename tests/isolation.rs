@@ -86,14 +86,16 @@ impl Drop for ManagedUser {
     }
 }
 
-/// A producer service: its own connection, as its own user.
+/// A producer service: its own connection, as its own user, mailing its own mailbox.
 struct Producer {
+    user: String,
+    mailbox: String,
     channel: lapin::Channel,
     _connection: lapin::Connection,
 }
 
 impl Producer {
-    async fn connect(user: &ManagedUser) -> Self {
+    async fn connect(user: &ManagedUser, mailbox: &str) -> Self {
         let connection = broker::connect(
             &SecretString::from(user.url()),
             "postie-test-producer",
@@ -103,9 +105,18 @@ impl Producer {
         .expect("producer connects");
         let channel = broker::confirm_channel(&connection).await.unwrap();
         Self {
+            user: user.name.clone(),
+            mailbox: mailbox.to_string(),
             channel,
             _connection: connection,
         }
+    }
+
+    /// Publishes a job for `key` to its mailbox, as itself (confirmed).
+    async fn send(&self, env: &TestEnv, key: &str, delay_ms: Option<i64>) {
+        self.publish(env, &job(key, &self.mailbox), Some(&self.user), delay_ms)
+            .await
+            .expect("a producer publishes as itself");
     }
 
     /// Publishes `body` to the contract exchange with `user_id` (and `x-delay`).
@@ -171,38 +182,22 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         ("POSTIE__AMQP__URL", postie_url.as_str()),
         ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
     ]);
-    let a = Producer::connect(&svc_a).await;
-    let b = Producer::connect(&svc_b).await;
+    let a = Producer::connect(&svc_a, "a@example.com").await;
+    let b = Producer::connect(&svc_b, "b@example.com").await;
 
     // The same business key from both services: two emails, one per namespace.
     let key = "ge-order-1:confirmation";
-    a.publish(&env, &job(key, "a@example.com"), Some(&svc_a.name), None)
-        .await
-        .expect("svc-a publishes as itself");
-    b.publish(&env, &job(key, "b@example.com"), Some(&svc_b.name), None)
-        .await
-        .expect("svc-b publishes as itself");
+    for producer in [&a, &b] {
+        producer.send(&env, key, None).await;
+    }
     env.wait_for_emails("one email per namespace", 2, Duration::from_secs(60))
         .await;
 
     // The same delayed key from both, and a cancel from svc-a: only svc-b's is sent.
     let later = "ge-order-2:reminder";
-    a.publish(
-        &env,
-        &job(later, "a@example.com"),
-        Some(&svc_a.name),
-        Some(3_000),
-    )
-    .await
-    .unwrap();
-    b.publish(
-        &env,
-        &job(later, "b@example.com"),
-        Some(&svc_b.name),
-        Some(3_000),
-    )
-    .await
-    .unwrap();
+    for producer in [&a, &b] {
+        producer.send(&env, later, Some(3_000)).await;
+    }
     a.publish(
         &env,
         &serde_json::json!({"cancel": later}),
@@ -216,22 +211,9 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
 
     // An operator's cancel names the producer: `postie cancel K --user U`.
     let third = "ge-order-4:invoice";
-    a.publish(
-        &env,
-        &job(third, "a@example.com"),
-        Some(&svc_a.name),
-        Some(3_000),
-    )
-    .await
-    .unwrap();
-    b.publish(
-        &env,
-        &job(third, "b@example.com"),
-        Some(&svc_b.name),
-        Some(3_000),
-    )
-    .await
-    .unwrap();
+    for producer in [&a, &b] {
+        producer.send(&env, third, Some(3_000)).await;
+    }
     let mut cli_env = env.env_vars();
     cli_env.push(("POSTIE__WORKER__KEY_NAMESPACE".into(), "user_id".into()));
     let unnamed = support::run_postie(&["cancel", third], &cli_env);
@@ -266,7 +248,7 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     println!("forged user_id refused: {refusal}");
 
     // A job without user_id (from a fresh channel: the forged publish closed the old).
-    let a = Producer::connect(&svc_a).await;
+    let a = Producer::connect(&svc_a, "a@example.com").await;
     a.publish(
         &env,
         &job("ge-order-3:anonymous", "a@example.com"),
