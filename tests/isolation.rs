@@ -86,6 +86,21 @@ impl Drop for ManagedUser {
     }
 }
 
+/// Empties `queue` through the management API (a broker that lost its messages).
+async fn purge(queue: &str) {
+    let purged = reqwest::Client::new()
+        .delete(format!("{MANAGEMENT}/queues/%2F/{queue}/contents"))
+        .basic_auth("guest", Some("guest"))
+        .send()
+        .await
+        .expect("management API answers");
+    assert!(
+        purged.status().is_success(),
+        "purge {queue}: {}",
+        purged.status()
+    );
+}
+
 /// A producer service: its own connection, as its own user, mailing its own mailbox.
 struct Producer {
     user: String,
@@ -181,6 +196,7 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     let mut process = env.spawn_process(&[
         ("POSTIE__AMQP__URL", postie_url.as_str()),
         ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
+        ("POSTIE__DELAY__RECONCILE_GRACE", "2s"),
     ]);
     let a = Producer::connect(&svc_a, "a@example.com").await;
     let b = Producer::connect(&svc_b, "b@example.com").await;
@@ -229,6 +245,36 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     env.wait_for_emails("svc-a's invoice", 4, Duration::from_secs(60))
         .await;
 
+    // A scheduled job the broker lost: the reconciler re-publishes it from the inbox
+    // under the user_id it came with, so it is sent in its namespace, not refused.
+    let lost = "ge-order-5:lost";
+    a.send(&env, lost, Some(6_000)).await;
+    let stored = format!("{}:{lost}", svc_a.name);
+    let (envr, storedr) = (&env, stored.as_str());
+    eventually(
+        "the lost job scheduled",
+        Duration::from_secs(30),
+        move || async move {
+            envr.inbox_row(storedr)
+                .await
+                .filter(|r| r.status == "scheduled")
+                .map(|_| ())
+        },
+    )
+    .await;
+    for queue in env.topology.queues() {
+        if queue.contains(".delay.") {
+            purge(&queue).await;
+        }
+    }
+    env.wait_for_emails("the lost job, re-published", 5, Duration::from_secs(60))
+        .await;
+    assert!(
+        process.log().contains("re-published scheduled jobs"),
+        "the reconciler did not run: {}",
+        process.log()
+    );
+
     // svc-a cannot speak for svc-b: the broker refuses the forged user_id.
     let forged = a
         .publish(
@@ -275,7 +321,7 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     );
 
     // Give a late email the time to show, then count: two for key 1 (one per
-    // namespace, each with its namespace's Message-ID), svc-b's key 2, svc-a's key 4.
+    // namespace, each with its namespace's Message-ID), svc-b's key 2, svc-a's keys 4 and 5.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let messages = env.sink.messages(false).await;
     let mut sent: Vec<(String, String)> = messages
@@ -298,6 +344,10 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         ),
         (
             namespaced_message_id(&svc_a.name, third),
+            "a@example.com".to_string(),
+        ),
+        (
+            namespaced_message_id(&svc_a.name, lost),
             "a@example.com".to_string(),
         ),
     ];

@@ -16,6 +16,8 @@ use lapin::Connection;
 
 use super::Service;
 use crate::broker::{self, DelayLayout, ROUTING_KEY};
+use crate::config::KeyNamespace;
+use crate::contract;
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::Metrics;
 
@@ -68,7 +70,13 @@ impl Service {
         for job in &overdue {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
-            let properties = broker::job_properties().with_headers(table);
+            let mut properties = broker::job_properties().with_headers(table);
+            // Per-producer keys: the job goes back under the user_id it came with.
+            if self.settings.worker.key_namespace == KeyNamespace::UserId {
+                if let Some(owner) = contract::key_owner(&job.key) {
+                    properties = properties.with_user_id(owner.as_str().into());
+                }
+            }
             let sent = broker::publish_confirmed(
                 &channel,
                 &exchange,

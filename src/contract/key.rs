@@ -38,6 +38,14 @@ impl IdempotencyKey {
     }
 }
 
+/// The RabbitMQ user whose key space a key stored under `worker.key_namespace =
+/// "user_id"` lives in: what [`IdempotencyKey::in_namespace`] put before the first
+/// `:`, decoded. For re-publishing a stored job with the `user_id` it came with.
+pub fn key_owner(stored_key: &str) -> Option<String> {
+    let (user, _) = stored_key.split_once(':')?;
+    Some(crate::endpoint::percent_decode(user))
+}
+
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

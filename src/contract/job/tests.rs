@@ -249,6 +249,14 @@ fn keys_are_kept_as_published_unless_namespaced_by_user_id() {
         published.in_namespace("a:b%").as_str(),
         "a%3Ab%25:order-1:x"
     );
+    // The owner reads back from the stored key (the reconciler re-publishes with it).
+    for user in ["svc-a", "a:b%", "100%:x"] {
+        let stored = published.in_namespace(user);
+        assert_eq!(
+            crate::contract::key_owner(stored.as_str()).as_deref(),
+            Some(user)
+        );
+    }
     // Without user_id (or an empty one) the job is refused with the reason.
     for user in [None, Some("")] {
         let reason = key_of(&on.for_user(user)).unwrap_err();
