@@ -275,6 +275,38 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         process.log()
     );
 
+    // `postie publish` under the setting publishes as the user it logs in as.
+    let mut as_svc_b = cli_env.clone();
+    as_svc_b.retain(|(k, _)| k != "POSTIE__AMQP__URL");
+    as_svc_b.push(("POSTIE__AMQP__URL".into(), svc_b.url()));
+    let by_cli = "ge-order-6:cli";
+    let published = support::run_postie(
+        &[
+            "publish",
+            "--key",
+            by_cli,
+            "--to",
+            "b@example.com",
+            "--from",
+            "s@example.com",
+            "--subject",
+            "s",
+            "--text",
+            "t",
+        ],
+        &as_svc_b,
+    );
+    assert_eq!(published.code, Some(0), "{}", published.stderr);
+    assert!(
+        published
+            .stdout
+            .contains(&format!("published {}:{by_cli}", svc_b.name)),
+        "{}",
+        published.stdout
+    );
+    env.wait_for_emails("the CLI's job", 6, Duration::from_secs(60))
+        .await;
+
     // svc-a cannot speak for svc-b: the broker refuses the forged user_id.
     let forged = a
         .publish(
@@ -321,7 +353,7 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     );
 
     // Give a late email the time to show, then count: two for key 1 (one per
-    // namespace, each with its namespace's Message-ID), svc-b's key 2, svc-a's keys 4 and 5.
+    // namespace, each with its namespace's Message-ID), svc-b's key 2, svc-a's keys 4 and 5, svc-b's key 6.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let messages = env.sink.messages(false).await;
     let mut sent: Vec<(String, String)> = messages
@@ -349,6 +381,10 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         (
             namespaced_message_id(&svc_a.name, lost),
             "a@example.com".to_string(),
+        ),
+        (
+            namespaced_message_id(&svc_b.name, by_cli),
+            "b@example.com".to_string(),
         ),
     ];
     expected.sort();

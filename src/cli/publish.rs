@@ -6,8 +6,9 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 
 use crate::broker::{self, Topology, ROUTING_KEY};
-use crate::config::Settings;
+use crate::config::{KeyNamespace, Settings};
 use crate::contract::{EmailJob, ParseRules};
+use crate::endpoint::percent_decode;
 use crate::headers::{self, HEADER_PUBLISHED_AT, HEADER_X_DELAY};
 
 /// A job to publish: a JSON file, or fields from flags.
@@ -84,7 +85,13 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
         .map_err(|e| anyhow::anyhow!("refusing to publish: {e}"))?;
     // Only the entry exchange's name is needed, and it is the same in every mode.
     let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
-    let conn = broker::open(&settings.amqp, "postie-publish").await?;
+    let connected = broker::connect_to(
+        &settings.amqp.url,
+        "postie-publish",
+        settings.amqp.connect_timeout,
+    )
+    .await?;
+    let conn = connected.connection;
     let channel = broker::confirm_channel(&conn).await?;
     let mut table = FieldTable::default();
     if let Some(delay) = args.delay {
@@ -92,9 +99,25 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
     }
     let now = chrono::Utc::now();
     headers::set_int(&mut table, HEADER_PUBLISHED_AT, now.timestamp_millis());
-    let properties = broker::job_properties()
+    let mut properties = broker::job_properties()
         .with_headers(table)
         .with_timestamp(now.timestamp() as u64);
+    let mut key = job.key.clone();
+    if settings.worker.key_namespace == KeyNamespace::UserId {
+        // Per-producer keys: publish as the user this connection logged in as.
+        let user = url::Url::parse(&connected.address)
+            .ok()
+            .map(|url| percent_decode(url.username()))
+            .filter(|user| !user.is_empty())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "worker.key_namespace = \"user_id\": amqp.url {} names no user to publish as",
+                    connected.address
+                )
+            })?;
+        key = key.in_namespace(&user);
+        properties = properties.with_user_id(user.as_str().into());
+    }
     broker::publish_confirmed(
         &channel,
         &topology.delayed_exchange(),
@@ -104,7 +127,7 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
         properties,
     )
     .await?;
-    out!("published {} to {}", job.key, topology.delayed_exchange());
+    out!("published {key} to {}", topology.delayed_exchange());
     let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
