@@ -250,18 +250,8 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     let lost = "ge-order-5:lost";
     a.send(&env, lost, Some(6_000)).await;
     let stored = format!("{}:{lost}", svc_a.name);
-    let (envr, storedr) = (&env, stored.as_str());
-    eventually(
-        "the lost job scheduled",
-        Duration::from_secs(30),
-        move || async move {
-            envr.inbox_row(storedr)
-                .await
-                .filter(|r| r.status == "scheduled")
-                .map(|_| ())
-        },
-    )
-    .await;
+    env.wait_for_status(&stored, "scheduled", Duration::from_secs(30))
+        .await;
     for queue in env.topology.queues() {
         if queue.contains(".delay.") {
             purge(&queue).await;
@@ -280,22 +270,10 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
     as_svc_b.retain(|(k, _)| k != "POSTIE__AMQP__URL");
     as_svc_b.push(("POSTIE__AMQP__URL".into(), svc_b.url()));
     let by_cli = "ge-order-6:cli";
-    let published = support::run_postie(
-        &[
-            "publish",
-            "--key",
-            by_cli,
-            "--to",
-            "b@example.com",
-            "--from",
-            "s@example.com",
-            "--subject",
-            "s",
-            "--text",
-            "t",
-        ],
-        &as_svc_b,
-    );
+    let args = format!("publish --key {by_cli} --to b@example.com --from s@example.com");
+    let mut args: Vec<&str> = args.split(' ').collect();
+    args.extend(["--subject", "by the CLI", "--text", "t"]);
+    let published = support::run_postie(&args, &as_svc_b);
     assert_eq!(published.code, Some(0), "{}", published.stderr);
     assert!(
         published
@@ -361,32 +339,20 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         .map(|m| (m.message_id.clone(), m.rcpt_to.join(",")))
         .collect();
     sent.sort();
-    let mut expected = vec![
-        (
-            namespaced_message_id(&svc_a.name, key),
-            "a@example.com".to_string(),
-        ),
-        (
-            namespaced_message_id(&svc_b.name, key),
-            "b@example.com".to_string(),
-        ),
-        (
-            namespaced_message_id(&svc_b.name, later),
-            "b@example.com".to_string(),
-        ),
-        (
-            namespaced_message_id(&svc_a.name, third),
-            "a@example.com".to_string(),
-        ),
-        (
-            namespaced_message_id(&svc_a.name, lost),
-            "a@example.com".to_string(),
-        ),
-        (
-            namespaced_message_id(&svc_b.name, by_cli),
-            "b@example.com".to_string(),
-        ),
-    ];
+    let mut expected: Vec<(String, String)> = [
+        (&svc_a.name, key, "a"),
+        (&svc_b.name, key, "b"),
+        (&svc_b.name, later, "b"),
+        (&svc_a.name, third, "a"),
+        (&svc_a.name, lost, "a"),
+        (&svc_b.name, by_cli, "b"),
+    ]
+    .into_iter()
+    .map(|(user, key, mailbox)| {
+        let id = namespaced_message_id(user, key);
+        (id, format!("{mailbox}@example.com"))
+    })
+    .collect();
     expected.sort();
     assert_eq!(sent, expected);
     // svc-a's reminder is cancelled in its own namespace; svc-b's is sent.

@@ -676,19 +676,8 @@ async fn ge_every_address_form_is_redacted_by_every_command() {
         let mut process = env.spawn_process(&extra);
         let key = format!("ge-sec-{n}");
         env.publish(&job(&key, &format!("{key}@example.com"))).await;
-        let envr = &env;
-        let keyr = key.as_str();
-        eventually(
-            &format!("{} · the send", form.what),
-            Duration::from_secs(60),
-            move || async move {
-                envr.inbox_row(keyr)
-                    .await
-                    .filter(|r| r.status == "sent")
-                    .map(|_| ())
-            },
-        )
-        .await;
+        env.wait_for_status(&key, "sent", Duration::from_secs(60))
+            .await;
         let status = process.terminate(Duration::from_secs(60));
         assert!(
             status.is_some_and(|s| s.success()),

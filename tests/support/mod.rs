@@ -362,6 +362,17 @@ impl TestEnv {
         out
     }
 
+    /// Waits (up to `timeout`) until the inbox row of `key` has `status`.
+    pub async fn wait_for_status(&self, key: &str, status: &str, timeout: Duration) {
+        eventually(&format!("{key} {status}"), timeout, || async {
+            self.inbox_row(key)
+                .await
+                .filter(|r| r.status == status)
+                .map(|_| ())
+        })
+        .await;
+    }
+
     /// One inbox row; `None` also before postie has created the table.
     pub async fn inbox_row(&self, key: &str) -> Option<InboxRow> {
         let client = self.db().await;
