@@ -25,31 +25,15 @@ struct ManagedUser {
 impl ManagedUser {
     async fn create(name: &str, tags: &str) -> Self {
         let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
-        let http = reqwest::Client::new();
-        let user = http
-            .put(format!("{MANAGEMENT}/users/{name}"))
-            .basic_auth("guest", Some("guest"))
-            .json(&serde_json::json!({"password": password, "tags": tags}))
-            .send()
-            .await
-            .expect("management API answers");
-        assert!(
-            user.status().is_success(),
-            "create {name}: {}",
-            user.status()
-        );
-        let permissions = http
-            .put(format!("{MANAGEMENT}/permissions/%2F/{name}"))
-            .basic_auth("guest", Some("guest"))
-            .json(&serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}))
-            .send()
-            .await
-            .expect("management API answers");
-        assert!(
-            permissions.status().is_success(),
-            "permissions of {name}: {}",
-            permissions.status()
-        );
+        let user = serde_json::json!({"password": password, "tags": tags});
+        management(reqwest::Method::PUT, &format!("users/{name}"), Some(user)).await;
+        let all = serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"});
+        management(
+            reqwest::Method::PUT,
+            &format!("permissions/%2F/{name}"),
+            Some(all),
+        )
+        .await;
         Self {
             name: name.to_string(),
             password,
@@ -88,17 +72,20 @@ impl Drop for ManagedUser {
 
 /// Empties `queue` through the management API (a broker that lost its messages).
 async fn purge(queue: &str) {
-    let purged = reqwest::Client::new()
-        .delete(format!("{MANAGEMENT}/queues/%2F/{queue}/contents"))
-        .basic_auth("guest", Some("guest"))
-        .send()
-        .await
-        .expect("management API answers");
-    assert!(
-        purged.status().is_success(),
-        "purge {queue}: {}",
-        purged.status()
-    );
+    let path = format!("queues/%2F/{queue}/contents");
+    management(reqwest::Method::DELETE, &path, None).await;
+}
+
+/// One call to the management API as guest, which must succeed.
+async fn management(method: reqwest::Method, path: &str, body: Option<serde_json::Value>) {
+    let mut request = reqwest::Client::new()
+        .request(method, format!("{MANAGEMENT}/{path}"))
+        .basic_auth("guest", Some("guest"));
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let answer = request.send().await.expect("management API answers");
+    assert!(answer.status().is_success(), "{path}: {}", answer.status());
 }
 
 /// A producer service: its own connection, as its own user, mailing its own mailbox.
