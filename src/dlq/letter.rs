@@ -255,6 +255,25 @@ mod tests {
     }
 
     #[test]
+    fn a_letter_shows_the_key_in_its_producers_namespace() {
+        let rules = ParseRules {
+            key_namespace: crate::config::KeyNamespace::UserId,
+            ..RULES
+        };
+        let body = valid_job("k-9");
+        assert_eq!(
+            key_of(&body, &rules.for_user(Some("svc-a"))).as_deref(),
+            Some("svc-a:k-9")
+        );
+        // Without user_id (the reason it was dead-lettered), the key as published.
+        assert_eq!(key_of(&body, &rules).as_deref(), Some("k-9"));
+        assert_eq!(
+            key_of(&body, &RULES.for_user(Some("svc-a"))).as_deref(),
+            Some("k-9")
+        );
+    }
+
+    #[test]
     fn the_key_comes_from_a_valid_job_else_the_raw_json_else_a_dash() {
         assert_eq!(key_of(&valid_job("k-1"), &RULES).as_deref(), Some("k-1"));
         let bad_address = br#"{"key": "k-2", "to": ["not an address"], "text": "t"}"#;
