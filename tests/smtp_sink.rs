@@ -586,7 +586,10 @@ async fn hang_faults_never_answer_even_after_the_rule_is_gone() {
     assert!(at_greeting.silent().await, "a hung session stays hung");
     assert!(at_rcpt.silent().await, "a hung session stays hung");
     let mut fresh = sink.raw().await;
-    assert!(fresh.line().await.starts_with("220 "), "new sessions answer");
+    assert!(
+        fresh.line().await.starts_with("220 "),
+        "new sessions answer"
+    );
     assert_eq!(sink.stats().await["hung"], 2);
     assert_eq!(
         sink.put_faults(json!([{"stage": "rcpt", "action": {"hang": true, "delay_ms": 1}}]))

@@ -91,7 +91,7 @@ impl Inbox {
         let stmt = client
             .prepare_cached(
                 "UPDATE postie_inbox
-                    SET lease_until = clock_timestamp() + $3 * interval '1 millisecond'
+                    SET lease_until = clock_timestamp() + $3::bigint * interval '1 millisecond'
                   WHERE key = $1 AND fence = $2 AND status = 'sending'",
             )
             .await?;
