@@ -6,7 +6,8 @@
 //!   breaker metric showing the transport down meanwhile;
 //! - SIGTERM while every send hangs: the process exits within `worker.drain_timeout`;
 //! - a relay holding RCPT, or DATA, longer than the lease, with a second copy of each
-//!   job on another instance: one email per key, no claim taken over.
+//!   job on another instance: one email per key, no claim taken over;
+//! - a claim lost mid-send (its fence moved): the send stops before DATA.
 //!
 //! Each test prints a `FIGURES` line (run with `--nocapture`).
 
@@ -251,4 +252,61 @@ async fn gs_a_relay_holding_rcpt_past_the_lease_sends_one_email_per_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_holding_data_past_the_lease_sends_one_email_per_key() {
     one_email_per_key_when_the_relay_holds("data", "gsdata").await;
+}
+
+/// A claim lost mid-send (its fence moved, as a takeover moves it) while the relay
+/// holds RCPT: the next renewal notices, and the send stops before DATA; the email is
+/// sent once, by whoever holds the key next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
+    let env = TestEnv::new("gsfence").await;
+    // Renewals every 10 s (lease 30 s); RCPT held 12 s, inside smtp.timeout (15 s).
+    env.sink
+        .set_faults(json!([{"stage": "rcpt", "action": {"delay_ms": 12_000}, "times": 1}]))
+        .await;
+    let postie = env.spawn_process(&[
+        ("POSTIE__SMTP__TIMEOUT", "15s"),
+        ("POSTIE__WORKER__LEASE", "30s"),
+    ]);
+    let key = "gs-fence-lost";
+    env.publish(&job(key, "f@example.com")).await;
+    let envr = &env;
+    eventually("the claim", Duration::from_secs(30), move || async move {
+        let row = envr.inbox_row(key).await?;
+        (row.status == "sending").then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // What a takeover does to the first holder's claim.
+    let moved = env
+        .db()
+        .await
+        .execute(
+            "UPDATE postie_inbox SET fence = fence + 1 WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    eventually(
+        "the send to stop before DATA",
+        Duration::from_secs(30),
+        || async {
+            postie
+                .log()
+                .contains("the claim was lost while held")
+                .then_some(())
+        },
+    )
+    .await;
+    // The held RCPT has been answered by now; DATA never followed.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    assert_eq!(env.sink.count().await, 0, "sent on a lost claim");
+    // The claim's lease runs out (nobody renews the moved fence); the deferred
+    // delivery then takes the key over and sends it, once.
+    env.emails_or_log(&postie, "the email, sent once", 1, Duration::from_secs(90))
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(env.emails_per_id().await.get(&message_id(key)), Some(&1));
+    assert!(env.take_dead_letters().await.is_empty());
 }
