@@ -47,12 +47,24 @@ fn metric_sum(page: &str, metric: &str) -> f64 {
         .fold(0.0, |sum, value| sum + value)
 }
 
-/// Every key in `keys` sent exactly once: the emails per key, in order.
-async fn emails_per_key(env: &TestEnv, keys: &[String]) -> Vec<usize> {
+/// Waits (up to 120 s) for as many emails as `keys`, then `settle` for any second
+/// copy: the time from `since` to the last of them, and the emails per key, in order.
+async fn all_sent(
+    env: &TestEnv,
+    keys: &[String],
+    since: Instant,
+    settle: Duration,
+) -> (Duration, Vec<usize>) {
+    env.wait_for_emails("an email per key", keys.len(), Duration::from_secs(120))
+        .await;
+    let took = since.elapsed();
+    tokio::time::sleep(settle).await;
     let received = env.emails_per_id().await;
-    keys.iter()
+    let per_key = keys
+        .iter()
         .map(|key| received.get(&message_id(key)).copied().unwrap_or(0))
-        .collect()
+        .collect();
+    (took, per_key)
 }
 
 /// 100 jobs while the relay hangs every session at RCPT for 25 s: nothing is lost,
@@ -99,18 +111,7 @@ async fn gs_a_hung_relay_costs_no_attempt_and_every_job_is_sent_once_after() {
     tokio::time::sleep(HANG.saturating_sub(hang_started.elapsed())).await;
     env.sink.clear_faults().await;
     let answered = Instant::now();
-    let envr = &env;
-    eventually(
-        "every job sent after the relay answers again",
-        Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= JOBS).then_some(()) },
-    )
-    .await;
-    let catch_up = answered.elapsed();
-    // Let any straggler (a second copy) arrive before counting.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-
-    let per_key = emails_per_key(&env, &keys).await;
+    let (catch_up, per_key) = all_sent(&env, &keys, answered, Duration::from_secs(2)).await;
     let dead = env.take_dead_letters().await;
     let (_, metrics) = http_get(port, "/metrics").await.expect("/metrics answers");
     let retries = metric_sum(&metrics, "postie_retries_total");
@@ -217,18 +218,9 @@ async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str) {
     bodies.extend(bodies.clone());
     let started = Instant::now();
     env.publish_many(&bodies).await;
-    let envr = &env;
-    eventually(
-        "every key sent",
-        Duration::from_secs(120),
-        move || async move { (envr.sink.count().await >= KEYS).then_some(()) },
-    )
-    .await;
-    let took = started.elapsed();
     // Any late second email (the failure this test is about) has time to land: the
     // relay's holds end 12 s after they began.
-    tokio::time::sleep(Duration::from_secs(14)).await;
-    let per_key = emails_per_key(&env, &keys).await;
+    let (took, per_key) = all_sent(&env, &keys, started, Duration::from_secs(14)).await;
     let takeovers = env.takeovers().await;
     eprintln!(
         "FIGURES gs hold {stage}: {KEYS} keys published twice, 2 instances, relay holding \
