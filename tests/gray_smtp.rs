@@ -67,19 +67,16 @@ async fn all_sent(
     (took, per_key)
 }
 
-/// 100 jobs while the relay hangs every session at RCPT for 25 s: nothing is lost,
-/// dead-lettered or charged an attempt; the breaker opens and `/readyz` says so; once
-/// the relay answers, every job is sent exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gs_a_hung_relay_costs_no_attempt_and_every_job_is_sent_once_after() {
-    const JOBS: usize = 100;
-    const HANG: Duration = Duration::from_secs(25);
-    let env = TestEnv::new("gshang").await;
+/// `jobs` jobs while the relay hangs every session at `stage` for `hang`: nothing is
+/// lost, dead-lettered or charged an attempt; the breaker opens and `/readyz` says so;
+/// once the relay answers, every job is sent exactly once.
+async fn a_relay_hung_at(stage: &str, jobs: usize, hang: Duration) {
+    let env = TestEnv::new(&format!("gshang{}", stage.replace('_', ""))).await;
     env.sink
-        .set_faults(json!([{"stage": "rcpt", "action": {"hang": true}}]))
+        .set_faults(json!([{"stage": stage, "action": {"hang": true}}]))
         .await;
     let (postie, port) = serve_with_http(&env, &[]);
-    let keys: Vec<String> = (0..JOBS).map(|i| format!("gs-hang-{i}")).collect();
+    let keys: Vec<String> = (0..jobs).map(|i| format!("gs-hang-{stage}-{i}")).collect();
     let bodies: Vec<Value> = keys.iter().map(|k| job(k, "h@example.com")).collect();
     let hang_started = Instant::now();
     env.publish_many(&bodies).await;
@@ -101,14 +98,14 @@ async fn gs_a_hung_relay_costs_no_attempt_and_every_job_is_sent_once_after() {
         1.0,
         "the breaker gauge while the relay hangs"
     );
-    assert!(env.sink.stats().await.hung >= 1, "sessions hung at RCPT");
+    assert!(env.sink.stats().await.hung >= 1, "sessions hung at {stage}");
     assert_eq!(
         env.sink.count().await,
         0,
         "nothing gets through a hung relay"
     );
 
-    tokio::time::sleep(HANG.saturating_sub(hang_started.elapsed())).await;
+    tokio::time::sleep(hang.saturating_sub(hang_started.elapsed())).await;
     env.sink.clear_faults().await;
     let answered = Instant::now();
     let (catch_up, per_key) = all_sent(&env, &keys, answered, Duration::from_secs(2)).await;
@@ -117,10 +114,10 @@ async fn gs_a_hung_relay_costs_no_attempt_and_every_job_is_sent_once_after() {
     let retries = metric_sum(&metrics, "postie_retries_total");
     let hung = env.sink.stats().await.hung;
     eprintln!(
-        "FIGURES gs hang: {JOBS} jobs, relay hung at RCPT for {}s ({hung} sessions hung): \
+        "FIGURES gs hang at {stage}: {jobs} jobs, relay hung for {}s ({hung} sessions hung): \
          {} sent ({} keys more than once), {} dead, {retries} retries counted; \
          all sent {:.1}s after the relay answered again",
-        HANG.as_secs(),
+        hang.as_secs(),
         per_key.iter().sum::<usize>(),
         per_key.iter().filter(|n| **n > 1).count(),
         dead.len(),
@@ -138,10 +135,28 @@ async fn gs_a_hung_relay_costs_no_attempt_and_every_job_is_sent_once_after() {
             .collect::<Vec<_>>()
     );
     assert_eq!(retries, 0.0, "a hang charged jobs an attempt:\n{metrics}");
-    assert_eq!(env.inbox_count("status = 'sent'").await, JOBS as i64);
+    assert_eq!(env.inbox_count("status = 'sent'").await, jobs as i64);
     let (status, ready) = http_get(port, "/readyz").await.expect("/readyz answers");
     assert_eq!(status, 200, "ready again: {ready}");
     drop(postie);
+}
+
+/// Issue 26's scenario: 100 jobs, every session hung at RCPT for 25 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_at_rcpt_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("rcpt", 100, Duration::from_secs(25)).await;
+}
+
+/// No greeting at all (the connect step, and the prober's, hang too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_at_the_greeting_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("connect", 20, Duration::from_secs(10)).await;
+}
+
+/// The body sent, the final reply never comes (the sink does not keep the message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_after_the_body_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("data_end", 20, Duration::from_secs(10)).await;
 }
 
 /// SIGTERM while every send hangs (steps far longer than the drain timeout): the
