@@ -31,7 +31,7 @@ use postie::broker::{DelayLayout, ROUTING_KEY};
 use postie::config::Settings;
 use postie::contract::{EmailJob, ParseRules};
 use postie::inbox::{Claim, Inbox};
-use postie::mail::Mailer;
+use postie::mail::{Clearance, Mailer};
 use support::bench::{
     broker_connection, broker_memory, clock_ticks, cpu_seconds, env_usize, management_api,
     message_id, peak_rss_kib, publish_bodies, publish_delayed, round3, CpuSnapshot, CpuUse,
@@ -448,7 +448,7 @@ async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
                 .unwrap();
             let slot = mailer.slot().await;
             mailer
-                .send(&slot, &message)
+                .send(&slot, &message, &Clearance::new())
                 .await
                 .expect("the sink accepts");
         }

@@ -240,6 +240,15 @@ impl RawSmtp {
         }
     }
 
+    /// True if nothing at all arrives (not even EOF) for 700 ms.
+    async fn silent(&mut self) -> bool {
+        let mut line = String::new();
+        let read = self.stream.read_line(&mut line);
+        tokio::time::timeout(Duration::from_millis(700), read)
+            .await
+            .is_err()
+    }
+
     /// Reads a single-line reply and returns it.
     async fn line(&mut self) -> String {
         let lines = self.reply().await;
@@ -551,6 +560,44 @@ async fn connect_and_data_faults_over_raw_smtp() {
     assert_eq!(stats["faults_applied"], 2);
 }
 
+/// A `hang` rule: a session that meets it never gets another byte, even once the rule
+/// is gone; sessions opened after that are answered normally.
+#[tokio::test]
+async fn hang_faults_never_answer_even_after_the_rule_is_gone() {
+    let sink = Sink::spawn();
+    let rules = json!([
+        {"stage": "connect", "action": {"hang": true}, "times": 1},
+        {"stage": "rcpt", "action": {"hang": true}, "times": 1}
+    ]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    let mut at_greeting = sink.raw().await;
+    assert!(at_greeting.silent().await, "no greeting while hung");
+
+    let mut at_rcpt = sink.raw().await;
+    assert!(at_rcpt.line().await.starts_with("220 "));
+    at_rcpt.send("HELO t\r\nMAIL FROM:<a@b>\r\n").await;
+    assert!(at_rcpt.line().await.starts_with("250 "));
+    assert!(at_rcpt.line().await.starts_with("250 "));
+    at_rcpt.send("RCPT TO:<c@d>\r\n").await;
+    assert!(at_rcpt.silent().await, "no reply to RCPT while hung");
+
+    sink.delete("/faults").await;
+    at_rcpt.send("NOOP\r\n").await;
+    assert!(at_greeting.silent().await, "a hung session stays hung");
+    assert!(at_rcpt.silent().await, "a hung session stays hung");
+    let mut fresh = sink.raw().await;
+    assert!(
+        fresh.line().await.starts_with("220 "),
+        "new sessions answer"
+    );
+    assert_eq!(sink.stats().await["hung"], 2);
+    assert_eq!(
+        sink.put_faults(json!([{"stage": "rcpt", "action": {"hang": true, "delay_ms": 1}}]))
+            .await,
+        400
+    );
+}
+
 #[tokio::test]
 async fn control_api_validates_and_clears_rules() {
     let sink = Sink::spawn();
@@ -586,7 +633,7 @@ async fn control_api_validates_and_clears_rules() {
     assert_eq!(sink.get_json("/faults").await, json!([]));
     assert_eq!(
         sink.stats().await,
-        json!({"accepted": 0, "connections": 0, "faults_applied": 0, "dropped": 0})
+        json!({"accepted": 0, "connections": 0, "faults_applied": 0, "dropped": 0, "hung": 0})
     );
 }
 

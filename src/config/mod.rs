@@ -164,11 +164,12 @@ impl Settings {
         if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
             return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
         }
-        if self.worker.lease < self.smtp.timeout * 2 {
+        if self.worker.lease < self.smtp.send_deadline() {
             return fail(format!(
-                "worker.lease ({}) must be at least twice smtp.timeout ({})",
+                "worker.lease ({}) is shorter than a send may take ({}, twice smtp.timeout): \
+                 raise worker.lease or lower smtp.timeout",
                 humantime::format_duration(self.worker.lease),
-                humantime::format_duration(self.smtp.timeout)
+                humantime::format_duration(self.smtp.send_deadline())
             ));
         }
         // amqp.url: one address or a comma-separated list, each a URL of its own.
@@ -371,11 +372,18 @@ mod tests {
     }
 
     #[test]
-    fn lease_must_exceed_smtp_timeout() {
+    fn lease_must_cover_a_whole_send() {
         let mut s = Settings::default();
         s.worker.lease = Duration::from_secs(10);
         let err = s.validate().unwrap_err().to_string();
-        assert!(err.contains("worker.lease"), "{err}");
+        assert!(
+            err.contains("worker.lease (10s) is shorter than a send may take (40s"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'), "one line: {err}");
+        s.worker.lease = s.smtp.send_deadline();
+        s.validate()
+            .expect("a lease as long as the send deadline is enough");
     }
 
     #[test]

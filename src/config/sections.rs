@@ -140,8 +140,11 @@ pub struct SmtpSettings {
     /// a job waits for a free one before it claims. Kept open between sends. Above
     /// `worker.concurrency` the rest is never used.
     pub pool_size: u32,
-    /// Longest wait for the relay on any one SMTP step (connect, each command and
-    /// reply). A send takes a handful of steps, so keep the lease several times longer.
+    /// Longest wait for the relay on any one SMTP step: connect, the greeting with
+    /// EHLO, STARTTLS, AUTH, MAIL, each RCPT, DATA, the body with its final reply, the
+    /// NOOP check of a pooled connection, QUIT. A step that gets no answer in time is
+    /// the relay unreachable (it counts toward the circuit breaker, never against the
+    /// job). A whole send is bounded by [`SmtpSettings::send_deadline`].
     #[serde(deserialize_with = "duration")]
     pub timeout: Duration,
     /// `From` for jobs that carry none.
@@ -161,6 +164,17 @@ pub struct SmtpSettings {
     /// A 421/451/454 reply whose text contains one of these (case-insensitive) is a
     /// throttle: the job keeps its attempt count and the instance slows down.
     pub throttle_patterns: Vec<String>,
+}
+
+impl SmtpSettings {
+    /// The most one send may take, from taking a connection to the relay's final
+    /// reply: `2 × smtp.timeout`. Each step is bounded by `smtp.timeout` on its own;
+    /// a healthy relay answers each in milliseconds, so the whole send gets room for
+    /// one step that almost times out plus the rest. A claim must have this much lease
+    /// left when its send starts, so `worker.lease` may not be shorter.
+    pub fn send_deadline(&self) -> Duration {
+        self.timeout * 2
+    }
 }
 
 impl Default for SmtpSettings {

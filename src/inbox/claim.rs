@@ -83,6 +83,22 @@ impl Inbox {
         })
     }
 
+    /// Renews the claim `fence` on `key` for `lease` from now (the database's clock,
+    /// as the claim's). `false`: the claim is gone (taken over, or finished), so its
+    /// holder must not go on to hand the email over.
+    pub async fn renew(&self, key: &str, fence: i64, lease: Duration) -> Result<bool, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE postie_inbox
+                    SET lease_until = clock_timestamp() + $3::bigint * interval '1 millisecond'
+                  WHERE key = $1 AND fence = $2 AND status = 'sending'",
+            )
+            .await?;
+        let lease_ms = lease.as_millis() as i64;
+        Ok(client.execute(&stmt, &[&key, &fence, &lease_ms]).await? == 1)
+    }
+
     /// Ladder mode: records scheduled jobs in one statement and one commit, with
     /// the rules of `postie_schedule` (a newer or equal revision replaces a scheduled,
     /// cancelled-before or retrying row; a sent or in-flight row is left alone). A key

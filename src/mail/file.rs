@@ -6,7 +6,7 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use lettre::{AsyncFileTransport, AsyncTransport, Message, Tokio1Executor};
 
-use super::{SendError, Transport};
+use super::{Clearance, SendError, Transport};
 
 /// Writes each email to `<dir>/<uuid>.eml`.
 pub(super) struct EmlFiles(AsyncFileTransport<Tokio1Executor>);
@@ -23,8 +23,13 @@ impl EmlFiles {
 }
 
 impl Transport for EmlFiles {
-    fn send<'a>(&'a self, email: &'a Message) -> BoxFuture<'a, Result<(), SendError>> {
+    fn send<'a>(
+        &'a self,
+        email: &'a Message,
+        clearance: &'a Clearance,
+    ) -> BoxFuture<'a, Result<(), SendError>> {
         async move {
+            clearance.check()?;
             self.0
                 .send(email.clone())
                 .await

@@ -6,7 +6,9 @@
 //! ([`crate::contract`]), so adding a transport touches this folder and the
 //! `smtp.url` parsing in [`crate::config`], nothing more.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use lettre::Message;
@@ -36,6 +38,10 @@ pub enum SendError {
     /// 5xx or a message the server can never take: dead-letter now.
     #[error("permanent: {0}")]
     Permanent(String),
+    /// The send stopped before `DATA` because its [`Clearance`] was withdrawn (the
+    /// claim was lost): the email was not handed over.
+    #[error("withdrawn: {0}")]
+    Withdrawn(String),
 }
 
 impl SendError {
@@ -45,17 +51,54 @@ impl SendError {
             Self::Transient(text)
             | Self::Throttled(text)
             | Self::Unreachable(text)
-            | Self::Permanent(text) => text,
+            | Self::Permanent(text)
+            | Self::Withdrawn(text) => text,
         }
+    }
+}
+
+/// Whether a send may still hand its email over. The worker withdraws it when it finds
+/// its claim gone; a transport checks it before the envelope and again before `DATA`,
+/// and never starts the body once it is withdrawn. Cheap to clone (shared).
+#[derive(Clone, Debug, Default)]
+pub struct Clearance(Arc<AtomicBool>);
+
+impl Clearance {
+    /// A clearance in force.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Withdraws it: a send that has not started `DATA` stops.
+    pub fn withdraw(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// `Err(Withdrawn)` once withdrawn.
+    pub fn check(&self) -> Result<(), SendError> {
+        if self.0.load(Ordering::Relaxed) {
+            return Err(SendError::Withdrawn(
+                "the claim was lost before DATA; the email was not handed over".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
 /// Somewhere an email can be handed to: an SMTP relay, a directory of `.eml` files.
 pub trait Transport: Send + Sync {
     /// Hands one email over; every failure classed as a [`SendError`]. A transport
-    /// bounds its own steps (never cancel a send from outside: see [`Mailer::send`]).
-    fn send<'a>(&'a self, email: &'a Message) -> BoxFuture<'a, Result<(), SendError>>;
-    /// Whether the far end answers now (the circuit breaker's prober asks this).
+    /// bounds each of its own steps, and must be safe to cancel at any await (a
+    /// connection interrupted mid-transaction is never reused): [`Mailer::send`]
+    /// puts the whole send under its deadline. It checks `clearance` before it
+    /// starts handing the body over.
+    fn send<'a>(
+        &'a self,
+        email: &'a Message,
+        clearance: &'a Clearance,
+    ) -> BoxFuture<'a, Result<(), SendError>>;
+    /// Whether the far end answers now (the circuit breaker's prober asks this),
+    /// each step bounded.
     fn probe(&self) -> BoxFuture<'_, bool>;
 }
 
@@ -65,9 +108,10 @@ pub struct Mailer {
     transport: Arc<dyn Transport>,
     message_id_domain: String,
     /// `smtp.pool_size` turns: at most that many sends at once, so at most that many
-    /// connections to the relay (lettre's pool caps only the idle ones, and opened and
-    /// closed a connection for every send beyond them).
+    /// connections to the relay.
     slots: Arc<Semaphore>,
+    /// The most one send may take ([`SmtpSettings::send_deadline`]).
+    deadline: Duration,
 }
 
 /// A turn on one of the transport's `smtp.pool_size` connections, which a send needs.
@@ -96,6 +140,7 @@ impl Mailer {
             transport,
             message_id_domain: settings.message_id_domain.clone(),
             slots: Arc::new(Semaphore::new(settings.pool_size as usize)),
+            deadline: settings.send_deadline(),
         }
     }
 
@@ -117,21 +162,40 @@ impl Mailer {
         message::build(job, self.message_id(job))
     }
 
-    /// Sends one email. `smtp.timeout` bounds every SMTP command (lettre's own
-    /// timeout), never the send as a whole from outside: cancelling a send would
-    /// hand its connection back to lettre's pool mid-transaction, and the next email
-    /// on that connection would read the previous one's late replies, so a reply meant
-    /// for another command could be taken for "250 accepted" (found by the chaos
-    /// harness as emails recorded sent that the server never took).
-    ///
-    /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]).
-    pub async fn send(&self, _slot: &Slot, message: &Message) -> Result<(), SendError> {
-        self.transport.send(message).await
+    /// The most one send may take: [`SmtpSettings::send_deadline`]. A claim must have
+    /// at least this much lease left when its send starts.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
     }
 
-    /// Asks the transport whether it answers (bounded by its own timeouts, for the
-    /// same reason as [`Mailer::send`]).
+    /// Sends one email. `smtp.timeout` bounds every SMTP step (the transport's own
+    /// timeouts) and [`Mailer::deadline`] the send as a whole: past it the send is
+    /// dropped, which is safe because a transport never reuses a connection whose
+    /// transaction did not end (so no late reply is ever read as the answer to the
+    /// next email's command). Once `clearance` is withdrawn, `DATA` is not started.
+    ///
+    /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]).
+    pub async fn send(
+        &self,
+        _slot: &Slot,
+        message: &Message,
+        clearance: &Clearance,
+    ) -> Result<(), SendError> {
+        let send = self.transport.send(message, clearance);
+        tokio::time::timeout(self.deadline, send)
+            .await
+            .unwrap_or_else(|_| {
+                Err(SendError::Unreachable(format!(
+                    "the send took longer than its deadline ({})",
+                    humantime::format_duration(self.deadline)
+                )))
+            })
+    }
+
+    /// Asks the transport whether it answers, within the send deadline.
     pub async fn probe(&self) -> bool {
-        self.transport.probe().await
+        tokio::time::timeout(self.deadline, self.transport.probe())
+            .await
+            .unwrap_or(false)
     }
 }

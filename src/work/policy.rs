@@ -5,8 +5,9 @@
 //! | failure | next |
 //! |---|---|
 //! | the transport refused the email for good (SMTP 5xx) | dead-letter now (`permanent`) |
-//! | a transient reply (SMTP 4xx) or the relay unreachable, circuit closed | retry queue `attempt - 1`, or dead-letter (`retries_exhausted`) once every step is used |
+//! | a transient reply (SMTP 4xx) | retry queue `attempt - 1`, or dead-letter (`retries_exhausted`) once every step is used |
 //! | the relay throttles this sender (421/451/454 matching `smtp.throttle_patterns`) | pause: claim given back, tried again within a second, no attempt counted |
+//! | the relay unreachable or hung (a step past `smtp.timeout`), circuit closed | pause: claim given back (the inbox records the SMTP attempt), tried again within a second, no attempt counted; the failures open the breaker |
 //! | the relay unreachable and the circuit open | hold: claim given back, delivery held until it answers, no attempt counted |
 //! | another instance holds a live lease | defer to the smallest retry step covering the rest of the lease, no attempt counted |
 //! | PostgreSQL unavailable | hold: wait until it answers, no attempt counted |
@@ -65,7 +66,11 @@ pub enum Next {
     Hold,
     /// Not the job's fault: give the claim back, wait a short jittered moment (the
     /// instance slows down meanwhile) and try again, without counting an attempt.
-    Pause,
+    Pause {
+        /// The email may have reached the relay (it hung or dropped the connection):
+        /// the inbox records an SMTP attempt. A throttle reply records none.
+        tried: bool,
+    },
 }
 
 /// The backoff steps and the rules above.
@@ -93,11 +98,11 @@ impl RetryPolicy {
                 attempts: attempt,
             },
             Failure::Unreachable { circuit_open: true } | Failure::DatabaseDown => Next::Hold,
-            Failure::Throttled => Next::Pause,
-            Failure::Transient
-            | Failure::Unreachable {
+            Failure::Throttled => Next::Pause { tried: false },
+            Failure::Unreachable {
                 circuit_open: false,
-            } => {
+            } => Next::Pause { tried: true },
+            Failure::Transient => {
                 if attempt as usize > self.steps.len() {
                     Next::Dead {
                         kind: DeadKind::Exhausted,
@@ -156,12 +161,12 @@ mod tests {
             (Transient,                        0, Next::Retry { step: 0, attempt: 1 }),
             (Transient,                        2, Next::Retry { step: 2, attempt: 3 }),
             (Transient,                        3, Next::Dead { kind: Exhausted, attempts: 4 }),
-            (closed,                           1, Next::Retry { step: 1, attempt: 2 }),
-            (closed,                           3, Next::Dead { kind: Exhausted, attempts: 4 }),
+            (closed,                           1, Next::Pause { tried: true }),
+            (closed,                           3, Next::Pause { tried: true }),
             (open,                             3, Next::Hold),
             (DatabaseDown,                     3, Next::Hold),
-            (Throttled,                        0, Next::Pause),
-            (Throttled,                        4, Next::Pause),
+            (Throttled,                        0, Next::Pause { tried: false }),
+            (Throttled,                        4, Next::Pause { tried: false }),
             (LeaseBusy { remaining: secs(4) }, 0, Next::Defer { step: 0 }),
             (LeaseBusy { remaining: secs(31) },2, Next::Defer { step: 2 }),
         ];

@@ -20,6 +20,7 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 mod due;
+mod lease;
 mod throttle;
 
 use super::limiter::Limiter;
@@ -30,7 +31,7 @@ use crate::config::Settings;
 use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
 use crate::headers::{header_int, HEADER_ATTEMPT};
 use crate::inbox::{Claim, DbError, Inbox, Scheduled};
-use crate::mail::{Mailer, SendError, Slot};
+use crate::mail::{Clearance, Mailer, SendError, Slot};
 use crate::ops::health::{next_backoff, Health};
 
 /// What [`Worker::follow`] leads to.
@@ -228,6 +229,7 @@ impl Worker {
                 _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
                 slot = self.mailer.slot() => slot,
             };
+            let asked = std::time::Instant::now();
             let claim = self
                 .db("claim", || {
                     self.inbox.claim(
@@ -263,17 +265,31 @@ impl Worker {
             if let Some(outcome) = self.throttle(&job, fence, due_ms).await? {
                 return Ok(outcome);
             }
-            let sent = self.send(&slot, &job).await;
+            let mut held = lease::Held::new(fence, asked, self.settings.worker.lease);
+            let sent = if self.lease_for_send(key.as_str(), &mut held).await? {
+                let send = self.send(&slot, &job, &held.clearance);
+                tokio::select! {
+                    _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                    sent = self.holding(key.as_str(), &held, send) => sent,
+                }
+            } else {
+                held.clearance.check()
+            };
             drop(slot);
             let error = match sent {
                 Ok(()) => {
                     self.limiter.sent();
-                    return self.record_sent(key, fence, takeover, due_ms, &job).await;
+                    let record = self.record_sent(key.clone(), fence, takeover, due_ms, &job);
+                    return self.holding(key.as_str(), &held, record).await;
                 }
                 Err(error) => error,
             };
             let failure = match &error {
                 SendError::Permanent(_) => Failure::Refused,
+                // Another instance holds the key now: it has its own copy of the job.
+                SendError::Withdrawn(_) => Failure::LeaseBusy {
+                    remaining: self.settings.worker.lease,
+                },
                 SendError::Transient(_) => Failure::Transient,
                 SendError::Throttled(_) => {
                     self.limiter.throttled();
@@ -332,18 +348,27 @@ impl Worker {
                     _ = self.health.wait_dependencies_up() => Followed::TryAgain,
                 }
             }
-            Next::Pause => {
-                // The relay throttles: give the claim back without counting an SMTP
-                // attempt, wait a jittered moment (the limiter has cut the rate), and
-                // take a turn again.
-                if let Some(fence) = fence {
-                    self.db("release", || self.inbox.unclaim(key.as_str(), fence, error))
-                        .await?;
+            Next::Pause { tried } => {
+                // Throttled, or the relay hung or unreachable before the breaker
+                // opened: give the claim back without charging the job (the inbox
+                // records an SMTP attempt that may have reached the relay), wait a
+                // jittered moment (the limiter has cut the rate; the breaker may open
+                // meanwhile), and take a turn again once the transport is up.
+                match fence {
+                    Some(_) if tried => self.give_back("release", key, fence, error).await?,
+                    Some(fence) => {
+                        self.db("release", || self.inbox.unclaim(key.as_str(), fence, error))
+                            .await?;
+                    }
+                    None => {}
                 }
                 let jitter = uuid::Uuid::new_v4().as_u128() % 750;
                 tokio::select! {
                     _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                    _ = tokio::time::sleep(Duration::from_millis(250 + jitter as u64)) => Followed::TryAgain,
+                    _ = async {
+                        tokio::time::sleep(Duration::from_millis(250 + jitter as u64)).await;
+                        self.health.wait_dependencies_up().await;
+                    } => Followed::TryAgain,
                 }
             }
             Next::Dead { kind, attempts } => {
@@ -388,15 +413,23 @@ impl Worker {
         Ok(())
     }
 
-    async fn send(&self, slot: &Slot, job: &EmailJob) -> Result<(), SendError> {
+    async fn send(
+        &self,
+        slot: &Slot,
+        job: &EmailJob,
+        clearance: &Clearance,
+    ) -> Result<(), SendError> {
         let message = self.mailer.build(job)?;
         let started = std::time::Instant::now();
-        let sent = self.mailer.send(slot, &message).await;
+        let sent = self.mailer.send(slot, &message, clearance).await;
         self.health
             .metrics()
             .smtp_send_seconds
             .observe(started.elapsed().as_secs_f64());
-        if !matches!(sent, Err(SendError::Unreachable(_))) {
+        if !matches!(
+            sent,
+            Err(SendError::Unreachable(_) | SendError::Withdrawn(_))
+        ) {
             self.health.transport_reached();
         }
         sent

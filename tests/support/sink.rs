@@ -41,6 +41,9 @@ pub struct SinkStats {
     pub accepted: u64,
     /// SMTP connections accepted.
     pub connections: u64,
+    /// Sessions hung by a `{"hang": true}` fault.
+    #[serde(default)]
+    pub hung: u64,
 }
 
 /// The `postie-smtp-sink` executable, built on first use.

@@ -32,9 +32,13 @@ pub(crate) enum Action {
     },
     /// Sleep this many milliseconds, then proceed normally.
     DelayMs(u64),
+    /// Never answer again: the session reads and discards whatever the client sends
+    /// until it closes (a hung relay, or a middlebox that dropped the return path).
+    /// Removing the rule later does not wake a session it has hung.
+    Hang,
 }
 
-/// Wire form of [`Action`]: exactly one of `reply`, `drop`, `delay_ms`.
+/// Wire form of [`Action`]: exactly one of `reply`, `drop`, `delay_ms`, `hang`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ActionSpec {
@@ -46,12 +50,25 @@ struct ActionSpec {
     deliver: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     delay_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hang: Option<bool>,
 }
+
+/// The error for an action that names none, or more than one, of its kinds.
+const ONE_ACTION: &str = "action must have exactly one of \"reply\", \"drop\" (with optional \
+                          \"deliver\"), \"delay_ms\" or \"hang\"";
 
 impl TryFrom<ActionSpec> for Action {
     type Error = String;
 
     fn try_from(spec: ActionSpec) -> Result<Self, Self::Error> {
+        if let Some(hang) = spec.hang {
+            return match (hang, spec.reply, spec.drop, spec.deliver, spec.delay_ms) {
+                (true, None, None, None, None) => Ok(Action::Hang),
+                (false, ..) => Err("\"hang\" must be true".to_owned()),
+                _ => Err(ONE_ACTION.to_owned()),
+            };
+        }
         match (spec.reply, spec.drop, spec.delay_ms) {
             (Some(reply), None, None) if spec.deliver.is_none() => {
                 validate_reply(&reply)?;
@@ -62,11 +79,7 @@ impl TryFrom<ActionSpec> for Action {
             }),
             (None, Some(false), None) => Err("\"drop\" must be true".to_owned()),
             (None, None, Some(ms)) if spec.deliver.is_none() => Ok(Action::DelayMs(ms)),
-            _ => Err(
-                "action must have exactly one of \"reply\", \"drop\" (with optional \
-                 \"deliver\") or \"delay_ms\""
-                    .to_owned(),
-            ),
+            _ => Err(ONE_ACTION.to_owned()),
         }
     }
 }
@@ -85,6 +98,10 @@ impl From<Action> for ActionSpec {
             },
             Action::DelayMs(ms) => ActionSpec {
                 delay_ms: Some(ms),
+                ..ActionSpec::default()
+            },
+            Action::Hang => ActionSpec {
+                hang: Some(true),
                 ..ActionSpec::default()
             },
         }

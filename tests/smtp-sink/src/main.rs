@@ -3,7 +3,7 @@
 //! The sink speaks a subset of RFC 5321 over plain TCP, accepts every well-formed
 //! message, keeps it in memory (optionally also writing `<seq>.eml` files to a
 //! directory) and exposes what it received over a small HTTP control API. Faults
-//! (rejections, dropped connections, delays) can be injected at each stage of the
+//! (rejections, dropped connections, delays, hung sessions) can be injected at each stage of the
 //! SMTP conversation through the same API, which lets tests reproduce transient
 //! failures and "accepted but the reply was lost" situations. In quota mode it accepts
 //! at most R messages per second and refuses the rest as Amazon SES does (`454 4.7.0
@@ -24,7 +24,9 @@
 //! `{"stage": "rcpt", "rcpt_contains": "bad", "action": {"reply": "451 4.3.0 later"}, "times": 2}`
 //! where `stage` is one of `connect`, `mail`, `rcpt`, `data` (reply to `DATA`) or
 //! `data_end` (reply after the final dot), and `action` is one of `{"reply": LINE}`,
-//! `{"drop": true, "deliver": BOOL}` or `{"delay_ms": N}`. Rules are checked in order;
+//! `{"drop": true, "deliver": BOOL}`, `{"delay_ms": N}` (hold the reply N ms) or
+//! `{"hang": true}` (never answer again: the session reads and discards input until the
+//! client closes it, even after the rule is gone). Rules are checked in order;
 //! the first active match fires, and `times` (if present) counts down to 0.
 //!
 //! Quota mode (`--quota-per-second R` at startup, or `PUT /quota` with

@@ -393,7 +393,20 @@ impl Session {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 Ok(Fault::Proceed)
             }
+            Action::Hang => {
+                self.state.counters.hung.fetch_add(1, Ordering::Relaxed);
+                self.writer.flush().await?;
+                self.swallow().await?;
+                Ok(Fault::Dropped { deliver: false })
+            }
         }
+    }
+
+    /// Reads and discards what the client sends until it closes: a hung session.
+    async fn swallow(&mut self) -> io::Result<()> {
+        let mut sink = tokio::io::sink();
+        tokio::io::copy(&mut self.reader, &mut sink).await?;
+        Ok(())
     }
 
     /// Buffers one reply (which may contain inner CRLFs) followed by CRLF.

@@ -57,6 +57,8 @@ pub(crate) struct Counters {
     pub(crate) faults_applied: AtomicU64,
     /// Connections closed by a `drop` fault.
     pub(crate) dropped: AtomicU64,
+    /// Sessions hung by a `hang` fault (they never answer again).
+    pub(crate) hung: AtomicU64,
 }
 
 /// Snapshot of [`Counters`].
@@ -66,6 +68,7 @@ pub(crate) struct Stats {
     connections: u64,
     faults_applied: u64,
     dropped: u64,
+    hung: u64,
 }
 
 /// Recorded messages and the next sequence number.
@@ -171,6 +174,7 @@ impl AppState {
             connections: c.connections.load(Ordering::Relaxed),
             faults_applied: c.faults_applied.load(Ordering::Relaxed),
             dropped: c.dropped.load(Ordering::Relaxed),
+            hung: c.hung.load(Ordering::Relaxed),
         }
     }
 

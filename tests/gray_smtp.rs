@@ -1,0 +1,319 @@
+//! Gray SMTP failures (issue 26, items 1 and 2) against real `postie serve` processes,
+//! the real broker and PostgreSQL, and the SMTP test server's `hang` and hold rules:
+//!
+//! - a relay that accepts and never answers, for 25 s, under 100 jobs: every job sent
+//!   once when it answers again, none dead, no retry counted, `/readyz` and the
+//!   breaker metric showing the transport down meanwhile;
+//! - SIGTERM while every send hangs: the process exits within `worker.drain_timeout`;
+//! - a relay holding RCPT, or DATA, longer than the lease, with a second copy of each
+//!   job on another instance: one email per key, no claim taken over;
+//! - a claim lost mid-send (its fence moved): the send stops before DATA.
+//!
+//! Each test prints a `FIGURES` line (run with `--nocapture`).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::{eventually, free_port, job, message_id, PostieProcess, TestEnv};
+
+/// `GET http://127.0.0.1:port/path`: status and body (None if nothing answers).
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+/// A `postie serve` process with its HTTP endpoint on a port of its own.
+fn serve_with_http(env: &TestEnv, extra: &[(&str, &str)]) -> (PostieProcess, u16) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut vars = vec![("POSTIE__HTTP__LISTEN", listen.as_str())];
+    vars.extend_from_slice(extra);
+    (env.spawn_process(&vars), port)
+}
+
+/// The sum of every sample of `metric` in a Prometheus text page.
+fn metric_sum(page: &str, metric: &str) -> f64 {
+    page.lines()
+        .filter(|line| {
+            line.strip_prefix(metric)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |sum, value| sum + value)
+}
+
+/// Waits (up to 120 s) for as many emails as `keys`, then `settle` for any second
+/// copy: the time from `since` to the last of them, and the emails per key, in order.
+async fn all_sent(
+    env: &TestEnv,
+    keys: &[String],
+    since: Instant,
+    settle: Duration,
+) -> (Duration, Vec<usize>) {
+    env.wait_for_emails("an email per key", keys.len(), Duration::from_secs(120))
+        .await;
+    let took = since.elapsed();
+    tokio::time::sleep(settle).await;
+    let received = env.emails_per_id().await;
+    let per_key = keys
+        .iter()
+        .map(|key| received.get(&message_id(key)).copied().unwrap_or(0))
+        .collect();
+    (took, per_key)
+}
+
+/// `jobs` jobs while the relay hangs every session at `stage` for `hang`: nothing is
+/// lost, dead-lettered or charged an attempt; the breaker opens and `/readyz` says so;
+/// once the relay answers, every job is sent exactly once.
+async fn a_relay_hung_at(stage: &str, jobs: usize, hang: Duration) {
+    let env = TestEnv::new(&format!("gshang{}", stage.replace('_', ""))).await;
+    env.sink
+        .set_faults(json!([{"stage": stage, "action": {"hang": true}}]))
+        .await;
+    let (postie, port) = serve_with_http(&env, &[]);
+    let keys: Vec<String> = (0..jobs).map(|i| format!("gs-hang-{stage}-{i}")).collect();
+    let bodies: Vec<Value> = keys.iter().map(|k| job(k, "h@example.com")).collect();
+    let hang_started = Instant::now();
+    env.publish_many(&bodies).await;
+
+    // Meanwhile: the transport shows as down.
+    let (status, ready) = eventually(
+        "/readyz to report the SMTP circuit open",
+        Duration::from_secs(20),
+        || async {
+            let (status, body) = http_get(port, "/readyz").await?;
+            body.contains("smtp circuit open").then_some((status, body))
+        },
+    )
+    .await;
+    assert_eq!(status, 503, "{ready}");
+    let (_, metrics) = http_get(port, "/metrics").await.expect("/metrics answers");
+    assert_eq!(
+        metric_sum(&metrics, "postie_smtp_circuit_open"),
+        1.0,
+        "the breaker gauge while the relay hangs"
+    );
+    assert!(env.sink.stats().await.hung >= 1, "sessions hung at {stage}");
+    assert_eq!(
+        env.sink.count().await,
+        0,
+        "nothing gets through a hung relay"
+    );
+
+    tokio::time::sleep(hang.saturating_sub(hang_started.elapsed())).await;
+    env.sink.clear_faults().await;
+    let answered = Instant::now();
+    let (catch_up, per_key) = all_sent(&env, &keys, answered, Duration::from_secs(2)).await;
+    let dead = env.take_dead_letters().await;
+    let (_, metrics) = http_get(port, "/metrics").await.expect("/metrics answers");
+    let retries = metric_sum(&metrics, "postie_retries_total");
+    let hung = env.sink.stats().await.hung;
+    eprintln!(
+        "FIGURES gs hang at {stage}: {jobs} jobs, relay hung for {}s ({hung} sessions hung): \
+         {} sent ({} keys more than once), {} dead, {retries} retries counted; \
+         all sent {:.1}s after the relay answered again",
+        hang.as_secs(),
+        per_key.iter().sum::<usize>(),
+        per_key.iter().filter(|n| **n > 1).count(),
+        dead.len(),
+        catch_up.as_secs_f64()
+    );
+    assert!(
+        per_key.iter().all(|n| *n == 1),
+        "one email per key: {per_key:?}"
+    );
+    assert!(
+        dead.is_empty(),
+        "dead letters: {:?}",
+        dead.iter()
+            .map(|d| d.reason().to_string())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(retries, 0.0, "a hang charged jobs an attempt:\n{metrics}");
+    assert_eq!(env.inbox_count("status = 'sent'").await, jobs as i64);
+    let (status, ready) = http_get(port, "/readyz").await.expect("/readyz answers");
+    assert_eq!(status, 200, "ready again: {ready}");
+    drop(postie);
+}
+
+/// Issue 26's scenario: 100 jobs, every session hung at RCPT for 25 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_at_rcpt_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("rcpt", 100, Duration::from_secs(25)).await;
+}
+
+/// No greeting at all (the connect step, and the prober's, hang too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_at_the_greeting_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("connect", 20, Duration::from_secs(10)).await;
+}
+
+/// The body sent, the final reply never comes (the sink does not keep the message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_hung_after_the_body_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("data_end", 20, Duration::from_secs(10)).await;
+}
+
+/// SIGTERM while every send hangs (steps far longer than the drain timeout): the
+/// process exits within `worker.drain_timeout`, its deliveries left to the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_sigterm_during_a_hang_exits_within_the_drain_timeout() {
+    const DRAIN: Duration = Duration::from_secs(3);
+    let env = TestEnv::new("gsterm").await;
+    env.sink
+        .set_faults(json!([{"stage": "rcpt", "action": {"hang": true}}]))
+        .await;
+    // Steps may take 30 s: only the drain timeout can end these sends in time.
+    let mut postie = env.spawn_process(&[
+        ("POSTIE__SMTP__TIMEOUT", "30s"),
+        ("POSTIE__WORKER__LEASE", "60s"),
+        ("POSTIE__WORKER__DRAIN_TIMEOUT", "3s"),
+    ]);
+    let keys: Vec<String> = (0..10).map(|i| format!("gs-term-{i}")).collect();
+    let bodies: Vec<Value> = keys.iter().map(|k| job(k, "t@example.com")).collect();
+    env.publish_many(&bodies).await;
+    let started = Instant::now();
+    while env.sink.stats().await.hung < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no sends hung at RCPT; log:\n{}",
+            postie.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let asked = Instant::now();
+    let status = postie.terminate(DRAIN + Duration::from_secs(5));
+    let took = asked.elapsed();
+    eprintln!(
+        "FIGURES gs sigterm: exit {:?} {:.1}s after SIGTERM with every send hung (drain_timeout {}s)",
+        status.map(|s| s.code()),
+        took.as_secs_f64(),
+        DRAIN.as_secs()
+    );
+    let status = status.unwrap_or_else(|| {
+        panic!(
+            "still running {took:?} after SIGTERM; log:\n{}",
+            postie.log()
+        )
+    });
+    assert!(
+        status.success(),
+        "exit status {status:?}; log:\n{}",
+        postie.log()
+    );
+    assert!(
+        took < DRAIN + Duration::from_secs(2),
+        "took {took:?} (drain timeout {DRAIN:?})"
+    );
+    assert_eq!(env.sink.count().await, 0);
+    // Nothing was acked unsent: every job is back in the queue or held by its claim.
+    assert_eq!(env.inbox_count("status = 'sent'").await, 0);
+    assert!(env.take_dead_letters().await.is_empty());
+}
+
+/// Two instances, each key published twice, and a relay that holds `stage` longer
+/// than the lease for the first few sessions: one email per key, no claim taken over.
+async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str) {
+    const KEYS: usize = 4;
+    let env = TestEnv::new(name).await;
+    // Test settings: lease 5 s, smtp.timeout 2 s; the relay holds for 12 s.
+    env.sink
+        .set_faults(json!([{"stage": stage, "action": {"delay_ms": 12_000}, "times": 6}]))
+        .await;
+    let _a = env.spawn_process(&[]);
+    let _b = env.spawn_process(&[]);
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("gs-{name}-{i}")).collect();
+    let mut bodies: Vec<Value> = keys.iter().map(|k| job(k, "l@example.com")).collect();
+    bodies.extend(bodies.clone());
+    let started = Instant::now();
+    env.publish_many(&bodies).await;
+    // Any late second email (the failure this test is about) has time to land: the
+    // relay's holds end 12 s after they began.
+    let (took, per_key) = all_sent(&env, &keys, started, Duration::from_secs(14)).await;
+    let takeovers = env.takeovers().await;
+    eprintln!(
+        "FIGURES gs hold {stage}: {KEYS} keys published twice, 2 instances, relay holding \
+         {stage} 12s (lease 5s, smtp.timeout 2s): emails per key {per_key:?}, {takeovers} \
+         takeovers, all sent after {:.1}s",
+        took.as_secs_f64()
+    );
+    assert!(
+        per_key.iter().all(|n| *n == 1),
+        "one email per key: {per_key:?}"
+    );
+    assert_eq!(takeovers, 0, "no lease ran out under a send");
+    assert!(env.take_dead_letters().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_holding_rcpt_past_the_lease_sends_one_email_per_key() {
+    one_email_per_key_when_the_relay_holds("rcpt", "gsrcpt").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_holding_data_past_the_lease_sends_one_email_per_key() {
+    one_email_per_key_when_the_relay_holds("data", "gsdata").await;
+}
+
+/// A claim lost mid-send (its fence moved, as a takeover moves it) while the relay
+/// holds RCPT: the next renewal notices, and the send stops before DATA; the email is
+/// sent once, by whoever holds the key next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
+    let env = TestEnv::new("gsfence").await;
+    // Renewals every 10 s (lease 30 s); RCPT held 12 s, inside smtp.timeout (15 s).
+    env.sink
+        .set_faults(json!([{"stage": "rcpt", "action": {"delay_ms": 12_000}, "times": 1}]))
+        .await;
+    let postie = env.spawn_process(&[
+        ("POSTIE__SMTP__TIMEOUT", "15s"),
+        ("POSTIE__WORKER__LEASE", "30s"),
+    ]);
+    let key = "gs-fence-lost";
+    env.publish(&job(key, "f@example.com")).await;
+    let envr = &env;
+    eventually("the claim", Duration::from_secs(30), move || async move {
+        let row = envr.inbox_row(key).await?;
+        (row.status == "sending").then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // What a takeover does to the first holder's claim.
+    let moved = env
+        .db()
+        .await
+        .execute(
+            "UPDATE postie_inbox SET fence = fence + 1 WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    eventually(
+        "the send to stop before DATA",
+        Duration::from_secs(30),
+        || async {
+            postie
+                .log()
+                .contains("the claim was lost while held")
+                .then_some(())
+        },
+    )
+    .await;
+    // The held RCPT has been answered by now; DATA never followed.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    assert_eq!(env.sink.count().await, 0, "sent on a lost claim");
+    // The claim's lease runs out (nobody renews the moved fence); the deferred
+    // delivery then takes the key over and sends it, once.
+    env.emails_or_log(&postie, "the email, sent once", 1, Duration::from_secs(90))
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(env.emails_per_id().await.get(&message_id(key)), Some(&1));
+    assert!(env.take_dead_letters().await.is_empty());
+}
