@@ -9,6 +9,7 @@
 //! - `session.rs`: the supervisor (connect, declare, run the roles, reconnect).
 //! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
 //! - `send.rs`: the send role's handler, and dispositions carried out.
+//! - `publisher.rs`: the session's confirm channel, replaced when the broker closes it.
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
@@ -20,6 +21,7 @@
 
 mod maintenance;
 mod pollers;
+mod publisher;
 mod reconcile;
 mod relay;
 mod scheduler;
