@@ -63,6 +63,15 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
             tracing::info!(migration = %applied, "applied migration");
         }
     }
+    // Due times are read on PostgreSQL's clock: measured before the first is read.
+    let mut clock_warned = None;
+    if let Err(error) = inbox.sync_clock(&mut clock_warned).await {
+        tracing::warn!(%error, "could not measure this instance's clock against PostgreSQL's; using it as is until the next try");
+    }
+    let clock = tokio::spawn({
+        let (inbox, stop) = (inbox.clone(), stop.child_token());
+        async move { inbox.discipline_clock(clock_warned, stop).await }
+    });
     let mailer = Mailer::new(&settings.smtp)?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
@@ -98,6 +107,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     service.run(connection, stop).await;
     // `stop` is cancelled by now: maintenance ends and releases its lock.
     let _ = tokio::time::timeout(GOODBYE_TIMEOUT, maintenance).await;
+    clock.abort();
     tracing::info!("postie stopped");
     Ok(())
 }

@@ -10,6 +10,7 @@ use tokio_postgres::NoTls;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 mod claim;
+pub mod clock;
 mod error;
 mod migrate;
 mod prune;
