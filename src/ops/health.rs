@@ -262,4 +262,19 @@ mod tests {
         health.set_draining();
         assert_eq!(health.not_ready(), ["draining"]);
     }
+
+    #[test]
+    fn a_database_outage_pauses_until_it_answers_whatever_its_cause() {
+        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()), 3);
+        health.set_broker_up(true);
+        health.set_database_down("the database is read-only (25006)", "25006: read-only");
+        // A new cause while down (a restart that comes back read-only) keeps it down.
+        health.set_database_down("the database server ended the session (57P01)", "57P01");
+        assert!(health.paused());
+        assert_eq!(health.not_ready(), ["database unreachable"]);
+        health.set_database_up();
+        assert!(!health.paused());
+        assert!(health.not_ready().is_empty());
+        assert!(health.database_cause().is_empty());
+    }
 }
