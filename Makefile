@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test demo fmt lint check ci bench bench-delay chaos
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-delay chaos
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
@@ -12,6 +12,11 @@ build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sin
 test: ## the whole test suite; first installs/starts what it needs (scripts/test-setup.sh)
 	bash scripts/test-setup.sh
 	$(CARGO) test --locked --workspace --all-targets
+
+test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673)
+	bash scripts/test-setup.sh
+	bash scripts/rabbitmq-4.sh start
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets
 
 demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh

@@ -18,7 +18,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -205,8 +204,7 @@ async fn publish_all(
 }
 
 fn rabbitmqctl(args: &[&str]) {
-    let _ = Command::new("rabbitmqctl")
-        .args(args)
+    let _ = support::rabbitmqctl_command(args)
         .stdout(std::process::Stdio::null())
         .status();
 }

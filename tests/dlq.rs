@@ -9,14 +9,9 @@ use std::time::Duration;
 
 use postie::dlq::{self, DeadLetterSummary, ReplayFilter, ReplayReport};
 use serde_json::json;
-use support::{eventually, job, TestEnv};
+use support::{eventually, job, management_url, TestEnv};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// The management HTTP API (override with POSTIE_TEST_MANAGEMENT_URL).
-fn management_url() -> String {
-    std::env::var("POSTIE_TEST_MANAGEMENT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
-}
 
 async fn wait_for_dead(env: &TestEnv, count: u32) {
     eventually(

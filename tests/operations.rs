@@ -299,7 +299,7 @@ async fn next_email(env: &TestEnv, postie: &support::PostieProcess, what: &str) 
 async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing() {
     const JOBS: usize = 400;
     let env = TestEnv::new("brokercut").await;
-    let broker = Proxy::start("127.0.0.1:5672").await;
+    let broker = Proxy::start(&support::amqp_host_port()).await;
     let instance = format!("{}-cut", env.prefix);
     // A 2 s heartbeat, so a frozen path is noticed in about 4 s.
     let url = format!("amqp://guest:guest@{}/%2f?heartbeat=2", broker.addr());
@@ -347,7 +347,7 @@ async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing
                 let instance = instance.clone();
                 async move {
                     let list: serde_json::Value = reqwest::Client::new()
-                        .get("http://127.0.0.1:15672/api/connections")
+                        .get(format!("{}/api/connections", support::management_url()))
                         .basic_auth("guest", Some("guest"))
                         .send()
                         .await
@@ -366,7 +366,8 @@ async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing
     };
     let closed = reqwest::Client::new()
         .delete(format!(
-            "http://127.0.0.1:15672/api/connections/{}",
+            "{}/api/connections/{}",
+            support::management_url(),
             urlencode(&name)
         ))
         .basic_auth("guest", Some("guest"))

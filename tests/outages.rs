@@ -6,7 +6,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
@@ -18,8 +17,7 @@ use tokio::sync::Mutex;
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl")
-        .args(args)
+    let status = support::rabbitmqctl_command(args)
         .status()
         .expect("rabbitmqctl");
     assert!(status.success(), "rabbitmqctl {args:?} failed");

@@ -43,8 +43,7 @@ impl BrokerUser {
 
 impl Drop for BrokerUser {
     fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_user", &self.name])
+        let _ = support::rabbitmqctl_command(&["delete_user", &self.name])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
@@ -52,8 +51,7 @@ impl Drop for BrokerUser {
 }
 
 fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
+    let out = support::rabbitmqctl_command(args)
         .output()
         .expect("rabbitmqctl runs");
     assert!(

@@ -5,7 +5,8 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use secrecy::{ExposeSecret, SecretString};
 
@@ -187,6 +188,52 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     Ok(channel)
+}
+
+/// A queue as a passive declare sees it: ready messages and consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Messages ready for delivery (not those delivered and unacked).
+    pub ready: u32,
+    /// Consumers.
+    pub consumers: u32,
+}
+
+/// `queue`'s state, or `None` if the broker has no such queue (404). Uses a channel of
+/// its own, since a failed passive declare closes it.
+pub async fn queue_state(
+    conn: &Connection,
+    queue: &str,
+) -> Result<Option<QueueState>, lapin::Error> {
+    let channel = conn.create_channel().await?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+    {
+        Ok(q) => {
+            let _ = channel.close(200, "checked".into()).await;
+            Ok(Some(QueueState {
+                ready: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `queue` exists ([`queue_state`]).
+pub async fn queue_exists(conn: &Connection, queue: &str) -> anyhow::Result<bool> {
+    Ok(queue_state(conn, queue).await?.is_some())
+}
+
+/// A 404 NOT_FOUND from the broker.
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
 }
 
 /// Publishes and waits for the broker's confirm. `mandatory` makes an unroutable

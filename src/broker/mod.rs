@@ -5,14 +5,17 @@
 pub mod acks;
 pub mod amqp;
 pub mod ladder;
+pub mod management;
 pub mod probe;
 pub mod topology;
 
 pub use acks::Acks;
 pub use amqp::{
-    confirm_channel, connect, connect_to, job_properties, open, publish_confirmed, Connected,
-    PublishError,
+    confirm_channel, connect, connect_to, job_properties, open, publish_confirmed, queue_exists,
+    queue_state, Connected, PublishError, QueueState,
 };
 pub use ladder::Ladder;
-pub use probe::{probe_plugin, resolve_mode, resolve_topology};
+pub use probe::{
+    expecting_refusals, probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed,
+};
 pub use topology::{DelayLayout, Topology, TopologyError, ROUTING_KEY};

@@ -1,6 +1,7 @@
 //! Choosing the delay mode: `delay.mode = auto` probes the broker once at start-up,
 //! on throwaway connections (a failed probe closes the whole connection).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
@@ -10,38 +11,72 @@ use lapin::ExchangeKind;
 use super::topology::{classify, insert, string, Topology, TopologyError};
 use crate::config::{DelayMode, Settings, TopologySettings};
 
-/// Resolves `delay.mode` (probing the broker for `auto`), logs the choice, and names
-/// the topology.
+/// Resolves `delay.mode` (probing the broker for `auto`), logs the choice and why in
+/// one INFO line, and names the topology.
 pub async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
-    let mode = resolve_mode(
+    let probed = probe_mode(
         settings.delay.mode,
         &settings.topology,
         &settings.amqp.url,
         settings.amqp.connect_timeout,
     )
     .await?;
-    if mode != settings.delay.mode {
+    if settings.delay.mode == DelayMode::Auto {
         tracing::info!(
             configured = settings.delay.mode.as_str(),
-            chosen = mode.as_str(),
-            "delay mode probed"
+            chosen = probed.mode.as_str(),
+            "delay mode {}: {}",
+            probed.mode.as_str(),
+            probed.why
         );
     }
-    Ok(Topology::new(&settings.topology, &settings.delay, mode))
+    Ok(Topology::new(
+        &settings.topology,
+        &settings.delay,
+        probed.mode,
+    ))
 }
 
-/// Resolves `auto` on throwaway connections, since a failed probe closes
-/// the whole connection: an existing `<p>.delayed` keeps its mode; on a fresh broker,
-/// `plugin` if the plugin is enabled, else `ladder`. Other modes are returned as set.
+/// The delay mode chosen, and why, in words for the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probed {
+    /// The mode.
+    pub mode: DelayMode,
+    /// Why it was chosen.
+    pub why: String,
+}
+
+/// [`probe_mode`]'s mode alone.
 pub async fn resolve_mode(
     configured: DelayMode,
     settings: &TopologySettings,
     amqp_url: &secrecy::SecretString,
     timeout: Duration,
 ) -> anyhow::Result<DelayMode> {
+    Ok(probe_mode(configured, settings, amqp_url, timeout)
+        .await?
+        .mode)
+}
+
+/// Resolves `auto` on throwaway connections, since a failed probe closes
+/// the whole connection: an existing `<p>.delayed` keeps its mode; on a fresh broker,
+/// `plugin` if the plugin is enabled, else `ladder`. Other modes are returned as set.
+///
+/// The refusals the probe expects (404 for a missing exchange, 503 or 406 for an
+/// unknown exchange type) are not logged as errors: see [`ExpectedRefusals`].
+pub async fn probe_mode(
+    configured: DelayMode,
+    settings: &TopologySettings,
+    amqp_url: &secrecy::SecretString,
+    timeout: Duration,
+) -> anyhow::Result<Probed> {
     if configured != DelayMode::Auto {
-        return Ok(configured);
+        return Ok(Probed {
+            mode: configured,
+            why: "set by delay.mode".into(),
+        });
     }
+    let _quiet = ExpectedRefusals::begin();
     let delayed = format!("{}.delayed", settings.prefix);
     // Does it exist? (passive declare; a 404 closes only the channel)
     let conn = super::amqp::connect(amqp_url, "postie-probe", timeout).await?;
@@ -77,16 +112,27 @@ pub async fn resolve_mode(
             .is_ok();
         let _ = conn.close(200, "probed".into()).await;
         return Ok(if is_direct {
-            DelayMode::Ladder
+            Probed {
+                mode: DelayMode::Ladder,
+                why: format!("auto: {delayed} exists as a direct exchange (ladder mode)"),
+            }
         } else {
-            DelayMode::Plugin
+            Probed {
+                mode: DelayMode::Plugin,
+                why: format!("auto: {delayed} exists as an x-delayed-message exchange"),
+            }
         });
     }
     let _ = conn.close(200, "probed".into()).await;
-    Ok(if probe_plugin(amqp_url, timeout).await? {
-        DelayMode::Plugin
-    } else {
-        DelayMode::Ladder
+    Ok(match plugin_refusal(amqp_url, timeout).await? {
+        None => Probed {
+            mode: DelayMode::Plugin,
+            why: "auto: the broker has the delayed-message plugin".into(),
+        },
+        Some(refusal) => Probed {
+            mode: DelayMode::Ladder,
+            why: format!("auto: the broker has no delayed-message plugin ({refusal})"),
+        },
     })
 }
 
@@ -96,6 +142,17 @@ pub async fn probe_plugin(
     amqp_url: &secrecy::SecretString,
     timeout: Duration,
 ) -> anyhow::Result<bool> {
+    let _quiet = ExpectedRefusals::begin();
+    Ok(plugin_refusal(amqp_url, timeout).await?.is_none())
+}
+
+/// `None` if the broker knows the `x-delayed-message` exchange type, else its refusal
+/// (RabbitMQ 3.x: 503 COMMAND_INVALID, closing the connection; 4.3: 406
+/// PRECONDITION_FAILED; both "unknown exchange type"). Any other refusal is an error.
+async fn plugin_refusal(
+    amqp_url: &secrecy::SecretString,
+    timeout: Duration,
+) -> anyhow::Result<Option<String>> {
     let conn = super::amqp::connect(amqp_url, "postie-probe", timeout).await?;
     let channel = conn.create_channel().await?;
     let name = format!("postie.probe.{}", uuid::Uuid::new_v4().simple());
@@ -113,17 +170,54 @@ pub async fn probe_plugin(
             args,
         )
         .await;
+    if result.is_ok() {
+        let _ = channel
+            .exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
+            .await;
+        let _ = conn.close(200, "probed".into()).await;
+    } else {
+        let _ = conn.close(200, "probed".into()).await;
+        // On 3.x the refusal closes the connection, and lapin logs that from its I/O
+        // thread after the declare has returned: stay quiet until it has.
+        let settled = async {
+            while !(conn.status().errored() || conn.status().closed()) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), settled).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     match result {
-        Ok(()) => {
-            let _ = channel
-                .exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
-                .await;
-            let _ = conn.close(200, "probed".into()).await;
-            Ok(true)
-        }
+        Ok(()) => Ok(None),
         Err(e) => match classify(name, e) {
-            TopologyError::PluginMissing { .. } => Ok(false),
+            TopologyError::PluginMissing { detail } => Ok(Some(detail)),
             other => Err(other.into()),
         },
     }
+}
+
+/// While one is alive, lapin's ERROR and WARN lines are the probe's expected
+/// refusals, not faults: the log filter drops them ([`expecting_refusals`]). The
+/// probe runs at start-up, before the service opens its own connections.
+struct ExpectedRefusals;
+
+static PROBES: AtomicUsize = AtomicUsize::new(0);
+
+impl ExpectedRefusals {
+    fn begin() -> Self {
+        PROBES.fetch_add(1, Ordering::SeqCst);
+        Self
+    }
+}
+
+impl Drop for ExpectedRefusals {
+    fn drop(&mut self) {
+        PROBES.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// True while the delay-mode probe runs: lapin's protocol errors then are the answers
+/// the probe asked for (a missing exchange, an unknown exchange type).
+pub fn expecting_refusals() -> bool {
+    PROBES.load(Ordering::SeqCst) > 0
 }

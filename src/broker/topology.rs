@@ -477,15 +477,27 @@ pub(super) fn string(value: &str) -> AMQPValue {
 pub(super) fn classify(what: String, source: lapin::Error) -> TopologyError {
     if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
         let detail = amqp.get_message().to_string();
-        match amqp.get_id() {
-            406 => return TopologyError::Mismatch { what, detail },
-            503 if detail.contains("x-delayed-message") => {
-                return TopologyError::PluginMissing { detail }
-            }
-            _ => {}
+        // RabbitMQ 3.x refuses an unknown exchange type with 503 COMMAND_INVALID (and
+        // closes the connection), 4.3 with 406 PRECONDITION_FAILED, the code a
+        // conflicting redeclaration also gets: only the text tells them apart.
+        if unknown_exchange_type(&detail) {
+            return TopologyError::PluginMissing { detail };
+        }
+        if amqp.get_id() == 406 {
+            return TopologyError::Mismatch { what, detail };
         }
     }
     TopologyError::Broker { what, source }
 }
+
+/// Whether a broker's refusal says it does not know the `x-delayed-message` exchange
+/// type, however it words it (`unknown exchange type 'x-delayed-message'` on 3.10
+/// and 4.3).
+pub(super) fn unknown_exchange_type(detail: &str) -> bool {
+    let detail = detail.to_ascii_lowercase();
+    detail.contains("x-delayed-message")
+        && (detail.contains("unknown exchange type") || detail.contains("invalid exchange type"))
+}
+
 #[cfg(test)]
 mod tests;

@@ -54,6 +54,98 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
         }
     }
     let _ = channel.close(200, "done".into()).await;
+    for old in &settings.topology.drain_prefixes {
+        drain_check(settings, &conn, old).await?;
+    }
     let _ = conn.close(200, "done".into()).await;
     Ok(())
+}
+
+/// What a drained prefix (`topology.drain_prefixes`) still holds, and whether it is
+/// safe to turn the delayed-message plugin off for it: nothing ready in `<old>.send`
+/// and nothing held by the plugin for `<old>.delayed`.
+async fn drain_check(
+    settings: &Settings,
+    conn: &lapin::Connection,
+    old: &str,
+) -> anyhow::Result<()> {
+    out!("draining {old:?} (topology.drain_prefixes):");
+    let queue = format!("{old}.send");
+    let ready = match broker::queue_state(conn, &queue).await? {
+        Some(q) => {
+            out!("  {queue:<24} {:>8} {:>4}", q.ready, q.consumers);
+            q.ready
+        }
+        None => {
+            out!("  {queue:<24} (gone)");
+            0
+        }
+    };
+    let exchange = format!("{old}.delayed");
+    let held = match &settings.amqp.management_url {
+        None => {
+            out!(
+                "  {exchange:<24} messages held by the plugin: unknown (set amqp.management_url, \
+                 or read \"messages delayed\" on the exchange's page in the management UI)"
+            );
+            None
+        }
+        Some(base) => {
+            let first = crate::endpoint::split_urls(secrecy::ExposeSecret::expose_secret(
+                &settings.amqp.url,
+            ))
+            .first()
+            .map(|u| broker::management::vhost_of(u))
+            .unwrap_or_default();
+            let info = broker::management::exchange_info(
+                base,
+                &first,
+                &exchange,
+                settings.amqp.connect_timeout,
+            )
+            .await?;
+            match info {
+                None => {
+                    out!("  {exchange:<24} (gone)");
+                    Some(0)
+                }
+                Some(info) => {
+                    let held = info.messages_delayed.unwrap_or(0);
+                    out!("  {exchange:<24} {}: {held} messages held", info.kind);
+                    Some(held)
+                }
+            }
+        }
+    };
+    out!("  {}", drain_verdict(old, ready, held));
+    Ok(())
+}
+
+/// The line that says whether `old` is drained.
+fn drain_verdict(old: &str, ready: u32, held: Option<u64>) -> String {
+    match held {
+        Some(0) if ready == 0 => format!(
+            "drained: safe to disable the delayed-message plugin and delete {old}.* \
+             (once no producer publishes to {old}.delayed)"
+        ),
+        Some(held) => format!(
+            "not drained: {held} held by the plugin, {ready} ready in {old}.send; keep consuming"
+        ),
+        None => format!(
+            "not known to be drained: {ready} ready in {old}.send, the plugin's count unknown"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::drain_verdict;
+
+    #[test]
+    fn drained_only_when_both_the_queue_and_the_plugin_are_empty() {
+        assert!(drain_verdict("old", 0, Some(0)).starts_with("drained: safe"));
+        assert!(drain_verdict("old", 3, Some(0)).starts_with("not drained"));
+        assert!(drain_verdict("old", 0, Some(7)).contains("7 held by the plugin"));
+        assert!(drain_verdict("old", 0, None).starts_with("not known"));
+    }
 }

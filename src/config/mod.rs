@@ -88,6 +88,7 @@ impl Settings {
                 .list_separator(",")
                 .with_list_parse_key("topology.retry_steps")
                 .with_list_parse_key("smtp.throttle_patterns")
+                .with_list_parse_key("topology.drain_prefixes")
                 .try_parsing(true)
                 .source(env),
         );
@@ -113,6 +114,14 @@ impl Settings {
                 "topology.prefix {:?} must be non-empty ASCII letters, digits, '.', '_' or '-'",
                 self.topology.prefix
             ));
+        }
+        for old in &self.topology.drain_prefixes {
+            if old.is_empty() || old == &self.topology.prefix {
+                return fail(format!(
+                    "topology.drain_prefixes: {old:?} must be another prefix than topology.prefix {:?}",
+                    self.topology.prefix
+                ));
+            }
         }
         if self.topology.quorum_initial_group_size == Some(0) {
             return fail("topology.quorum_initial_group_size must be at least 1".into());

@@ -66,6 +66,10 @@ pub struct AmqpSettings {
     /// How long a connection attempt may take.
     #[serde(deserialize_with = "duration")]
     pub connect_timeout: Duration,
+    /// RabbitMQ's management HTTP API, `http://user:pass@host:15672` (optional). Only
+    /// `postie status` uses it, to read how many messages the delayed-message plugin
+    /// still holds for a drained prefix (`topology.drain_prefixes`).
+    pub management_url: Option<SecretString>,
 }
 
 impl Default for AmqpSettings {
@@ -74,6 +78,7 @@ impl Default for AmqpSettings {
             url: SecretString::from("amqp://guest:guest@127.0.0.1:5672/%2f"),
             prefetch: 128,
             connect_timeout: Duration::from_secs(10),
+            management_url: None,
         }
     }
 }
@@ -192,6 +197,12 @@ pub struct TopologySettings {
     /// Replicas of each quorum queue at declaration (`x-quorum-initial-group-size`);
     /// unset: one per cluster node. Fixed once a queue exists.
     pub quorum_initial_group_size: Option<u32>,
+    /// Earlier prefixes whose `<old>.send` this instance also consumes until it is
+    /// gone, e.g. a plugin-mode deployment's while the fleet moves to the ladder under
+    /// a new prefix (README, "Leaving the plugin"). Their jobs are processed under this
+    /// prefix's topology: retries and dead letters go to the new queues. Nothing is
+    /// declared under them; `postie status` shows how much they still hold.
+    pub drain_prefixes: Vec<String>,
 }
 
 impl Default for TopologySettings {
@@ -204,6 +215,7 @@ impl Default for TopologySettings {
                 .collect(),
             delivery_limit: 50,
             quorum_initial_group_size: None,
+            drain_prefixes: Vec::new(),
         }
     }
 }

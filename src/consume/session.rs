@@ -110,41 +110,37 @@ impl Service {
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
         self.worker.health().set_broker_up(true);
-        let send = self.consume_loop(
-            conn,
-            Lane {
+        let mut lanes = vec![Lane {
+            role: Role::Send,
+            queue: self.topology.send_queue(),
+            prefetch: self.settings.amqp.prefetch,
+            concurrency: self.settings.worker.concurrency,
+        }];
+        if let DelayLayout::Ladder(_) = self.topology.delay() {
+            let delay = &self.settings.delay;
+            lanes.push(Lane {
+                role: Role::Relay,
+                queue: self.topology.intake_queue(),
+                prefetch: delay.relay_prefetch.max(delay.relay_concurrency),
+                concurrency: delay.relay_concurrency as usize,
+            });
+        }
+        for queue in self.drained_queues(conn).await? {
+            lanes.push(Lane {
                 role: Role::Send,
-                queue: self.topology.send_queue(),
+                queue,
                 prefetch: self.settings.amqp.prefetch,
                 concurrency: self.settings.worker.concurrency,
-            },
-            &publish,
-            (&session_stop, &lost),
-        );
-        let end = if let DelayLayout::Ladder(_) = self.topology.delay() {
-            let delay = &self.settings.delay;
-            let relay = self.consume_loop(
-                conn,
-                Lane {
-                    role: Role::Relay,
-                    queue: self.topology.intake_queue(),
-                    prefetch: delay.relay_prefetch.max(delay.relay_concurrency),
-                    concurrency: delay.relay_concurrency as usize,
-                },
-                &publish,
-                (&session_stop, &lost),
-            );
-            tokio::pin!(send, relay);
-            // When one loop ends, the other ends too: drained if this is a stop,
-            // abandoned to redelivery (like the broker's end) if the session is lost.
-            let first = tokio::select! {
-                end = &mut send => { lost.cancel(); let _ = relay.await; end }
-                end = &mut relay => { lost.cancel(); let _ = send.await; end }
-            };
-            first
-        } else {
-            send.await
-        };
+            });
+        }
+        let loops = lanes
+            .into_iter()
+            .map(|lane| Box::pin(self.consume_loop(conn, lane, &publish, (&session_stop, &lost))));
+        // When one loop ends, the others end too: drained if this is a stop,
+        // abandoned to redelivery (like the broker's end) if the session is lost.
+        let (end, _, rest) = futures_util::future::select_all(loops).await;
+        lost.cancel();
+        futures_util::future::join_all(rest).await;
         // Ends the watchdog of this session.
         session_stop.cancel();
         let end = end?;
@@ -154,6 +150,30 @@ impl Service {
             SessionEnd::Stopped if stop.is_cancelled() => SessionEnd::Stopped,
             SessionEnd::Stopped => SessionEnd::Lost("the session ended".into()),
         })
+    }
+}
+
+impl Service {
+    /// `<old>.send` of every `topology.drain_prefixes` entry that still exists (a
+    /// passive declare each, on a channel of its own); a missing one is skipped, and
+    /// said so once per session.
+    async fn drained_queues(&self, conn: &Connection) -> anyhow::Result<Vec<String>> {
+        let mut queues = Vec::new();
+        for old in &self.settings.topology.drain_prefixes {
+            let queue = format!("{old}.send");
+            let exists = within(
+                self.settings.amqp.connect_timeout,
+                "checking a drained queue",
+                broker::queue_exists(conn, &queue),
+            )
+            .await?;
+            if exists {
+                queues.push(queue);
+            } else {
+                tracing::info!(%queue, "topology.drain_prefixes: the queue is gone (drained and deleted?); not consuming it");
+            }
+        }
+        Ok(queues)
     }
 }
 

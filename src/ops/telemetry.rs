@@ -92,12 +92,25 @@ pub fn init(log: &LogSettings, otel: &OtelSettings) -> anyhow::Result<TelemetryG
         .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("postie")));
     let _ = tracing_subscriber::registry()
         .with(filter)
-        .with(fmt)
+        .with(fmt.with_filter(not_a_probe_refusal()))
         .with(otel_layer)
         .try_init();
     Ok(TelemetryGuard {
         provider,
         _log_lines: log_lines,
+    })
+}
+
+/// Drops lapin's ERROR and WARN lines while the delay-mode probe runs: the refusals
+/// it asks for (404 for a missing exchange, 503 or 406 for an unknown exchange type)
+/// are answers, and a healthy start must not open with an error.
+fn not_a_probe_refusal(
+) -> tracing_subscriber::filter::FilterFn<impl Fn(&tracing::Metadata<'_>) -> bool> {
+    tracing_subscriber::filter::filter_fn(|meta| {
+        !(meta.is_event()
+            && meta.target().starts_with("lapin")
+            && *meta.level() <= tracing::Level::WARN
+            && crate::broker::expecting_refusals())
     })
 }
 

@@ -27,7 +27,7 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 /// A GET on RabbitMQ's management API (guest/guest), as JSON.
 pub async fn management_api(path: &str) -> serde_json::Value {
     reqwest::Client::new()
-        .get(format!("http://127.0.0.1:15672/api/{path}"))
+        .get(format!("{}/api/{path}", super::management_url()))
         .basic_auth("guest", Some("guest"))
         .send()
         .await

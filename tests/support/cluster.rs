@@ -7,6 +7,10 @@
 //! directory, also when a test fails. The machine's own node (rabbit@localhost,
 //! 5672) is never touched.
 //!
+//! With POSTIE_TEST_RABBITMQ_ROOT set (`make test-rabbitmq-4`: the folder that
+//! `scripts/rabbitmq-4.sh` debootstrapped), the nodes are that folder's broker, run
+//! under `chroot`, with the cluster's directory inside the folder's `/tmp`.
+//!
 //! Nodes run as the current user (root here) straight from
 //! `/usr/lib/rabbitmq/bin`, not through the `/usr/sbin` wrappers (which switch to
 //! the `rabbitmq` user); the CLI is run the same way with `HOME` pointing at a copy
@@ -48,6 +52,15 @@ pub struct Cluster {
     pub started_in: Duration,
     base: PathBuf,
     home: PathBuf,
+    /// The folder the broker is installed in (`/` for the machine's own).
+    root: PathBuf,
+}
+
+/// The folder whose broker the cluster runs: POSTIE_TEST_RABBITMQ_ROOT, else `/`.
+fn broker_root() -> PathBuf {
+    std::env::var_os("POSTIE_TEST_RABBITMQ_ROOT")
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from("/"), PathBuf::from)
 }
 
 impl Cluster {
@@ -58,13 +71,14 @@ impl Cluster {
         let started = Instant::now();
         let k = SEQ.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
-        let base = std::env::temp_dir().join(format!("postie-cluster-{pid}-{k}"));
+        let root = broker_root();
+        let base = root.join("tmp").join(format!("postie-cluster-{pid}-{k}"));
         let _ = std::fs::remove_dir_all(&base);
         let home = base.join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let cookie = ["/var/lib/rabbitmq/.erlang.cookie", "/root/.erlang.cookie"]
+        let cookie = ["var/lib/rabbitmq/.erlang.cookie", "root/.erlang.cookie"]
             .iter()
-            .find_map(|p| std::fs::read(p).ok())
+            .find_map(|p| std::fs::read(root.join(p)).ok())
             .expect("the main node's Erlang cookie is readable");
         let cookie_file = home.join(".erlang.cookie");
         std::fs::write(&cookie_file, cookie).unwrap();
@@ -88,6 +102,7 @@ impl Cluster {
             started_in: Duration::ZERO,
             base,
             home,
+            root,
         };
         for i in 0..n {
             cluster.spawn(i);
@@ -150,10 +165,13 @@ impl Cluster {
 
     /// Like [`Cluster::ctl`], with another CLI tool (`rabbitmq-queues`, `rabbitmq-diagnostics`).
     pub fn cli(&self, tool: &str, i: usize, args: &[&str]) -> Result<String, String> {
-        let mut cmd = Command::new(Path::new(BIN).join(tool));
+        let mut cmd = self.command(&Path::new(BIN).join(tool));
         cmd.arg("-n").arg(&self.nodes[i].name).args(args);
-        cmd.env("HOME", &self.home)
-            .env("RABBITMQ_CONF_ENV_FILE", self.base.join("empty.conf"))
+        cmd.env("HOME", self.inside(&self.home))
+            .env(
+                "RABBITMQ_CONF_ENV_FILE",
+                self.inside(&self.base.join("empty.conf")),
+            )
             .stdin(Stdio::null());
         run(cmd, Duration::from_secs(120))
     }
@@ -258,23 +276,35 @@ impl Cluster {
         .unwrap();
         std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
         std::fs::write(self.base.join("empty.conf"), "").unwrap();
-        let mut cmd = Command::new("sh");
+        let mut cmd = self.command(Path::new("sh"));
         // The open-file limit up to the hard limit before the VM starts.
         cmd.arg("-c")
             .arg(format!(
                 "ulimit -n $(ulimit -Hn) 2>/dev/null; exec {BIN}/rabbitmq-server"
             ))
             .current_dir(dir)
-            .env("HOME", &self.home)
+            .env("HOME", self.inside(&self.home))
             .env("RABBITMQ_NODENAME", &node.name)
             .env("RABBITMQ_NODE_PORT", node.amqp_port.to_string())
             .env("RABBITMQ_DIST_PORT", node.dist_port.to_string())
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
-            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq.conf"))
-            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
-            .env("RABBITMQ_CONF_ENV_FILE", self.base.join("empty.conf"))
+            .env("RABBITMQ_MNESIA_BASE", self.inside(&dir.join("mnesia")))
+            .env("RABBITMQ_LOG_BASE", self.inside(&dir.join("log")))
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                self.inside(&dir.join("enabled_plugins")),
+            )
+            .env(
+                "RABBITMQ_CONFIG_FILE",
+                self.inside(&dir.join("rabbitmq.conf")),
+            )
+            .env(
+                "RABBITMQ_ADVANCED_CONFIG_FILE",
+                self.inside(&dir.join("advanced.config")),
+            )
+            .env(
+                "RABBITMQ_CONF_ENV_FILE",
+                self.inside(&self.base.join("empty.conf")),
+            )
             .env("ERL_EPMD_ADDRESS", "127.0.0.1")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -286,6 +316,25 @@ impl Cluster {
         }
         let child = cmd.spawn().expect("spawn rabbitmq-server");
         self.nodes[i].child = Some(child);
+    }
+
+    /// `program` run from the broker's folder: under `chroot` when that is not `/`.
+    fn command(&self, program: &Path) -> Command {
+        if self.root == Path::new("/") {
+            Command::new(program)
+        } else {
+            let mut cmd = Command::new("chroot");
+            cmd.arg(&self.root).arg(program);
+            cmd
+        }
+    }
+
+    /// `path` (under the broker's folder) as the broker sees it.
+    fn inside(&self, path: &Path) -> PathBuf {
+        match path.strip_prefix(&self.root) {
+            Ok(rest) => Path::new("/").join(rest),
+            Err(_) => path.to_path_buf(),
+        }
     }
 
     /// Waits until node `i` runs the broker application (or panics after [`BOOT`]).

@@ -29,6 +29,32 @@ pub fn amqp_url() -> String {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
+/// RabbitMQ's management HTTP API for tests (override with POSTIE_TEST_MANAGEMENT_URL).
+pub fn management_url() -> String {
+    std::env::var("POSTIE_TEST_MANAGEMENT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+}
+
+/// The `host:port` of the test broker's AMQP listener, from [`amqp_url`].
+pub fn amqp_host_port() -> String {
+    let url = url::Url::parse(&amqp_url()).expect("POSTIE_TEST_AMQP_URL is a URL");
+    format!(
+        "{}:{}",
+        url.host_str().unwrap_or("127.0.0.1"),
+        url.port().unwrap_or(5672)
+    )
+}
+
+/// `rabbitmqctl` for the test broker: POSTIE_TEST_RABBITMQCTL names the command and
+/// its leading arguments, split on spaces (`make test-rabbitmq-4` sets it to
+/// `scripts/rabbitmq-4.sh ctl`); plain `rabbitmqctl` when unset.
+pub fn rabbitmqctl_command(args: &[&str]) -> Command {
+    let configured = std::env::var("POSTIE_TEST_RABBITMQCTL").unwrap_or_default();
+    let mut words = configured.split_whitespace();
+    let mut cmd = Command::new(words.next().unwrap_or("rabbitmqctl"));
+    cmd.args(words).args(args);
+    cmd
+}
+
 /// PostgreSQL server for tests, without a database name (override with POSTIE_TEST_PG).
 pub fn pg_base() -> String {
     std::env::var("POSTIE_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())

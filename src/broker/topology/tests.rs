@@ -8,7 +8,7 @@ fn topology(steps: &[u64]) -> Topology {
             prefix: "p".into(),
             retry_steps: steps.iter().map(|s| Duration::from_secs(*s)).collect(),
             delivery_limit: 5,
-            quorum_initial_group_size: None,
+            ..TopologySettings::default()
         },
         &DelaySettings::default(),
         DelayMode::Plugin,
@@ -56,6 +56,18 @@ fn broker_errors_map_to_messages_naming_the_fix() {
     assert!(
         text.contains("rabbitmq_delayed_message_exchange") && text.contains("delay.mode = ladder"),
         "{text}"
+    );
+    // RabbitMQ 4.3 refuses the unknown type with 406, the code of a real conflict.
+    let missing_on_4 = lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
+        "PRECONDITION_FAILED - unknown exchange type 'x-delayed-message'".into(),
+    )));
+    assert!(
+        matches!(
+            classify("exchange p.delayed".into(), missing_on_4),
+            TopologyError::PluginMissing { .. }
+        ),
+        "4.3's 406 for an unknown type is not a conflicting declaration"
     );
     let mismatch = lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
         AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
