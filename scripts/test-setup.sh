@@ -31,13 +31,15 @@ wait_for() { # what, seconds, command...
 # --- Tools --------------------------------------------------------------------------
 # Debian's packages: socat and openssl (TLS in front of the broker, tests/security.rs),
 # Go and Debian's amqp091-go (the Go producer example is built in GOPATH mode against
-# it, without the module proxy).
+# it, without the module proxy), and libfaketime (instances with a wrong clock,
+# tests/gray_clock.rs).
 apt_missing=()
 command -v socat >/dev/null || apt_missing+=(socat)
 command -v openssl >/dev/null || apt_missing+=(openssl)
 command -v go >/dev/null || apt_missing+=(golang-go)
 [ -d /usr/share/gocode/src/github.com/rabbitmq/amqp091-go ] \
     || apt_missing+=(golang-github-rabbitmq-amqp091-go-dev)
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || apt_missing+=(faketime)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     root || die "installing ${apt_missing[*]} needs root (apt-get); run as root or install them"
     command -v apt-get >/dev/null || die "no apt-get to install ${apt_missing[*]}; install them"

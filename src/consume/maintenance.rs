@@ -18,11 +18,13 @@ use super::session::bounded;
 use super::Service;
 use crate::broker;
 use crate::inbox::PrunePlan;
+use crate::ops::backoff::Backoff;
 use crate::ops::metrics::PrunedLabel;
 
 /// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie").
 const MAINTENANCE_LOCK: i64 = 0x706f_7374_6965 + 1;
-/// How often a standby instance tries the lock.
+/// How often a standby instance tries the lock (backing off from there, up to
+/// `worker.outage_backoff_max`, while PostgreSQL does not answer).
 const TRY_EVERY: Duration = Duration::from_secs(2);
 /// How often the leader checks that its lock connection still stands.
 const TICK: Duration = Duration::from_secs(1);
@@ -33,22 +35,27 @@ impl Service {
         let service = self.clone();
         tokio::spawn(async move {
             let mut standby: Option<tokio_postgres::Client> = None;
+            let max = service.settings.worker.outage_backoff_max.max(TRY_EVERY);
+            let mut backoff = Backoff::new(TRY_EVERY, max);
             while !stop.is_cancelled() {
+                let mut wait = TRY_EVERY;
                 match service.try_lead(&mut standby).await {
                     Ok(Some(client)) => {
                         let why = service.lead(&client, &stop).await;
                         service.step_down(why);
+                        backoff.succeeded();
                         // Dropping the client closes its session: the lock is released.
                     }
-                    Ok(None) => {}
+                    Ok(None) => backoff.succeeded(),
                     Err(error) => {
                         tracing::debug!(%error, "maintenance lock not tried");
                         standby = None;
+                        wait = backoff.failed();
                     }
                 }
                 tokio::select! {
                     _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(TRY_EVERY) => {}
+                    _ = tokio::time::sleep(wait) => {}
                 }
             }
         })

@@ -9,6 +9,7 @@
 //! - `session.rs`: the supervisor (connect, declare, run the roles, reconnect).
 //! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
 //! - `send.rs`: the send role's handler, and dispositions carried out.
+//! - `publisher.rs`: the session's confirm channel, replaced when the broker closes it.
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
@@ -20,6 +21,7 @@
 
 mod maintenance;
 mod pollers;
+mod publisher;
 mod reconcile;
 mod relay;
 mod scheduler;
@@ -61,6 +63,15 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
             tracing::info!(migration = %applied, "applied migration");
         }
     }
+    // Due times are read on PostgreSQL's clock: measured before the first is read.
+    let mut clock_warned = None;
+    if let Err(error) = inbox.sync_clock(&mut clock_warned).await {
+        tracing::warn!(%error, "could not measure this instance's clock against PostgreSQL's; using it as is until the next try");
+    }
+    let clock = tokio::spawn({
+        let (inbox, stop) = (inbox.clone(), stop.child_token());
+        async move { inbox.discipline_clock(clock_warned, stop).await }
+    });
     let mailer = Mailer::new(&settings.smtp)?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
@@ -96,6 +107,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     service.run(connection, stop).await;
     // `stop` is cancelled by now: maintenance ends and releases its lock.
     let _ = tokio::time::timeout(GOODBYE_TIMEOUT, maintenance).await;
+    clock.abort();
     tracing::info!("postie stopped");
     Ok(())
 }

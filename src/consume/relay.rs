@@ -14,8 +14,8 @@ use std::collections::BinaryHeap;
 
 use lapin::message::Delivery;
 use lapin::types::FieldTable;
-use lapin::Channel;
 
+use super::publisher::Publisher;
 use super::Service;
 use crate::broker::ladder::Route;
 use crate::broker::{Acks, DelayLayout, Topology, ROUTING_KEY};
@@ -161,7 +161,7 @@ impl Service {
         &self,
         delivery: Delivery,
         decision: Decision,
-        publish: &Channel,
+        publish: &Publisher,
         acks: &Acks,
     ) {
         let headers = delivery.properties.headers().as_ref();

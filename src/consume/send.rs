@@ -4,19 +4,20 @@
 use std::time::Duration;
 
 use lapin::message::Delivery;
-use lapin::{BasicProperties, Channel};
+use lapin::BasicProperties;
 use tracing::Instrument;
 
+use super::publisher::Publisher;
 use super::Service;
-use crate::broker::{self, Acks, DelayLayout, PublishError};
+use crate::broker::{Acks, DelayLayout, PublishError};
 use crate::headers::{self, header_int, HEADER_ATTEMPT};
-use crate::ops::health::next_backoff;
+use crate::ops::backoff::Backoff;
 use crate::work::{Disposition, Target};
 
 impl Service {
     /// One delivery of `<p>.send`: the worker names its outcome, the outcome its
     /// disposition.
-    pub(super) async fn handle_send(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
+    pub(super) async fn handle_send(&self, delivery: Delivery, publish: &Publisher, acks: &Acks) {
         let headers = delivery.properties.headers().as_ref();
         let attempt = header_int(headers, HEADER_ATTEMPT).unwrap_or(0);
         let span = tracing::info_span!(
@@ -63,7 +64,7 @@ impl Service {
         &self,
         disposition: Disposition,
         delivery: &Delivery,
-        publish: &Channel,
+        publish: &Publisher,
         acks: &Acks,
     ) -> bool {
         match disposition {
@@ -85,7 +86,7 @@ impl Service {
     /// then returns to its queue by itself) or on hard stop.
     async fn publish_retrying(
         &self,
-        publish: &Channel,
+        publish: &Publisher,
         delivery: &Delivery,
         target: Target,
     ) -> Result<(), PublishError> {
@@ -103,27 +104,31 @@ impl Service {
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
         let mandatory = !(exchange == self.topology.delayed_exchange()
             && self.topology.delay() == DelayLayout::Plugin);
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(
+            Duration::from_millis(100),
+            self.settings.worker.outage_backoff_max,
+        );
         loop {
-            match broker::publish_confirmed(
-                publish,
-                &exchange,
-                &routing_key,
-                mandatory,
-                &delivery.data,
-                properties.clone(),
-            )
-            .await
+            match publish
+                .publish(
+                    &exchange,
+                    &routing_key,
+                    mandatory,
+                    &delivery.data,
+                    properties.clone(),
+                )
+                .await
             {
                 Ok(()) => return Ok(()),
-                Err(PublishError::Broker(e)) => return Err(PublishError::Broker(e)),
+                // The connection is gone: the delivery returns to its queue by itself.
+                Err(error) if !publish.connection_stands() => return Err(error),
+                // Refused, nacked, or the channel closed by the broker (replaced on the
+                // next try): retry with backoff.
                 Err(error) => {
                     tracing::warn!(%error, "republish refused; retrying");
-                    tokio::select! {
-                        _ = self.hard_stop.cancelled() => return Err(error),
-                        _ = tokio::time::sleep(backoff) => {}
+                    if !backoff.wait(&self.hard_stop).await {
+                        return Err(error);
                     }
-                    backoff = next_backoff(backoff, self.settings.worker.outage_backoff_max);
                 }
             }
         }

@@ -4,13 +4,16 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
+use super::publisher::Publisher;
 use super::stream::Lane;
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker::{self, DelayLayout, Topology};
-use crate::ops::health::next_backoff;
+use crate::ops::backoff::Backoff;
 use crate::ops::metrics::Dependency;
 
 /// How often a consume loop checks that its connection still stands, in case the
@@ -21,8 +24,13 @@ impl Service {
     /// Serves until `stop`: one session after another, reconnecting with backoff.
     pub(super) async fn run(&self, first: broker::Connected, stop: CancellationToken) {
         let mut connection = Some(first);
-        let mut backoff = Duration::from_millis(200);
-        let max_backoff = self.settings.worker.outage_backoff_max;
+        // One backoff for dialling and for sessions that fail at once: it resets only
+        // after a session that stood for its cap (a broker that accepts connections
+        // but refuses the declaration is redialled ever more slowly, not 5 times a second).
+        let mut backoff = Backoff::new(
+            Duration::from_millis(200),
+            self.settings.worker.outage_backoff_max,
+        );
         while !stop.is_cancelled() {
             // Each attempt tries every address in turn, starting past the last one used.
             let broker::Connected {
@@ -46,15 +54,19 @@ impl Service {
                         connected
                     }
                     Err(error) => {
-                        tracing::warn!(%error, "RabbitMQ unavailable; retrying");
-                        sleep_unless(&stop, backoff).await;
-                        backoff = next_backoff(backoff, max_backoff);
+                        let wait = backoff.failed();
+                        tracing::warn!(%error, retry_in = ?wait, "RabbitMQ unavailable; retrying");
+                        sleep_unless(&stop, wait).await;
                         continue;
                     }
                 },
             };
             self.worker.health().set_broker_address(&address);
-            let ended = self.session(&conn, &stop).await;
+            let conn = Arc::new(conn);
+            let mut up_since = None;
+            let ended = self.session(&conn, &stop, &mut up_since).await;
+            backoff.ran_for(up_since.map_or(Duration::ZERO, |t: std::time::Instant| t.elapsed()));
+            let wait = backoff.failed();
             self.worker.health().set_broker_up(false);
             match ended {
                 Ok(SessionEnd::Stopped) => {
@@ -62,24 +74,25 @@ impl Service {
                     return;
                 }
                 Ok(SessionEnd::Lost(reason)) => {
-                    tracing::warn!(%reason, broker = %address, "lost the broker session; reconnecting");
+                    tracing::warn!(%reason, broker = %address, retry_in = ?wait, "lost the broker session; reconnecting");
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::describe_error(&error), broker = %address, "broker session failed; reconnecting");
+                    tracing::warn!(error = %crate::describe_error(&error), broker = %address, retry_in = ?wait, "broker session failed; reconnecting");
                 }
             }
             bounded(conn.close(320, "postie reconnecting".into())).await;
-            backoff = Duration::from_millis(200);
-            sleep_unless(&stop, backoff).await;
+            sleep_unless(&stop, wait).await;
         }
     }
 
     /// One connection's worth of work: every role's consume loop, until one is lost
-    /// or a stop is asked for.
+    /// or a stop is asked for. `up_since` is set once the topology is declared and the
+    /// publishing channel open.
     async fn session(
         &self,
-        conn: &Connection,
+        conn: &Arc<Connection>,
         stop: &CancellationToken,
+        up_since: &mut Option<std::time::Instant>,
     ) -> anyhow::Result<SessionEnd> {
         let setup = self.settings.amqp.connect_timeout;
         within(
@@ -89,9 +102,10 @@ impl Service {
         )
         .await?;
         let publish = within(setup, "opening the publishing channel", async {
-            Ok(broker::confirm_channel(conn).await?)
+            Ok(Publisher::open(conn.clone()).await?)
         })
         .await?;
+        *up_since = Some(std::time::Instant::now());
         let session_stop = stop.child_token();
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
@@ -130,7 +144,7 @@ impl Service {
         // Ends the watchdog of this session.
         session_stop.cancel();
         let end = end?;
-        bounded(publish.close(200, "done".into())).await;
+        publish.close().await;
         Ok(match end {
             SessionEnd::Lost(reason) => SessionEnd::Lost(reason),
             SessionEnd::Stopped if stop.is_cancelled() => SessionEnd::Stopped,

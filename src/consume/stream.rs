@@ -9,11 +9,12 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
+use lapin::Connection;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::publisher::Publisher;
 use super::relay::{Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
@@ -47,7 +48,7 @@ impl Service {
         &self,
         conn: &Connection,
         lane: Lane,
-        publish: &Channel,
+        publish: &Publisher,
         (stop, lost): (&CancellationToken, &CancellationToken),
     ) -> anyhow::Result<SessionEnd> {
         let Lane {
@@ -173,7 +174,7 @@ impl Service {
         tracker: &TaskTracker,
         slot: OwnedSemaphorePermit,
         work: Work,
-        publish: &Channel,
+        publish: &Publisher,
         acks: &Acks,
     ) {
         let (this, publish, acks) = (self.clone(), publish.clone(), acks.clone());

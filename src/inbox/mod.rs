@@ -10,6 +10,8 @@ use tokio_postgres::NoTls;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 mod claim;
+pub mod clock;
+mod error;
 mod migrate;
 mod prune;
 mod queries;
@@ -19,6 +21,7 @@ mod status;
 mod tls;
 
 pub use claim::{Claim, Scheduled};
+pub use error::DbError;
 pub use prune::{PrunePlan, Pruned};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
 pub use reconcile::Overdue;
@@ -27,67 +30,6 @@ pub use status::Status;
 use crate::config::{database_plan, DatabaseSettings, DbTls};
 use crate::endpoint::redact_url;
 use tls::tls_config;
-
-/// PostgreSQL could not be reached, or refused a statement.
-#[derive(Debug, thiserror::Error)]
-#[error("database: {message}")]
-pub struct DbError {
-    message: String,
-    /// The SQLSTATE class (first two characters), when the server answered.
-    class: Option<String>,
-}
-
-impl DbError {
-    /// A statement's result this postie cannot read: a refusal, not an outage.
-    fn refused(message: String) -> Self {
-        Self {
-            message,
-            class: Some("22".into()),
-        }
-    }
-
-    /// True when the database itself is unavailable (no answer, connection errors,
-    /// shutdown, resource exhaustion, serialization conflicts): not the job's fault,
-    /// so wait and retry. False when the server refused the statement for what it
-    /// carried (e.g. class 22, a value out of range), which no retry can fix.
-    pub fn is_outage(&self) -> bool {
-        match self.class.as_deref() {
-            None => true,
-            Some(class) => matches!(class, "08" | "40" | "53" | "55" | "57" | "58" | "XX"),
-        }
-    }
-}
-
-impl From<tokio_postgres::Error> for DbError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        // The Display of a db error carries the server message; of an io error, the cause.
-        match e.as_db_error() {
-            Some(db) => Self {
-                message: format!("{}: {}", db.code().code(), db.message()),
-                class: Some(db.code().code().chars().take(2).collect()),
-            },
-            None => Self {
-                message: match std::error::Error::source(&e) {
-                    Some(cause) => format!("{e}: {cause}"),
-                    None => e.to_string(),
-                },
-                class: None,
-            },
-        }
-    }
-}
-
-impl From<deadpool_postgres::PoolError> for DbError {
-    fn from(e: deadpool_postgres::PoolError) -> Self {
-        match e {
-            deadpool_postgres::PoolError::Backend(e) => e.into(),
-            other => Self {
-                message: other.to_string(),
-                class: None,
-            },
-        }
-    }
-}
 
 /// A pool of connections to the inbox database.
 #[derive(Clone)]

@@ -9,7 +9,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -23,6 +22,8 @@ pub struct Health {
 
 struct Inner {
     database_up: watch::Sender<bool>,
+    /// Why PostgreSQL is unavailable, in words (empty while it answers).
+    database_cause: std::sync::Mutex<String>,
     smtp_up: watch::Sender<bool>,
     smtp_failures: AtomicU32,
     smtp_threshold: u32,
@@ -38,6 +39,7 @@ impl Health {
         Self {
             inner: Arc::new(Inner {
                 database_up: watch::channel(true).0,
+                database_cause: std::sync::Mutex::new(String::new()),
                 smtp_up: watch::channel(true).0,
                 smtp_failures: AtomicU32::new(0),
                 smtp_threshold: smtp_threshold.max(1),
@@ -59,26 +61,56 @@ impl Health {
         *self.inner.database_up.borrow()
     }
 
-    /// Records whether PostgreSQL answered; logs and counts the transitions.
-    pub fn set_database_up(&self, up: bool) {
+    /// PostgreSQL answered: logs and counts the way back from an outage.
+    pub fn set_database_up(&self) {
+        if self.database_changes_to(true) {
+            self.database_cause().clear();
+            tracing::info!("PostgreSQL answers again");
+            self.inner
+                .metrics
+                .reconnected(super::metrics::Dependency::postgresql);
+        }
+    }
+
+    /// PostgreSQL is unavailable for `cause` (words an operator reads, e.g. "the
+    /// database is read-only (25006) — a failover to a standby?") and `error` (the
+    /// server's words): pauses consumption and logs one line when the outage starts
+    /// and when its cause changes (a restart that comes back read-only).
+    pub fn set_database_down(&self, cause: &str, error: &str) {
+        let new_cause = {
+            let mut current = self.database_cause();
+            let new = *current != cause;
+            if new {
+                cause.clone_into(&mut current);
+            }
+            new
+        };
+        if self.database_changes_to(false) || new_cause {
+            tracing::error!(
+                %error,
+                "PostgreSQL unavailable: {cause}; pausing consumption, holding in-flight deliveries"
+            );
+        }
+    }
+
+    fn database_cause(&self) -> std::sync::MutexGuard<'_, String> {
+        self.inner
+            .database_cause
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records whether PostgreSQL is up; true if that changed it.
+    fn database_changes_to(&self, up: bool) -> bool {
         let changed = self.inner.database_up.send_if_modified(|current| {
             let changed = *current != up;
             *current = up;
             changed
         });
         if changed {
-            if up {
-                tracing::info!("PostgreSQL answers again");
-                self.inner
-                    .metrics
-                    .reconnected(super::metrics::Dependency::postgresql);
-            } else {
-                tracing::error!(
-                    "PostgreSQL unavailable: pausing consumption, holding in-flight deliveries"
-                );
-            }
             self.update_paused();
         }
+        changed
     }
 
     /// True while the SMTP circuit is closed.
@@ -208,11 +240,6 @@ impl Health {
     }
 }
 
-/// Capped exponential backoff.
-pub fn next_backoff(current: Duration, max: Duration) -> Duration {
-    (current * 2).min(max)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +261,20 @@ mod tests {
         assert!(health.not_ready().is_empty());
         health.set_draining();
         assert_eq!(health.not_ready(), ["draining"]);
+    }
+
+    #[test]
+    fn a_database_outage_pauses_until_it_answers_whatever_its_cause() {
+        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()), 3);
+        health.set_broker_up(true);
+        health.set_database_down("the database is read-only (25006)", "25006: read-only");
+        // A new cause while down (a restart that comes back read-only) keeps it down.
+        health.set_database_down("the database server ended the session (57P01)", "57P01");
+        assert!(health.paused());
+        assert_eq!(health.not_ready(), ["database unreachable"]);
+        health.set_database_up();
+        assert!(!health.paused());
+        assert!(health.not_ready().is_empty());
+        assert!(health.database_cause().is_empty());
     }
 }

@@ -18,7 +18,8 @@ pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
 pub use policy::{Failure, Next, RetryPolicy};
 pub use worker::{Interrupted, Worker};
 
-/// Now, in Unix milliseconds.
+/// Now on the fleet's clock (PostgreSQL's, see [`crate::inbox::clock`]), in Unix
+/// milliseconds: what every due time is stamped and checked with.
 pub fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
+    crate::inbox::clock::fleet_now_ms()
 }

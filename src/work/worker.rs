@@ -32,7 +32,8 @@ use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Re
 use crate::headers::{header_int, HEADER_ATTEMPT};
 use crate::inbox::{Claim, DbError, Inbox, Scheduled};
 use crate::mail::{Clearance, Mailer, SendError, Slot};
-use crate::ops::health::{next_backoff, Health};
+use crate::ops::backoff::Backoff;
+use crate::ops::health::Health;
 
 /// What [`Worker::follow`] leads to.
 enum Followed {
@@ -440,14 +441,13 @@ impl Worker {
         let (mailer, health) = (self.mailer.clone(), self.health.clone());
         let max = self.settings.worker.outage_backoff_max;
         tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(500);
+            let mut backoff = Backoff::new(Duration::from_millis(500), max);
             loop {
-                tokio::time::sleep(backoff).await;
+                tokio::time::sleep(backoff.failed()).await;
                 if mailer.probe().await {
                     health.transport_recovered();
                     return;
                 }
-                backoff = next_backoff(backoff, max);
             }
         });
     }
@@ -464,7 +464,7 @@ impl Worker {
         let message_id = self.mailer.message_id(job);
         let lateness_ms = now_ms() - due_ms;
         let kept = self
-            .db("record sent", || {
+            .db_durable("record sent", || {
                 self.inbox
                     .mark_sent(key.as_str(), fence, &message_id, due_ms)
             })
@@ -485,33 +485,60 @@ impl Worker {
         ParseRules::from_settings(&self.settings).for_user(user_id)
     }
 
-    /// Runs one database step until PostgreSQL answers, with capped backoff.
-    async fn db<T, F, Fut>(&self, what: &str, mut step: F) -> Result<T, Stop>
+    /// Runs one database step until PostgreSQL answers (an outage is waited out with
+    /// [`Backoff`]); a refusal for what the job carried stops it.
+    async fn db<T, F, Fut>(&self, what: &str, step: F) -> Result<T, Stop>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, DbError>>,
     {
-        let mut backoff = Duration::from_millis(100);
+        self.db_until(what, step, DbError::is_outage).await
+    }
+
+    /// Like [`Worker::db`], but every error is waited out, a refusal too: for a
+    /// record that must be written (a `sent` after the relay's 250) and is never the
+    /// job's fault, since it carries only what the claim already took.
+    async fn db_durable<T, F, Fut>(&self, what: &str, step: F) -> Result<T, Stop>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, DbError>>,
+    {
+        self.db_until(what, step, |_| true).await
+    }
+
+    /// Runs `step` until it succeeds, waiting out every error that `wait_out` says
+    /// is not the job's; pauses consumption (readiness false) meanwhile.
+    async fn db_until<T, F, Fut>(
+        &self,
+        what: &str,
+        mut step: F,
+        wait_out: fn(&DbError) -> bool,
+    ) -> Result<T, Stop>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, DbError>>,
+    {
+        let mut backoff = Backoff::new(
+            Duration::from_millis(100),
+            self.settings.worker.outage_backoff_max,
+        );
         loop {
             match step().await {
                 Ok(value) => {
-                    self.health.set_database_up(true);
+                    self.health.set_database_up();
                     return Ok(value);
                 }
-                Err(error) if !error.is_outage() => {
+                Err(error) if !wait_out(&error) => {
                     tracing::error!(%error, step = what, "the database refused a statement for this job");
                     return Err(Stop::Refused(error));
                 }
                 Err(error) => {
-                    if self.health.database_up() {
-                        tracing::warn!(%error, step = what, "database step failed");
+                    tracing::debug!(%error, step = what, "database step failed");
+                    self.health
+                        .set_database_down(&error.cause(), &error.to_string());
+                    if !backoff.wait(&self.hard_stop).await {
+                        return Err(Stop::Interrupted);
                     }
-                    self.health.set_database_up(false);
-                    tokio::select! {
-                        _ = self.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = next_backoff(backoff, self.settings.worker.outage_backoff_max);
                 }
             }
         }
