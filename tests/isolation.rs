@@ -13,7 +13,6 @@ use secrecy::SecretString;
 use support::{amqp_url, eventually, job, TestEnv};
 
 /// The management API of the test broker.
-const MANAGEMENT: &str = "http://127.0.0.1:15672/api";
 
 /// A RabbitMQ user made through the management API, with every permission on `/`;
 /// deleted on drop.
@@ -60,7 +59,7 @@ impl Drop for ManagedUser {
                 .unwrap();
             runtime.block_on(async {
                 let _ = reqwest::Client::new()
-                    .delete(format!("{MANAGEMENT}/users/{name}"))
+                    .delete(format!("{}/api/users/{name}", support::management_url()))
                     .basic_auth("guest", Some("guest"))
                     .send()
                     .await;
@@ -79,7 +78,7 @@ async fn purge(queue: &str) {
 /// One call to the management API as guest, which must succeed.
 async fn management(method: reqwest::Method, path: &str, body: Option<serde_json::Value>) {
     let mut request = reqwest::Client::new()
-        .request(method, format!("{MANAGEMENT}/{path}"))
+        .request(method, format!("{}/api/{path}", support::management_url()))
         .basic_auth("guest", Some("guest"));
     if let Some(body) = body {
         request = request.json(&body);
@@ -362,4 +361,37 @@ async fn ge_keys_are_namespaced_by_the_producers_user() {
         "{status:?}\n{}",
         process.log()
     );
+}
+
+/// With `worker.key_namespace` off, a producer may still set `user_id` (its own user,
+/// which the broker checks): postie's re-publishes (retries, the ladder) drop it, since
+/// postie's own user is no impersonator, so the job is not stuck refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ge_a_producers_user_id_does_not_block_postie_s_republishes() {
+    let env = TestEnv::new("ge.uid").await;
+    let tag = &env.prefix[env.prefix.len() - 6..];
+    let producer = ManagedUser::create(&format!("ge-uid-{tag}"), "").await;
+    let svc = Producer::connect(&producer, "uid@example.com").await;
+    // Its first attempt gets a 4xx, so it goes through a retry queue; the other job
+    // waits in the ladder.
+    env.sink
+        .set_faults(
+            serde_json::json!([{"stage": "rcpt", "rcpt_contains": "uid@example.com",
+            "times": 1, "action": {"reply": "451 4.3.0 try again"}}]),
+        )
+        .await;
+    svc.send(&env, &format!("{}-retried", env.prefix), None)
+        .await;
+    svc.send(&env, &format!("{}-delayed", env.prefix), Some(1_500))
+        .await;
+    let postie = env.serve(env.settings());
+    env.wait_for_emails(
+        "both jobs, through a retry and the ladder",
+        2,
+        Duration::from_secs(60),
+    )
+    .await;
+    let per_id = env.emails_per_id().await;
+    assert!(per_id.values().all(|n| *n == 1), "{per_id:?}");
+    postie.stop().await;
 }

@@ -287,9 +287,58 @@ pub fn job_properties() -> BasicProperties {
         .with_content_type("application/json".into())
 }
 
+/// `properties` without `user_id`. RabbitMQ refuses a publish whose `user_id` is not
+/// the publishing connection's user (406, closing the channel) unless that user has
+/// the `impersonator` tag: a producer's `user_id` cannot ride along on postie's own
+/// re-publishes unless postie needs it (`worker.key_namespace = "user_id"`).
+pub fn without_user_id(properties: &BasicProperties) -> BasicProperties {
+    let mut out = BasicProperties::default();
+    macro_rules! copy {
+        ($($get:ident => $set:ident),* $(,)?) => {
+            $(if let Some(value) = properties.$get() {
+                out = out.$set(value.clone());
+            })*
+        };
+    }
+    copy!(
+        content_type => with_content_type,
+        content_encoding => with_content_encoding,
+        headers => with_headers,
+        delivery_mode => with_delivery_mode,
+        priority => with_priority,
+        correlation_id => with_correlation_id,
+        reply_to => with_reply_to,
+        expiration => with_expiration,
+        message_id => with_message_id,
+        timestamp => with_timestamp,
+        kind => with_type,
+        app_id => with_app_id,
+        cluster_id => with_cluster_id,
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_user_id_is_dropped() {
+        let full = job_properties()
+            .with_user_id("svc-a".into())
+            .with_message_id("m-1".into())
+            .with_timestamp(1_700_000_000)
+            .with_app_id("shop".into())
+            .with_correlation_id("c-1".into())
+            .with_priority(3);
+        let expected = job_properties()
+            .with_message_id("m-1".into())
+            .with_timestamp(1_700_000_000)
+            .with_app_id("shop".into())
+            .with_correlation_id("c-1".into())
+            .with_priority(3);
+        assert_eq!(without_user_id(&full), expected);
+    }
 
     #[test]
     fn addresses_are_tried_in_turn_from_any_start() {

@@ -9,7 +9,8 @@ use tracing::Instrument;
 
 use super::publisher::Publisher;
 use super::Service;
-use crate::broker::{Acks, DelayLayout, PublishError};
+use crate::broker::{self, Acks, DelayLayout, PublishError};
+use crate::config::KeyNamespace;
 use crate::headers::{self, header_int, HEADER_ATTEMPT};
 use crate::ops::backoff::Backoff;
 use crate::work::{Disposition, Target};
@@ -96,11 +97,11 @@ impl Service {
             headers,
         } = target;
         let headers = headers::without(Some(&headers), headers::BROKER_DEATH_HEADERS);
-        let properties: BasicProperties = delivery
-            .properties
-            .clone()
-            .with_delivery_mode(2)
-            .with_headers(headers);
+        let properties = match self.settings.worker.key_namespace {
+            KeyNamespace::UserId => delivery.properties.clone(),
+            KeyNamespace::Off => broker::without_user_id(&delivery.properties),
+        };
+        let properties: BasicProperties = properties.with_delivery_mode(2).with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
         let mandatory = !(exchange == self.topology.delayed_exchange()
             && self.topology.delay() == DelayLayout::Plugin);
