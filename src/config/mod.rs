@@ -16,11 +16,13 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod database;
+mod memory;
 mod rate;
 mod sections;
 mod smtp;
 
 pub use database::{database_plan, DbPlan, DbTls};
+pub use memory::Prefetch;
 pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
@@ -146,6 +148,7 @@ impl Settings {
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
         }
+        self.check_budget()?;
         if self.smtp.pool_size == 0 {
             return fail("smtp.pool_size must be at least 1".into());
         }

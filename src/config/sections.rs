@@ -221,8 +221,14 @@ pub struct WorkerSettings {
     /// the lease has expired, so it must be well above `smtp.timeout`.
     #[serde(deserialize_with = "duration")]
     pub lease: Duration,
-    /// Largest accepted message body, in bytes.
+    /// Largest accepted message body, in bytes. A larger one is dead-lettered by its
+    /// length, before any parse (on the relay too).
     pub max_body_bytes: usize,
+    /// The bytes of message bodies one instance may hold: each lane's prefetch
+    /// (`amqp.prefetch`, `delay.relay_prefetch`) is cut so that its deliveries, each
+    /// counted at `max_body_bytes`, fit. Must hold at least `concurrency` (plus
+    /// `delay.relay_concurrency` unless delays are in plugin mode) such bodies.
+    pub inflight_bytes: u64,
     /// Name of this instance in the inbox `owner` column (default: host-pid-random).
     pub instance_id: Option<String>,
     /// Largest wait between tries while a dependency is down.
@@ -241,6 +247,7 @@ impl Default for WorkerSettings {
             threads: None,
             lease: Duration::from_secs(60),
             max_body_bytes: 512 * 1024,
+            inflight_bytes: 128 * 1024 * 1024,
             instance_id: None,
             outage_backoff_max: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),

@@ -92,6 +92,14 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         broker = %connection.address,
         "postie serving"
     );
+    let prefetch = service.prefetch();
+    tracing::info!(
+        send_prefetch = prefetch.send,
+        relay_prefetch = prefetch.relay,
+        inflight_bytes = service.settings.worker.inflight_bytes,
+        max_body_bytes = service.settings.worker.max_body_bytes,
+        "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
+    );
     let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
     // `stop` is cancelled by now: maintenance ends and releases its lock.

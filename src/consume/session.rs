@@ -101,7 +101,7 @@ impl Service {
             Lane {
                 role: Role::Send,
                 queue: self.topology.send_queue(),
-                prefetch: self.settings.amqp.prefetch,
+                prefetch: self.prefetch().send,
                 concurrency: self.settings.worker.concurrency,
             },
             &publish,
@@ -114,7 +114,7 @@ impl Service {
                 Lane {
                     role: Role::Relay,
                     queue: self.topology.intake_queue(),
-                    prefetch: delay.relay_prefetch.max(delay.relay_concurrency),
+                    prefetch: self.prefetch().relay,
                     concurrency: delay.relay_concurrency as usize,
                 },
                 &publish,

@@ -17,7 +17,9 @@ use tokio_util::task::TaskTracker;
 use super::relay::{Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
-use crate::broker::Acks;
+use crate::broker::{Acks, DelayLayout};
+use crate::config::Prefetch;
+use crate::contract::ParseRules;
 use crate::work::now_ms;
 
 /// A delivery to handle in a slot of its loop.
@@ -41,6 +43,12 @@ pub(super) struct Lane {
 }
 
 impl Service {
+    /// Each lane's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
+    pub(super) fn prefetch(&self) -> Prefetch {
+        let ladder = matches!(self.topology.delay(), DelayLayout::Ladder(_));
+        self.settings.prefetch(ladder)
+    }
+
     /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
     /// in-flight work to redelivery after at most the drain timeout).
     pub(super) async fn consume_loop(
@@ -81,6 +89,7 @@ impl Service {
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
+        let rules = ParseRules::from_settings(&self.settings);
         // The relay's prefetched deliveries wait here, taken earliest due first.
         let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
 
@@ -98,7 +107,7 @@ impl Service {
                     next = deliveries.next() => match next {
                         None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
                         Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                        Some(Ok(delivery)) => waiting.arrive(&self.topology, delivery, now_ms()),
+                        Some(Ok(delivery)) => waiting.arrive(&self.topology, &rules, delivery, now_ms()),
                     },
                 }
                 continue;
