@@ -149,6 +149,9 @@ impl Settings {
             return fail("delay.relay_concurrency must be at least 1".into());
         }
         self.check_budget()?;
+        if self.delay.reconcile_grace < std::time::Duration::from_secs(1) {
+            return fail("delay.reconcile_grace must be at least 1s".into());
+        }
         if self.smtp.pool_size == 0 {
             return fail("smtp.pool_size must be at least 1".into());
         }

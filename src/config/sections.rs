@@ -280,10 +280,11 @@ pub struct DelaySettings {
     pub track_pending: bool,
     /// Ladder mode, with `track_pending`: keep each scheduled job's body in the inbox
     /// until it is finished, and let the maintenance instance re-publish a job that is
-    /// overdue by more than `reconcile_grace` and has not reached the inbox (a broker
-    /// node lost with the job inside; see README, "Broker sizing").
+    /// overdue by more than `reconcile_grace` and that the broker lost: no worker holds
+    /// it and it cannot be waiting in `<p>.send` (see README, "Delays").
     pub reconcile: bool,
-    /// How overdue a scheduled job must be before the reconciler re-publishes it.
+    /// How overdue a scheduled job must be before the reconciler re-publishes it (if
+    /// the broker lost it); a pass runs every half grace. At least 1 s.
     #[serde(deserialize_with = "duration")]
     pub reconcile_grace: Duration,
 }
@@ -298,7 +299,7 @@ impl Default for DelaySettings {
             relay_prefetch: 10_000,
             track_pending: true,
             reconcile: true,
-            reconcile_grace: Duration::from_secs(60),
+            reconcile_grace: Duration::from_secs(10),
         }
     }
 }

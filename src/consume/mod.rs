@@ -10,6 +10,7 @@
 //! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
 //! - `send.rs`: the send role's handler, and dispositions carried out.
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
+//! - `arrivals.rs`: ladder mode's marks on send deliveries that wait unclaimed.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
 //!
@@ -18,6 +19,7 @@
 //! On stop, consumers are cancelled, in-flight deliveries get the drain timeout to
 //! finish, and the connection is closed cleanly.
 
+mod arrivals;
 mod maintenance;
 mod pollers;
 mod reconcile;
@@ -77,7 +79,11 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         health.clone(),
         hard_stop.clone(),
     );
+    let marks = settings.delay.track_pending
+        && settings.delay.reconcile
+        && matches!(topology.delay(), broker::DelayLayout::Ladder(_));
     let service = Service {
+        arrivals: arrivals::Arrivals::start(worker.inbox().clone(), marks),
         scheduler: scheduler::Scheduler::start(worker.clone()),
         worker,
         topology,
@@ -132,6 +138,8 @@ struct Service {
     worker: Worker,
     /// Ladder mode: records scheduled jobs in batches.
     scheduler: scheduler::Scheduler,
+    /// Ladder mode: marks waiting send deliveries as arrived, in batches.
+    arrivals: arrivals::Arrivals,
     /// The broker objects' names.
     topology: Topology,
     /// Everything configured.

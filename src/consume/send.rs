@@ -15,8 +15,14 @@ use crate::work::{Disposition, Target};
 
 impl Service {
     /// One delivery of `<p>.send`: the worker names its outcome, the outcome its
-    /// disposition.
-    pub(super) async fn handle_send(&self, delivery: Delivery, publish: &Channel, acks: &Acks) {
+    /// disposition. Still unclaimed at `mark_at`, it is marked as arrived.
+    pub(super) async fn handle_send(
+        &self,
+        delivery: Delivery,
+        mark_at: Option<tokio::time::Instant>,
+        publish: &Channel,
+        acks: &Acks,
+    ) {
         let headers = delivery.properties.headers().as_ref();
         let attempt = header_int(headers, HEADER_ATTEMPT).unwrap_or(0);
         let span = tracing::info_span!(
@@ -35,12 +41,13 @@ impl Service {
         let started = std::time::Instant::now();
         async {
             let timestamp = *delivery.properties.timestamp();
-            let disposition = match self
-                .worker
-                .process(&delivery.data, headers, timestamp)
-                .await
-            {
-                Ok(outcome) => outcome.settle(&metrics, &self.topology, headers),
+            let work = self.worker.process(&delivery.data, headers, timestamp);
+            let processed = self.arrivals.watch(mark_at, &delivery.data, work).await;
+            let disposition = match processed {
+                Ok(outcome) => {
+                    self.finish_unclaimed(&outcome, &delivery.data).await;
+                    outcome.settle(&metrics, &self.topology, headers)
+                }
                 Err(interrupted) => {
                     tracing::warn!(%interrupted, "leaving the delivery unacked for redelivery");
                     Disposition::LeaveUnacked
