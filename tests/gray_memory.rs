@@ -45,16 +45,22 @@ fn delayed(delay_ms: i64) -> lapin::BasicProperties {
     broker::job_properties().with_headers(headers)
 }
 
-/// Waits until postie has declared its consumers (the log says it serves).
-async fn wait_serving(env: &TestEnv, postie: &support::PostieProcess) {
+/// Waits until postie consumes the send queue.
+async fn wait_serving(env: &TestEnv) {
     let send = env.topology.send_queue();
     let send = &send;
     eventually("postie to consume", Duration::from_secs(60), move || async move {
         (env.consumers(send).await > 0).then_some(())
     })
     .await;
+}
+
+/// The effective prefetch is logged at start-up.
+fn assert_budget_logged(postie: &support::PostieProcess) {
     assert!(
-        postie.log().contains("in-flight bodies bounded"),
+        postie
+            .log()
+            .contains("in-flight bodies bounded: each lane's prefetch"),
         "the effective prefetch is logged at start-up: {}",
         postie.log()
     );
@@ -83,7 +89,7 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
     // with a fresh process, so that each peak is that path's own.
     for path in ["relay", "send"] {
         let postie = env.spawn_process(&[]);
-        wait_serving(&env, &postie).await;
+        wait_serving(&env).await;
         let pid = postie.child.id();
         let before = peak_rss(pid);
         match path {
@@ -103,6 +109,7 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
         )
         .await;
         let peak = peak_rss(pid);
+        assert_budget_logged(&postie);
         drop(postie);
         let letters = env.take_dead_letters().await;
         assert_eq!(letters.len(), 1, "{path}");
@@ -133,7 +140,7 @@ async fn gf_8000_html_jobs_through_the_ladder_stay_below_384_mib() {
     const HTML: usize = 60 * 1_000;
     let env = TestEnv::new("gf_htmlburst").await;
     let postie = env.spawn_process(&[]);
-    wait_serving(&env, &postie).await;
+    wait_serving(&env).await;
     let pid = postie.child.id();
 
     let html = format!("<p>{}</p>", "a".repeat(HTML - 7));
@@ -167,6 +174,7 @@ async fn gf_8000_html_jobs_through_the_ladder_stay_below_384_mib() {
         started.elapsed().as_secs_f64(),
         peak / MIB
     );
+    assert_budget_logged(&postie);
     assert!(
         peak < 384 * MIB,
         "peak RSS {} MiB is not below 384 MiB",
