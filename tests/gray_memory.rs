@@ -49,9 +49,11 @@ fn delayed(delay_ms: i64) -> lapin::BasicProperties {
 async fn wait_serving(env: &TestEnv) {
     let send = env.topology.send_queue();
     let send = &send;
-    eventually("postie to consume", Duration::from_secs(60), move || async move {
-        (env.consumers(send).await > 0).then_some(())
-    })
+    eventually(
+        "postie to consume",
+        Duration::from_secs(60),
+        move || async move { (env.consumers(send).await > 0).then_some(()) },
+    )
     .await;
 }
 
@@ -118,7 +120,11 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
             "{path}: dead-lettered by size: {}",
             letters[0].reason()
         );
-        assert_eq!(letters[0].body.len(), BODY, "the dead letter keeps the body");
+        assert_eq!(
+            letters[0].body.len(),
+            BODY,
+            "the dead letter keeps the body"
+        );
         eprintln!(
             "gf huge body, {path} path: peak RSS {} MiB before, {} MiB after",
             before / MIB,

@@ -41,7 +41,10 @@ fn settings(env: &TestEnv) -> postie::config::Settings {
 async fn republished(env: &TestEnv) -> i64 {
     env.db()
         .await
-        .query_one("SELECT coalesce(sum(reconciled), 0)::bigint FROM postie_inbox", &[])
+        .query_one(
+            "SELECT coalesce(sum(reconciled), 0)::bigint FROM postie_inbox",
+            &[],
+        )
         .await
         .unwrap()
         .get(0)
@@ -100,7 +103,12 @@ async fn gf_jobs_lost_from_the_ladder_behind_a_backlog_are_re_published() {
     let env = TestEnv::new("gf_lostladder").await;
     let serving = env.serve(settings(&env));
     let lost_jobs: Vec<_> = (0..LOST)
-        .map(|i| (job(&format!("gf-lost-{i}"), "lost@example.com"), delayed(8_000)))
+        .map(|i| {
+            (
+                job(&format!("gf-lost-{i}"), "lost@example.com"),
+                delayed(8_000),
+            )
+        })
         .collect();
     env.publish_many_with(&backlog_jobs("gf-due")).await;
     env.publish_many_with(&lost_jobs).await;
@@ -176,9 +184,11 @@ async fn gf_a_job_dead_lettered_unclaimed_finishes_its_scheduled_row() {
     env.publish_many_with(&[(bad, delayed(500))]).await;
     let dead = &env.topology.dead_queue();
     let envr = &env;
-    eventually("the job dead-lettered", Duration::from_secs(30), move || async move {
-        (envr.depth(dead).await == 1).then_some(())
-    })
+    eventually(
+        "the job dead-lettered",
+        Duration::from_secs(30),
+        move || async move { (envr.depth(dead).await == 1).then_some(()) },
+    )
     .await;
     // Several reconciler passes (every second) past the grace.
     tokio::time::sleep(Duration::from_secs(6)).await;

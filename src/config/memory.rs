@@ -85,19 +85,46 @@ mod tests {
         s.worker.inflight_bytes = 1024 * 1024;
         // Plenty: the send lane's prefetch, and the relay's up to its own cap.
         s.delay.relay_prefetch = 500;
-        assert_eq!(s.prefetch(true), Prefetch { send: 128, relay: 500 });
-        assert_eq!(s.prefetch(false), Prefetch { send: 128, relay: 0 });
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 128,
+                relay: 500
+            }
+        );
+        assert_eq!(
+            s.prefetch(false),
+            Prefetch {
+                send: 128,
+                relay: 0
+            }
+        );
         // Tight: 200 bodies; the relay keeps its concurrency's worth, the send lane
         // takes what is left first.
         s.worker.inflight_bytes = 200 * 1024;
-        assert_eq!(s.prefetch(true), Prefetch { send: 128, relay: 72 });
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 128,
+                relay: 72
+            }
+        );
         s.worker.inflight_bytes = 150 * 1024;
-        assert_eq!(s.prefetch(true), Prefetch { send: 86, relay: 64 });
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 86,
+                relay: 64
+            }
+        );
         assert!(s.check_budget().is_ok());
         // Below one body per handler on both lanes: refused with one line.
         s.worker.inflight_bytes = 100 * 1024;
         let err = s.check_budget().unwrap_err().to_string();
-        assert!(err.contains("worker.inflight_bytes") && err.contains("at least 128"), "{err}");
+        assert!(
+            err.contains("worker.inflight_bytes") && err.contains("at least 128"),
+            "{err}"
+        );
         s.delay.mode = crate::config::DelayMode::Plugin;
         assert!(s.check_budget().is_ok());
     }

@@ -189,10 +189,7 @@ impl Service {
             return;
         };
         let inbox = self.worker.inbox();
-        if let Err(error) = inbox
-            .finish_unclaimed(key.as_str(), revision, status)
-            .await
-        {
+        if let Err(error) = inbox.finish_unclaimed(key.as_str(), revision, status).await {
             tracing::warn!(%error, key = %key, "could not finish the scheduled row of a job that ended unclaimed");
         }
     }

@@ -221,7 +221,11 @@ impl Service {
 
     /// Records the job as scheduled (when pending jobs are tracked and the body has a
     /// key), its body lent to the record, not copied, when the reconciler keeps bodies.
-    async fn record_scheduled(&self, delivery: &mut Delivery, due_ms: i64) -> Result<(), Interrupted> {
+    async fn record_scheduled(
+        &self,
+        delivery: &mut Delivery,
+        due_ms: i64,
+    ) -> Result<(), Interrupted> {
         if !self.settings.delay.track_pending {
             return Ok(());
         }
@@ -233,7 +237,10 @@ impl Service {
             .delay
             .reconcile
             .then(|| std::mem::take(&mut delivery.data));
-        let kept = self.scheduler.schedule(&key, revision, due_ms, body).await?;
+        let kept = self
+            .scheduler
+            .schedule(&key, revision, due_ms, body)
+            .await?;
         if let Some(body) = kept {
             delivery.data = body;
         }
