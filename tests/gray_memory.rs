@@ -65,6 +65,19 @@ fn assert_budget_logged(log: &str) {
     );
 }
 
+/// A job body of `bytes`: a valid key up front, then a huge HTML part.
+fn huge_body(bytes: usize) -> Vec<u8> {
+    let mut body = job("gf-huge", "huge@example.com");
+    body["html"] = serde_json::json!("");
+    let text = body.to_string();
+    let field = r#""html":""#;
+    let html_at = text.find(field).expect("the html field") + field.len();
+    let mut out = text.into_bytes();
+    let padding = bytes - out.len();
+    out.splice(html_at..html_at, std::iter::repeat_n(b'x', padding));
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() {
     const BODY: usize = 90 * 1_000_000;
