@@ -14,9 +14,10 @@
 //!   consumed in the order jobs fell due, so a job due a grace before one that workers
 //!   already hold would have reached them had it been in the queue.
 //!
-//! With the queue empty, the pass lets the marks of deliveries in flight settle, then
-//! checks again that the queue is empty, and re-publishes only rows that are still
-//! scheduled and unmarked. Each re-publish is counted in the row (`reconciled`) and in
+//! While the queue has ready messages but no worker holds a waiting job, the queue is
+//! flowing and the grace alone decides. A pass lets the marks of deliveries in flight
+//! settle, judges again, and re-publishes only rows that are still scheduled and
+//! unmarked. Each re-publish is counted in the row (`reconciled`) and in
 //! `postie_reconciled_total`. A job that ended without a claim (dead-lettered as
 //! invalid, cancelled) has its scheduled row finished ([`Service::finish_unclaimed`]),
 //! so no pass picks it again.
@@ -87,38 +88,42 @@ impl Service {
         Ok(declared.message_count())
     }
 
+    /// The due time (Unix ms) before which an unmarked scheduled job is lost: a grace
+    /// ago, or, while `<p>.send` has ready messages and workers hold jobs waiting
+    /// their turn, a grace before the latest due time among those (the frontier).
+    /// With ready messages but nothing waiting, the queue is flowing: a job in it
+    /// reaches a worker within moments, so the grace alone decides.
+    async fn lost_before(&self, channel: &Channel) -> anyhow::Result<(i64, u32)> {
+        let grace_ms = self.settings.delay.reconcile_grace.as_millis() as i64;
+        let ready = self.send_ready(channel).await?;
+        let mut due_before = now_ms() - grace_ms;
+        if ready > 0 {
+            if let Some(frontier) = self.worker.inbox().arrived_frontier().await? {
+                due_before = due_before.min(frontier - grace_ms);
+            }
+        }
+        Ok((due_before, ready))
+    }
+
     /// One reconciler pass on `conn`; the number of jobs re-published.
     async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
         let inbox = self.worker.inbox();
         let grace = self.settings.delay.reconcile_grace;
-        let grace_ms = grace.as_millis() as i64;
         let channel = broker::confirm_channel(conn).await?;
-        let ready = self.send_ready(&channel).await?;
-        let mut due_before = now_ms() - grace_ms;
-        if ready > 0 {
-            // Jobs wait in the send queue: only those behind the frontier are lost.
-            match inbox.arrived_frontier().await? {
-                Some(frontier) => due_before = due_before.min(frontier - grace_ms),
-                None => {
-                    let _ = channel.close(200, "reconciled".into()).await;
-                    return Ok(0);
-                }
-            }
-        }
+        let (due_before, _) = self.lost_before(&channel).await?;
         let overdue = inbox.overdue(due_before, grace, PASS_LIMIT).await?;
         if overdue.is_empty() {
             let _ = channel.close(200, "reconciled".into()).await;
             return Ok(0);
         }
-        if ready == 0 {
-            // Deliveries on their way to a worker: let their marks land, and make sure
-            // nothing reached the queue meanwhile.
-            tokio::time::sleep(SETTLE).await;
-            if self.send_ready(&channel).await? > 0 {
-                let _ = channel.close(200, "reconciled".into()).await;
-                return Ok(0);
-            }
-        }
+        // Deliveries on their way to a worker: let their marks land, then judge again.
+        tokio::time::sleep(SETTLE).await;
+        let (due_before, ready) = self.lost_before(&channel).await?;
+        let overdue: Vec<String> = overdue
+            .into_iter()
+            .filter(|(_, due_ms)| *due_ms < due_before)
+            .map(|(key, _)| key)
+            .collect();
         // Marked before they are published: a re-published job is claimed and sent
         // within moments, and then no longer `scheduled` for a mark to find. If a
         // publish fails, the rest stay marked and are tried again a grace later.

@@ -19,7 +19,7 @@ pub struct Overdue {
 }
 
 impl Inbox {
-    /// The keys of up to `limit` scheduled jobs due before `due_before_ms` (Unix
+    /// The keys (and due times, Unix ms) of up to `limit` scheduled jobs due before `due_before_ms` (Unix
     /// ms), with a kept body, that no worker has marked as arrived and that were not
     /// re-published within the last `grace`; most overdue first. Bodies are read
     /// later, a few at a time ([`Inbox::mark_reconciled`]).
@@ -28,12 +28,12 @@ impl Inbox {
         due_before_ms: i64,
         grace: Duration,
         limit: i64,
-    ) -> Result<Vec<String>, DbError> {
+    ) -> Result<Vec<(String, i64)>, DbError> {
         let client = self.pool.get().await?;
         let grace_ms = grace.as_millis() as i64;
         let rows = client
             .query(
-                "SELECT key FROM postie_inbox
+                "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
                   WHERE status = 'scheduled' AND body IS NOT NULL AND arrived_at IS NULL
                     AND due_at < to_timestamp($1::bigint / 1000.0)
                     AND (reconciled_at IS NULL
@@ -42,7 +42,7 @@ impl Inbox {
                 &[&due_before_ms, &grace_ms, &limit],
             )
             .await?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     /// The latest due time (Unix ms) among scheduled jobs a worker holds (marked as
