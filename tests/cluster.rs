@@ -25,8 +25,7 @@ use support::{eventually, free_port, job, message_id, run_postie, PostieProcess,
 /// sizing"), and the instances run with `delay.reconcile = false`; the count is printed
 /// as `stranded`. The same switch governs the rolling-restart test.
 const RECONCILER: bool = true;
-/// `delay.reconcile_grace` the instances run with (shorter than the default 60 s, to
-/// keep the test short).
+/// `delay.reconcile_grace` the instances run with (the default since issue 26).
 const RECONCILE_GRACE: Duration = Duration::from_secs(10);
 /// Lateness allowed beyond the due time (and the grace, with the reconciler): a
 /// new leader's election, a reconnect, and a busy 2-core machine.

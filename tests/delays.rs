@@ -187,14 +187,15 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
 async fn a_backlog_is_relayed_earliest_due_first() {
     // 1,500 jobs due in 9 minutes wait in the intake ahead of 20 due within 2 s.
     // Relayed in queue order, every far job would be recorded before the first near
-    // one; the relay takes its prefetch window (default 10,000) earliest due first.
+    // one; the relay takes its prefetch window earliest due first. The window is
+    // what worker.inflight_bytes (128 MiB) holds of max_body_bytes: 1,920 at 64 KiB.
     const FAR: usize = 1_500;
     const NEAR: usize = 20;
     let env = TestEnv::new("relayorder").await;
     support::bench::publish_delayed(&env, "far", std::iter::repeat_n(9 * 60_000, FAR)).await;
     let due =
         support::bench::publish_delayed(&env, "near", (0..NEAR as i64).map(|i| i * 100)).await;
-    let _postie = env.spawn_process(&[]);
+    let _postie = env.spawn_process(&[("POSTIE__WORKER__MAX_BODY_BYTES", "65536")]);
     env.wait_for_emails("the near jobs", NEAR, Duration::from_secs(120))
         .await;
     let envr = &env;

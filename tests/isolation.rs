@@ -12,8 +12,6 @@ use postie::broker::{self, PublishError, ROUTING_KEY};
 use secrecy::SecretString;
 use support::{amqp_url, eventually, job, TestEnv};
 
-/// The management API of the test broker.
-
 /// A RabbitMQ user made through the management API, with every permission on `/`;
 /// deleted on drop.
 struct ManagedUser {

@@ -16,11 +16,13 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod database;
+mod memory;
 mod rate;
 mod sections;
 mod smtp;
 
 pub use database::{database_plan, DbPlan, DbTls};
+pub use memory::Prefetch;
 pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
@@ -154,6 +156,10 @@ impl Settings {
         }
         if self.delay.relay_concurrency == 0 {
             return fail("delay.relay_concurrency must be at least 1".into());
+        }
+        self.check_budget()?;
+        if self.delay.reconcile_grace < std::time::Duration::from_secs(1) {
+            return fail("delay.reconcile_grace must be at least 1s".into());
         }
         if self.smtp.pool_size == 0 {
             return fail("smtp.pool_size must be at least 1".into());

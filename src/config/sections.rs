@@ -247,8 +247,14 @@ pub struct WorkerSettings {
     /// the lease has expired, so it must be well above `smtp.timeout`.
     #[serde(deserialize_with = "duration")]
     pub lease: Duration,
-    /// Largest accepted message body, in bytes.
+    /// Largest accepted message body, in bytes. A larger one is dead-lettered by its
+    /// length, before any parse (on the relay too).
     pub max_body_bytes: usize,
+    /// The bytes of message bodies one instance may hold: each lane's prefetch
+    /// (`amqp.prefetch`, `delay.relay_prefetch`) is cut so that its deliveries, each
+    /// counted at `max_body_bytes`, fit. Must hold at least `concurrency` (plus
+    /// `delay.relay_concurrency` unless delays are in plugin mode) such bodies.
+    pub inflight_bytes: u64,
     /// Name of this instance in the inbox `owner` column (default: host-pid-random).
     pub instance_id: Option<String>,
     /// Largest wait between tries while a dependency is down.
@@ -286,6 +292,7 @@ impl Default for WorkerSettings {
             threads: None,
             lease: Duration::from_secs(60),
             max_body_bytes: 512 * 1024,
+            inflight_bytes: 128 * 1024 * 1024,
             instance_id: None,
             outage_backoff_max: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
@@ -319,10 +326,11 @@ pub struct DelaySettings {
     pub track_pending: bool,
     /// Ladder mode, with `track_pending`: keep each scheduled job's body in the inbox
     /// until it is finished, and let the maintenance instance re-publish a job that is
-    /// overdue by more than `reconcile_grace` and has not reached the inbox (a broker
-    /// node lost with the job inside; see README, "Broker sizing").
+    /// overdue by more than `reconcile_grace` and that the broker lost: no worker holds
+    /// it and it cannot be waiting in `<p>.send` (see README, "Delays").
     pub reconcile: bool,
-    /// How overdue a scheduled job must be before the reconciler re-publishes it.
+    /// How overdue a scheduled job must be before the reconciler re-publishes it (if
+    /// the broker lost it); a pass runs every half grace. At least 1 s.
     #[serde(deserialize_with = "duration")]
     pub reconcile_grace: Duration,
 }
@@ -337,7 +345,7 @@ impl Default for DelaySettings {
             relay_prefetch: 10_000,
             track_pending: true,
             reconcile: true,
-            reconcile_grace: Duration::from_secs(60),
+            reconcile_grace: Duration::from_secs(10),
         }
     }
 }

@@ -11,6 +11,7 @@
 //! - `send.rs`: the send role's handler, and dispositions carried out.
 //! - `publisher.rs`: the session's confirm channel, replaced when the broker closes it.
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
+//! - `arrivals.rs`: ladder mode's marks on send deliveries that wait unclaimed.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
 //!
@@ -19,6 +20,7 @@
 //! On stop, consumers are cancelled, in-flight deliveries get the drain timeout to
 //! finish, and the connection is closed cleanly.
 
+mod arrivals;
 mod maintenance;
 mod pollers;
 mod publisher;
@@ -88,7 +90,11 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         health.clone(),
         hard_stop.clone(),
     );
+    let marks = settings.delay.track_pending
+        && settings.delay.reconcile
+        && matches!(topology.delay(), broker::DelayLayout::Ladder(_));
     let service = Service {
+        arrivals: arrivals::Arrivals::start(worker.inbox().clone(), marks),
         scheduler: scheduler::Scheduler::start(worker.clone()),
         worker,
         topology,
@@ -102,6 +108,14 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         queue = %service.topology.send_queue(),
         broker = %connection.address,
         "postie serving"
+    );
+    let prefetch = service.prefetch();
+    tracing::info!(
+        send_prefetch = prefetch.send,
+        relay_prefetch = prefetch.relay,
+        inflight_bytes = service.settings.worker.inflight_bytes,
+        max_body_bytes = service.settings.worker.max_body_bytes,
+        "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
     );
     let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
@@ -136,6 +150,8 @@ struct Service {
     worker: Worker,
     /// Ladder mode: records scheduled jobs in batches.
     scheduler: scheduler::Scheduler,
+    /// Ladder mode: marks waiting send deliveries as arrived, in batches.
+    arrivals: arrivals::Arrivals,
     /// The broker objects' names.
     topology: Topology,
     /// Everything configured.

@@ -1,10 +1,26 @@
 //! Ladder mode's reconciler: PostgreSQL is the schedule of record, the ladder the
 //! transport. A job the relay recorded as scheduled that is overdue by more than
-//! `delay.reconcile_grace` and has not reached the inbox (RabbitMQ 3.10–4.x can strand
-//! expired messages in a lost node's at-least-once dead-letter process) is published
-//! again, straight to the send path, stamped with its due time. Never early: only
-//! overdue jobs are re-published, and the worker still checks the due time. The inbox
-//! claim keeps the later arrival of the original from sending twice.
+//! `delay.reconcile_grace` and that no worker has received (RabbitMQ 3.10–4.x can
+//! strand expired messages in a lost node's at-least-once dead-letter process) is
+//! published again, straight to the send path, stamped with its due time. Never early:
+//! only overdue jobs are re-published, and the worker still checks the due time. The
+//! inbox claim keeps the later arrival of the original from sending twice.
+//!
+//! Only what the broker lost is re-published. `<p>.send` is a quorum queue: what it
+//! accepted it keeps, so a job in it is waiting, not lost. A job is left alone when
+//! - a worker holds it, waiting its turn (marked as arrived: `arrivals.rs`), or
+//! - the send queue has ready messages and the job is not behind the frontier: the
+//!   latest due time among jobs workers hold, less the grace. The send queue is
+//!   consumed in the order jobs fell due, so a job due a grace before one that workers
+//!   already hold would have reached them had it been in the queue.
+//!
+//! While the queue has ready messages but no worker holds a waiting job, the queue is
+//! flowing and the grace alone decides. A pass lets the marks of deliveries in flight
+//! settle, judges again, and re-publishes only rows that are still scheduled and
+//! unmarked. Each re-publish is counted in the row (`reconciled`) and in
+//! `postie_reconciled_total`. A job that ended without a claim (dead-lettered as
+//! invalid, cancelled) has its scheduled row finished ([`Service::finish_unclaimed`]),
+//! so no pass picks it again.
 //!
 //! A pass runs on the maintenance instance (one at a time) every half grace period,
 //! between 1 and 30 s.
@@ -12,17 +28,24 @@
 use std::time::Duration;
 
 use lapin::types::FieldTable;
-use lapin::Connection;
+use lapin::{Channel, Connection};
 
+use super::arrivals::ARRIVAL_AFTER;
 use super::Service;
 use crate::broker::{self, DelayLayout, ROUTING_KEY};
 use crate::config::KeyNamespace;
-use crate::contract;
+use crate::contract::{self, IdempotencyKey};
 use crate::headers::{self, HEADER_DUE_AT};
+use crate::inbox::{Overdue, Status};
 use crate::ops::metrics::Metrics;
+use crate::work::{now_ms, DeadKind, Outcome};
 
 /// Jobs re-published per pass at most.
 const PASS_LIMIT: i64 = 1_000;
+
+/// How long a pass that found the send queue empty waits for the arrival marks of
+/// deliveries on their way to a worker before it re-publishes anything.
+const SETTLE: Duration = Duration::from_millis(ARRIVAL_AFTER.as_millis() as u64 * 3);
 
 impl Service {
     /// How often the maintenance instance runs a pass.
@@ -31,13 +54,17 @@ impl Service {
             .clamp(Duration::from_secs(1), Duration::from_secs(30))
     }
 
+    /// Whether the reconciler runs: ladder mode, pending jobs tracked, bodies kept.
+    fn reconciling(&self) -> bool {
+        self.settings.delay.reconcile
+            && self.settings.delay.track_pending
+            && matches!(self.topology.delay(), DelayLayout::Ladder(_))
+    }
+
     /// A pass on the maintenance connection (opened if needed); the connection, if it
     /// still stands.
     pub(super) async fn reconcile(&self, conn: Option<Connection>) -> Option<Connection> {
-        if !self.settings.delay.reconcile
-            || !self.settings.delay.track_pending
-            || !matches!(self.topology.delay(), DelayLayout::Ladder(_))
-        {
+        if !self.reconciling() {
             return conn;
         }
         let conn = self
@@ -49,25 +76,95 @@ impl Service {
         Some(conn)
     }
 
+    /// Ready messages in the send queue (a passive declare on `channel`).
+    async fn send_ready(&self, channel: &Channel) -> anyhow::Result<u32> {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let queue = self.topology.send_queue();
+        let declared = channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await?;
+        Ok(declared.message_count())
+    }
+
+    /// The due time (Unix ms) before which an unmarked scheduled job is lost: a grace
+    /// ago, or, while `<p>.send` has ready messages and workers hold jobs waiting
+    /// their turn, a grace before the latest due time among those (the frontier).
+    /// With ready messages but nothing waiting, the queue is flowing: a job in it
+    /// reaches a worker within moments, so the grace alone decides.
+    async fn lost_before(&self, channel: &Channel) -> anyhow::Result<(i64, u32)> {
+        let grace_ms = self.settings.delay.reconcile_grace.as_millis() as i64;
+        let ready = self.send_ready(channel).await?;
+        let mut due_before = now_ms() - grace_ms;
+        if ready > 0 {
+            if let Some(frontier) = self.worker.inbox().arrived_frontier().await? {
+                due_before = due_before.min(frontier - grace_ms);
+            }
+        }
+        Ok((due_before, ready))
+    }
+
     /// One reconciler pass on `conn`; the number of jobs re-published.
     async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
         let inbox = self.worker.inbox();
-        let overdue = inbox
-            .overdue(self.settings.delay.reconcile_grace, PASS_LIMIT)
-            .await?;
+        let grace = self.settings.delay.reconcile_grace;
+        let channel = broker::confirm_channel(conn).await?;
+        let (due_before, _) = self.lost_before(&channel).await?;
+        let overdue = inbox.overdue(due_before, grace, PASS_LIMIT).await?;
         if overdue.is_empty() {
+            let _ = channel.close(200, "reconciled".into()).await;
             return Ok(0);
         }
+        // Deliveries on their way to a worker: let their marks land, then judge again.
+        tokio::time::sleep(SETTLE).await;
+        let (due_before, ready) = self.lost_before(&channel).await?;
+        let overdue: Vec<String> = overdue
+            .into_iter()
+            .filter(|(_, due_ms)| *due_ms < due_before)
+            .map(|(key, _)| key)
+            .collect();
         // Marked before they are published: a re-published job is claimed and sent
         // within moments, and then no longer `scheduled` for a mark to find. If a
         // publish fails, the rest stay marked and are tried again a grace later.
-        let keys: Vec<String> = overdue.iter().map(|job| job.key.clone()).collect();
-        inbox.mark_reconciled(&keys).await?;
-        let channel = broker::confirm_channel(conn).await?;
-        let exchange = self.topology.work_exchange();
+        // Bodies are read a chunk at a time, so a pass holds at most
+        // `delay.relay_concurrency` of them.
+        let chunk = usize::from(self.settings.delay.relay_concurrency).max(1);
         let mut published = 0;
-        let mut failed = None;
-        for job in &overdue {
+        let mut oldest_due_ms = None;
+        for keys in overdue.chunks(chunk) {
+            let lost = inbox.mark_reconciled(keys).await?;
+            oldest_due_ms = oldest_due_ms.or(lost.first().map(|job| job.due_ms));
+            let sent = self.republish(&channel, &lost).await;
+            let n = match &sent {
+                Ok(n) => *n,
+                Err(partial) => partial.published,
+            };
+            count(self.worker.health().metrics(), n);
+            published += n;
+            if let Err(partial) = sent {
+                let _ = channel.close(200, "reconciled".into()).await;
+                return Err(partial.into());
+            }
+        }
+        let _ = channel.close(200, "reconciled".into()).await;
+        if published > 0 {
+            tracing::warn!(
+                jobs = published,
+                send_queue_ready = ready,
+                oldest_due_ms,
+                "re-published scheduled jobs the ladder had not delivered (overdue past the grace, in no queue a worker reads)"
+            );
+        }
+        Ok(published)
+    }
+
+    /// Publishes `jobs` to the work exchange, confirmed, stamped with their due time;
+    /// how many went out (an error after some: those are counted by the caller).
+    async fn republish(&self, channel: &Channel, jobs: &[Overdue]) -> Result<usize, Partial> {
+        let exchange = self.topology.work_exchange();
+        for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
             let mut properties = broker::job_properties().with_headers(table);
@@ -77,33 +174,50 @@ impl Service {
                     properties = properties.with_user_id(owner.as_str().into());
                 }
             }
-            let sent = broker::publish_confirmed(
-                &channel,
-                &exchange,
-                ROUTING_KEY,
-                true,
-                &job.body,
-                properties,
-            )
-            .await;
-            if let Err(error) = sent {
-                failed = Some(error);
-                break;
-            }
-            published += 1;
+            broker::publish_confirmed(channel, &exchange, ROUTING_KEY, true, &job.body, properties)
+                .await
+                .map_err(|error| Partial { published, error })?;
         }
-        let _ = channel.close(200, "reconciled".into()).await;
-        count(self.worker.health().metrics(), published);
-        if let Some(error) = failed {
-            return Err(error.into());
-        }
-        tracing::warn!(
-            jobs = published,
-            oldest_due_ms = overdue[0].due_ms,
-            "re-published scheduled jobs the ladder had not delivered (overdue past the grace)"
-        );
-        Ok(published)
+        Ok(jobs.len())
     }
+
+    /// Finishes the scheduled row of a job that ended without a claim (dead-lettered
+    /// as invalid, cancelled), fenced by its revision, so that no reconciler pass
+    /// picks it again. A failure is logged: the row then stays scheduled, and a later
+    /// re-publish ends the same way.
+    pub(super) async fn finish_unclaimed(
+        &self,
+        outcome: &Outcome,
+        scheduled: Option<(IdempotencyKey, i32)>,
+    ) {
+        let status = match outcome {
+            Outcome::DeadLetter {
+                kind: DeadKind::Invalid,
+                ..
+            } => Status::Dead,
+            Outcome::Cancelled { .. } => Status::Cancelled,
+            _ => return,
+        };
+        if !self.reconciling() {
+            return;
+        }
+        let Some((key, revision)) = scheduled else {
+            return;
+        };
+        let inbox = self.worker.inbox();
+        if let Err(error) = inbox.finish_unclaimed(key.as_str(), revision, status).await {
+            tracing::warn!(%error, key = %key, "could not finish the scheduled row of a job that ended unclaimed");
+        }
+    }
+}
+
+/// A re-publish that stopped part way.
+#[derive(Debug, thiserror::Error)]
+#[error("re-published {published}, then: {error}")]
+struct Partial {
+    published: usize,
+    #[source]
+    error: broker::PublishError,
 }
 
 fn count(metrics: &Metrics, n: usize) {

@@ -19,10 +19,10 @@ use super::publisher::Publisher;
 use super::Service;
 use crate::broker::ladder::Route;
 use crate::broker::{Acks, DelayLayout, Topology, ROUTING_KEY};
-use crate::contract::{self, readable};
+use crate::contract::{self, readable, IdempotencyKey, ParseRules};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::{DeadReason, RouteLabel};
-use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Target};
+use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Interrupted, Target};
 
 /// What becomes of one intake delivery, decided when it arrives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,15 +122,25 @@ impl<T> Default for DueOrder<T> {
 }
 
 impl DueOrder<(Delivery, Decision)> {
-    /// Takes in an intake delivery received at `now_ms`: its due time is fixed now.
-    pub(super) fn arrive(&mut self, topology: &Topology, delivery: Delivery, now_ms: i64) {
+    /// Takes in an intake delivery received at `now_ms`: its due time is fixed now,
+    /// and a body over `rules`' size limit is refused by its length, unread.
+    pub(super) fn arrive(
+        &mut self,
+        topology: &Topology,
+        rules: &ParseRules<'_>,
+        delivery: Delivery,
+        now_ms: i64,
+    ) {
         let props = &delivery.properties;
-        let decision = decide(
-            topology,
-            props.headers().as_ref(),
-            *props.timestamp(),
-            now_ms,
-        );
+        let decision = match rules.check_size(&delivery.data) {
+            Err(too_big) => Decision::Invalid(too_big.0),
+            Ok(()) => decide(
+                topology,
+                props.headers().as_ref(),
+                *props.timestamp(),
+                now_ms,
+            ),
+        };
         let (turn, tag) = (decision.turn(now_ms), delivery.delivery_tag);
         self.push(turn, tag, (delivery, decision));
     }
@@ -159,32 +169,21 @@ impl Service {
     /// to work, or dead-lettered.
     pub(super) async fn handle_relay(
         &self,
-        delivery: Delivery,
+        mut delivery: Delivery,
         decision: Decision,
         publish: &Publisher,
         acks: &Acks,
     ) {
+        if let Decision::Forward { due_ms } = decision {
+            if self.record_scheduled(&mut delivery, due_ms).await.is_err() {
+                tracing::warn!("stopping: leaving the intake delivery unacked");
+                return;
+            }
+        }
         let headers = delivery.properties.headers().as_ref();
         let metrics = self.worker.health().metrics();
         let disposition = match decision {
             Decision::Forward { due_ms } => {
-                if self.settings.delay.track_pending {
-                    // In its producer's key space (worker.key_namespace); a job the
-                    // worker will refuse has no record.
-                    let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-                    let rules =
-                        contract::ParseRules::from_settings(&self.settings).for_user(user_id);
-                    let peeked = contract::peek_key(&delivery.data)
-                        .and_then(|(key, revision)| Some((rules.namespaced(&key).ok()?, revision)));
-                    if let Some((key, revision)) = peeked {
-                        let body = self.settings.delay.reconcile.then(|| delivery.data.clone());
-                        let recorded = self.scheduler.schedule(&key, revision, due_ms, body);
-                        if recorded.await.is_err() {
-                            tracing::warn!("stopping: leaving the intake delivery unacked");
-                            return;
-                        }
-                    }
-                }
                 let (exchange, routing_key) = route(&self.topology, due_ms, now_ms());
                 let route = if routing_key == ROUTING_KEY {
                     "now"
@@ -218,6 +217,44 @@ impl Service {
             }
         };
         self.dispose(disposition, &delivery, publish, acks).await;
+    }
+
+    /// Records the job as scheduled (when pending jobs are tracked and the body has a
+    /// key), its body lent to the record, not copied, when the reconciler keeps bodies.
+    /// The key and revision under which a delivery's job is (or would be) recorded as
+    /// scheduled, read without parsing the whole body: in its producer's key space
+    /// (`worker.key_namespace`); `None` for a job the worker will refuse.
+    pub(super) fn scheduled_key(&self, delivery: &Delivery) -> Option<(IdempotencyKey, i32)> {
+        let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+        let rules = contract::ParseRules::from_settings(&self.settings).for_user(user_id);
+        let (key, revision) = contract::peek_key(&delivery.data)?;
+        Some((rules.namespaced(&key).ok()?, revision))
+    }
+
+    async fn record_scheduled(
+        &self,
+        delivery: &mut Delivery,
+        due_ms: i64,
+    ) -> Result<(), Interrupted> {
+        if !self.settings.delay.track_pending {
+            return Ok(());
+        }
+        let Some((key, revision)) = self.scheduled_key(delivery) else {
+            return Ok(());
+        };
+        let body = self
+            .settings
+            .delay
+            .reconcile
+            .then(|| std::mem::take(&mut delivery.data));
+        let kept = self
+            .scheduler
+            .schedule(&key, revision, due_ms, body)
+            .await?;
+        if let Some(body) = kept {
+            delivery.data = body;
+        }
+        Ok(())
     }
 }
 

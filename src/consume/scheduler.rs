@@ -6,6 +6,9 @@
 //! A relay task acks its intake delivery only after its record is committed and its
 //! job republished (confirmed), so a relay killed mid-batch leaves every unanswered
 //! job unacked in `<p>.intake`.
+//!
+//! A body is moved in, not copied, and handed back once its record is committed: the
+//! relay publishes it next.
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -16,10 +19,13 @@ use crate::work::{Interrupted, Worker};
 /// The most jobs written in one statement.
 const BATCH_MAX: usize = 512;
 
+/// What a relay task gets back: its body once the record is committed.
+type Answer = Result<Option<Vec<u8>>, Interrupted>;
+
 /// One job to record, and where to say it is done.
 struct Request {
     job: Scheduled,
-    done: oneshot::Sender<Result<(), Interrupted>>,
+    done: oneshot::Sender<Answer>,
 }
 
 /// The handle relay tasks use; cheap to clone. The writer ends when every handle is
@@ -36,10 +42,11 @@ impl Scheduler {
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(BATCH_MAX);
             while incoming.recv_many(&mut batch, BATCH_MAX).await > 0 {
-                let jobs: Vec<_> = batch.iter().map(|r| r.job.clone()).collect();
+                let (jobs, answers): (Vec<_>, Vec<_>) =
+                    batch.drain(..).map(|r| (r.job, r.done)).unzip();
                 let result = worker.schedule_many(&jobs).await;
-                for request in batch.drain(..) {
-                    let _ = request.done.send(result);
+                for (job, done) in jobs.into_iter().zip(answers) {
+                    let _ = done.send(result.map(|()| job.body));
                 }
             }
         });
@@ -47,15 +54,15 @@ impl Scheduler {
     }
 
     /// Records `key` (at `revision`, due at `due_ms`, with its body when given) as
-    /// scheduled; returns once it is committed, or `Interrupted` if the process is
-    /// stopping.
+    /// scheduled; returns the body once the record is committed, or `Interrupted` if
+    /// the process is stopping.
     pub(super) async fn schedule(
         &self,
         key: &IdempotencyKey,
         revision: i32,
         due_ms: i64,
         body: Option<Vec<u8>>,
-    ) -> Result<(), Interrupted> {
+    ) -> Answer {
         let (done, answer) = oneshot::channel();
         let job = Scheduled {
             key: key.as_str().to_owned(),

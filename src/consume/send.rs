@@ -17,8 +17,14 @@ use crate::work::{Disposition, Target};
 
 impl Service {
     /// One delivery of `<p>.send`: the worker names its outcome, the outcome its
-    /// disposition.
-    pub(super) async fn handle_send(&self, delivery: Delivery, publish: &Publisher, acks: &Acks) {
+    /// disposition. Still unclaimed at `mark_at`, it is marked as arrived.
+    pub(super) async fn handle_send(
+        &self,
+        delivery: Delivery,
+        mark_at: Option<tokio::time::Instant>,
+        publish: &Publisher,
+        acks: &Acks,
+    ) {
         let headers = delivery.properties.headers().as_ref();
         let attempt = header_int(headers, HEADER_ATTEMPT).unwrap_or(0);
         let span = tracing::info_span!(
@@ -38,12 +44,17 @@ impl Service {
         async {
             let timestamp = *delivery.properties.timestamp();
             let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-            let disposition = match self
+            let scheduled = self.scheduled_key(&delivery);
+            let key = scheduled.as_ref().map(|(key, _)| key);
+            let work = self
                 .worker
-                .process(&delivery.data, headers, timestamp, user_id)
-                .await
-            {
-                Ok(outcome) => outcome.settle(&metrics, &self.topology, headers),
+                .process(&delivery.data, headers, timestamp, user_id);
+            let processed = self.arrivals.watch(mark_at, key, work).await;
+            let disposition = match processed {
+                Ok(outcome) => {
+                    self.finish_unclaimed(&outcome, scheduled).await;
+                    outcome.settle(&metrics, &self.topology, headers)
+                }
                 Err(interrupted) => {
                     tracing::warn!(%interrupted, "leaving the delivery unacked for redelivery");
                     Disposition::LeaveUnacked

@@ -113,23 +113,22 @@ impl Service {
         let mut lanes = vec![Lane {
             role: Role::Send,
             queue: self.topology.send_queue(),
-            prefetch: self.settings.amqp.prefetch,
+            prefetch: self.prefetch().send,
             concurrency: self.settings.worker.concurrency,
         }];
         if let DelayLayout::Ladder(_) = self.topology.delay() {
-            let delay = &self.settings.delay;
             lanes.push(Lane {
                 role: Role::Relay,
                 queue: self.topology.intake_queue(),
-                prefetch: delay.relay_prefetch.max(delay.relay_concurrency),
-                concurrency: delay.relay_concurrency as usize,
+                prefetch: self.prefetch().relay,
+                concurrency: self.settings.delay.relay_concurrency as usize,
             });
         }
         for queue in self.drained_queues(conn).await? {
             lanes.push(Lane {
                 role: Role::Send,
                 queue,
-                prefetch: self.settings.amqp.prefetch,
+                prefetch: self.prefetch().send,
                 concurrency: self.settings.worker.concurrency,
             });
         }

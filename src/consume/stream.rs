@@ -1,8 +1,11 @@
 //! One consumer on one queue: bounded concurrency, a pause while a dependency is
 //! down, and on stop a drain (consumer cancelled, in-flight work given the drain
-//! timeout). Deliveries go to the role's handler: the send role's in delivery order,
-//! the relay's earliest due first from its prefetch window (`relay::DueOrder`).
+//! timeout). Deliveries go to the role's handler: the send role's in delivery order
+//! (in ladder mode, one held unclaimed too long is marked as arrived: `arrivals.rs`),
+//! the relay's earliest due first from its prefetch window (`relay::DueOrder`). Each
+//! lane's prefetch is cut to the byte budget (`config::Prefetch`).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use futures_util::StreamExt;
@@ -11,22 +14,42 @@ use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::Connection;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::arrivals::ARRIVAL_AFTER;
 use super::publisher::Publisher;
 use super::relay::{Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
-use crate::broker::Acks;
+use crate::broker::{Acks, DelayLayout};
+use crate::config::Prefetch;
+use crate::contract::ParseRules;
 use crate::work::now_ms;
 
 /// A delivery to handle in a slot of its loop.
 enum Work {
-    /// A `<p>.send` delivery.
-    Send(Delivery),
+    /// A `<p>.send` delivery, and when to mark it as arrived if still unclaimed
+    /// (`None`: marked already, or marks are off).
+    Send(Delivery, Option<Instant>),
     /// An intake delivery, with the decision made when it arrived.
     Relay(Delivery, Decision),
+}
+
+/// A `<p>.send` delivery waiting for a slot.
+struct Held {
+    delivery: Delivery,
+    /// When it was read off the consumer.
+    received: Instant,
+}
+
+/// Sleeps until `at`, or forever when there is nothing to wait for.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// One consume loop's queue and limits.
@@ -42,6 +65,12 @@ pub(super) struct Lane {
 }
 
 impl Service {
+    /// Each lane's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
+    pub(super) fn prefetch(&self) -> Prefetch {
+        let ladder = matches!(self.topology.delay(), DelayLayout::Ladder(_));
+        self.settings.prefetch(ladder)
+    }
+
     /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
     /// in-flight work to redelivery after at most the drain timeout).
     pub(super) async fn consume_loop(
@@ -82,8 +111,12 @@ impl Service {
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
+        let rules = ParseRules::from_settings(&self.settings);
         // The relay's prefetched deliveries wait here, taken earliest due first.
         let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
+        // The send role's, in delivery order; the first `marked` are marked as arrived.
+        let mut held: VecDeque<Held> = VecDeque::new();
+        let mut marked = 0usize;
 
         let end = loop {
             if let Role::Relay = role {
@@ -99,39 +132,51 @@ impl Service {
                     next = deliveries.next() => match next {
                         None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
                         Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                        Some(Ok(delivery)) => waiting.arrive(&self.topology, delivery, now_ms()),
+                        Some(Ok(delivery)) => waiting.arrive(&self.topology, &rules, delivery, now_ms()),
                     },
                 }
                 continue;
             }
-            if health.paused() {
-                tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => break SessionEnd::Stopped,
-                    _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
-                    _ = health.wait_dependencies_up() => tracing::info!("dependencies answer again; resuming"),
-                }
-            }
-            let permit = tokio::select! {
+            // Send role: deliveries are read as the broker pushes them (at most the
+            // prefetch) and wait here for a slot, so that one held too long without a
+            // claim can be marked as arrived (`arrivals.rs`).
+            let paused = health.paused();
+            let mark_at = held
+                .get(marked)
+                .filter(|_| self.arrivals.enabled())
+                .map(|h| h.received + ARRIVAL_AFTER);
+            tokio::select! {
                 biased;
                 _ = stop.cancelled() => break SessionEnd::Stopped,
                 _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
-                permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
-            };
-            let next = tokio::select! {
-                biased;
-                _ = stop.cancelled() => break SessionEnd::Stopped,
-                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
-                next = deliveries.next() => next,
-            };
-            match next {
-                None => {
-                    break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}"))
+                _ = health.wait_dependencies_up(), if paused => {
+                    tracing::info!("dependencies answer again; resuming")
                 }
-                Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                Some(Ok(delivery)) => {
-                    self.dispatch(&tracker, permit, Work::Send(delivery), publish, &acks)
+                permit = slots.clone().acquire_owned(), if !paused && !held.is_empty() => {
+                    let permit = permit.expect("semaphore is never closed");
+                    let next = held.pop_front().expect("not empty");
+                    let mark_at = (marked == 0).then_some(next.received + ARRIVAL_AFTER);
+                    marked = marked.saturating_sub(1);
+                    self.dispatch(&tracker, permit, Work::Send(next.delivery, mark_at), publish, &acks);
                 }
+                _ = sleep_until_some(mark_at) => {
+                    let now = Instant::now();
+                    while let Some(h) = held.get(marked).filter(|h| h.received + ARRIVAL_AFTER <= now) {
+                        let scheduled = self.scheduled_key(&h.delivery);
+                        self.arrivals.note(scheduled.as_ref().map(|(key, _)| key));
+                        marked += 1;
+                    }
+                }
+                next = deliveries.next(), if held.len() < usize::from(prefetch) => match next {
+                    None => {
+                        break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}"))
+                    }
+                    Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
+                    Some(Ok(delivery)) => held.push_back(Held {
+                        delivery,
+                        received: Instant::now(),
+                    }),
+                },
             }
         };
 
@@ -180,7 +225,9 @@ impl Service {
         let (this, publish, acks) = (self.clone(), publish.clone(), acks.clone());
         tracker.spawn(async move {
             match work {
-                Work::Send(delivery) => this.handle_send(delivery, &publish, &acks).await,
+                Work::Send(delivery, mark_at) => {
+                    this.handle_send(delivery, mark_at, &publish, &acks).await
+                }
                 Work::Relay(delivery, decision) => {
                     this.handle_relay(delivery, decision, &publish, &acks).await
                 }

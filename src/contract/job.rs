@@ -1,5 +1,6 @@
 //! The job body (version 1) and cancel requests: parsing and validation.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
@@ -87,28 +88,51 @@ pub enum Request {
     },
 }
 
+/// The fields [`peek_key`] reads, borrowed from the body where they hold no escapes;
+/// every other field is skipped without being built.
+#[derive(Deserialize)]
+struct Peek<'a> {
+    #[serde(default, borrow)]
+    key: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    order_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    /// Any JSON value; only an integer counts (small, and the body's size is
+    /// checked before any parse).
+    #[serde(default)]
+    revision: Option<serde_json::Value>,
+    #[serde(default)]
+    cancel: Option<serde::de::IgnoredAny>,
+}
+
 /// The key and revision of a job body, without validating the rest (the relay
 /// records scheduled jobs; the worker validates). `None` for cancels and bodies
-/// with no usable key.
+/// with no usable key. No tree of the body is built: the key fields are borrowed
+/// and the others skipped.
 pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    if value.get("cancel").is_some() {
+    let peek: Peek<'_> = serde_json::from_slice(body).ok()?;
+    if peek.cancel.is_some() {
         return None;
     }
-    let key = match (
-        value["key"].as_str(),
-        value["order_id"].as_str(),
-        value["type"].as_str(),
-    ) {
-        (Some(key), _, _) => key.to_string(),
-        (None, Some(order_id), Some(kind)) => format!("{order_id}:{kind}"),
+    let key = match (peek.key, peek.order_id, peek.kind) {
+        (Some(key), _, _) => key,
+        (None, Some(order_id), Some(kind)) => Cow::Owned(format!("{order_id}:{kind}")),
         _ => return None,
     };
-    let revision = value["revision"]
-        .as_i64()
+    let revision = peek
+        .revision
+        .and_then(|r| r.as_i64())
         .unwrap_or(0)
         .clamp(0, i32::MAX as i64) as i32;
     Some((IdempotencyKey::parse(&key).ok()?, revision))
+}
+
+/// A body's `cancel` field, if any; every other field skipped.
+#[derive(Deserialize)]
+struct AsksCancel {
+    #[serde(default)]
+    cancel: Option<serde::de::IgnoredAny>,
 }
 
 impl Request {
@@ -128,18 +152,18 @@ impl Request {
 
     /// [`Request::parse`] with the key as published.
     fn parse_as_published(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
-        if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
-            if value.get("cancel").is_some() {
-                let cancel: CancelRequest = serde_json::from_value(value)
-                    .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
-                if cancel.revision.is_some_and(|r| r < 0) {
-                    return invalid("cancel revision must not be negative");
-                }
-                return Ok(Self::Cancel {
-                    key: IdempotencyKey::parse(&cancel.cancel)?,
-                    revision: cancel.revision,
-                });
+        rules.check_size(body)?;
+        // Whether it asks to cancel, read without building the body.
+        if let Ok(AsksCancel { cancel: Some(_) }) = serde_json::from_slice(body) {
+            let cancel: CancelRequest = serde_json::from_slice(body)
+                .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
+            if cancel.revision.is_some_and(|r| r < 0) {
+                return invalid("cancel revision must not be negative");
             }
+            return Ok(Self::Cancel {
+                key: IdempotencyKey::parse(&cancel.cancel)?,
+                revision: cancel.revision,
+            });
         }
         EmailJob::parse(body, rules).map(|job| Self::Job(Box::new(job)))
     }
@@ -223,6 +247,19 @@ impl<'a> ParseRules<'a> {
             ),
         }
     }
+
+    /// Refuses a body over `max_body_bytes`, by its length alone: checked before any
+    /// parse, so an oversized body never costs more memory than itself.
+    pub fn check_size(&self, body: &[u8]) -> Result<(), InvalidJob> {
+        if body.len() > self.max_body_bytes {
+            return invalid(format!(
+                "body is {} bytes, over the limit of {}",
+                body.len(),
+                self.max_body_bytes
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Headers a producer may not set: postie owns them, or they would change who
@@ -262,13 +299,7 @@ impl EmailJob {
         if body.is_empty() {
             return invalid("empty body");
         }
-        if body.len() > rules.max_body_bytes {
-            return invalid(format!(
-                "body is {} bytes, over the limit of {}",
-                body.len(),
-                rules.max_body_bytes
-            ));
-        }
+        rules.check_size(body)?;
         let text = std::str::from_utf8(body).map_err(|e| {
             InvalidJob(format!(
                 "body is not UTF-8 (invalid byte at {})",

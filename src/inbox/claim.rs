@@ -125,7 +125,7 @@ impl Inbox {
                  ON CONFLICT (key) DO UPDATE
                     SET status = 'scheduled', due_at = EXCLUDED.due_at,
                         revision = EXCLUDED.revision, body = EXCLUDED.body,
-                        reconciled_at = NULL, updated_at = now()
+                        reconciled_at = NULL, arrived_at = NULL, updated_at = now()
                   WHERE i.status IN ('scheduled', 'cancelled', 'retrying')
                     AND EXCLUDED.revision >= i.revision
                     AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",

@@ -27,6 +27,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "claim_in_one_update",
         include_str!("../../sql/0008_claim_in_one_update.sql"),
     ),
+    (
+        9,
+        "reconcile_arrived",
+        include_str!("../../sql/0009_reconcile_arrived.sql"),
+    ),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

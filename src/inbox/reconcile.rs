@@ -1,6 +1,7 @@
 //! Ladder mode's reconciler queries: scheduled jobs overdue by more than a grace
-//! period that have not reached the inbox (no claim has moved them on), with the
-//! bodies the relay kept for them.
+//! period that no worker has received (no arrival mark, no claim), with the bodies
+//! the relay kept for them; the arrival marks themselves; and the end of a scheduled
+//! row whose job ended without a claim.
 
 use std::time::Duration;
 
@@ -18,43 +19,105 @@ pub struct Overdue {
 }
 
 impl Inbox {
-    /// Up to `limit` scheduled jobs due more than `grace` ago, with a kept body, not
-    /// re-published within the last `grace`; most overdue first.
-    pub async fn overdue(&self, grace: Duration, limit: i64) -> Result<Vec<Overdue>, DbError> {
+    /// The keys (and due times, Unix ms) of up to `limit` scheduled jobs due before `due_before_ms` (Unix
+    /// ms), with a kept body, that no worker has marked as arrived and that were not
+    /// re-published within the last `grace`; most overdue first. Bodies are read
+    /// later, a few at a time ([`Inbox::mark_reconciled`]).
+    pub async fn overdue(
+        &self,
+        due_before_ms: i64,
+        grace: Duration,
+        limit: i64,
+    ) -> Result<Vec<(String, i64)>, DbError> {
         let client = self.pool.get().await?;
         let grace_ms = grace.as_millis() as i64;
         let rows = client
             .query(
-                "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint, body
-                   FROM postie_inbox
-                  WHERE status = 'scheduled' AND body IS NOT NULL
-                    AND due_at < now() - $1::bigint * interval '1 millisecond'
+                "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
+                  WHERE status = 'scheduled' AND body IS NOT NULL AND arrived_at IS NULL
+                    AND due_at < to_timestamp($1::bigint / 1000.0)
                     AND (reconciled_at IS NULL
-                         OR reconciled_at < now() - $1::bigint * interval '1 millisecond')
-                  ORDER BY due_at LIMIT $2",
-                &[&grace_ms, &limit],
+                         OR reconciled_at < now() - $2::bigint * interval '1 millisecond')
+                  ORDER BY due_at LIMIT $3",
+                &[&due_before_ms, &grace_ms, &limit],
             )
             .await?;
-        Ok(rows
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// The latest due time (Unix ms) among scheduled jobs a worker holds (marked as
+    /// arrived), if any: the send queue's frontier.
+    pub async fn arrived_frontier(&self) -> Result<Option<i64>, DbError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT (extract(epoch FROM max(due_at)) * 1000)::bigint FROM postie_inbox
+                  WHERE status = 'scheduled' AND arrived_at IS NOT NULL",
+                &[],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Notes that `keys` are re-published now, if they are still scheduled (with a
+    /// body) and no worker has marked them as arrived meanwhile; the jobs it noted,
+    /// with their bodies, which are the ones to publish.
+    pub async fn mark_reconciled(&self, keys: &[String]) -> Result<Vec<Overdue>, DbError> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "UPDATE postie_inbox SET reconciled_at = now(), reconciled = reconciled + 1
+                  WHERE key = ANY($1) AND status = 'scheduled' AND arrived_at IS NULL
+                    AND body IS NOT NULL
+                 RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body",
+                &[&keys],
+            )
+            .await?;
+        let mut jobs: Vec<Overdue> = rows
             .iter()
             .map(|r| Overdue {
                 key: r.get(0),
                 due_ms: r.get(1),
                 body: r.get(2),
             })
-            .collect())
+            .collect();
+        jobs.sort_by_key(|job| job.due_ms);
+        Ok(jobs)
     }
 
-    /// Notes that `keys` were re-published now.
-    pub async fn mark_reconciled(&self, keys: &[String]) -> Result<(), DbError> {
+    /// Marks `keys` as arrived: a worker holds each, waiting for its turn, unclaimed.
+    /// Rows claimed or finished meanwhile are left alone.
+    pub async fn mark_arrived(&self, keys: &[String]) -> Result<(), DbError> {
         let client = self.pool.get().await?;
-        client
-            .execute(
-                "UPDATE postie_inbox SET reconciled_at = now()
-                  WHERE key = ANY($1) AND status = 'scheduled'",
-                &[&keys],
+        let stmt = client
+            .prepare_cached(
+                "UPDATE postie_inbox SET arrived_at = now()
+                  WHERE key = ANY($1) AND status = 'scheduled' AND arrived_at IS NULL",
             )
             .await?;
+        client.execute(&stmt, &[&keys]).await?;
         Ok(())
+    }
+
+    /// Ends the scheduled row of `key` as `status` (`dead` or `cancelled`), its body
+    /// dropped, when its job (at `revision`) ended without a claim; a row scheduled at
+    /// a newer revision is left alone. True if a row was ended.
+    pub async fn finish_unclaimed(
+        &self,
+        key: &str,
+        revision: i32,
+        status: super::Status,
+    ) -> Result<bool, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE postie_inbox SET status = $3, body = NULL, updated_at = now()
+                  WHERE key = $1 AND status = 'scheduled' AND revision <= $2",
+            )
+            .await?;
+        let ended = client
+            .execute(&stmt, &[&key, &revision, &status.as_str()])
+            .await?;
+        Ok(ended > 0)
     }
 }

@@ -158,6 +158,32 @@ fn cancel_requests_are_told_apart_from_jobs() {
 }
 
 #[test]
+fn an_oversized_cancel_or_job_is_refused_by_its_size_before_any_parse() {
+    // A cancel request padded past the limit: refused by size, not read as a cancel.
+    let mut padded = br#"{"cancel": "k", "pad": ""#.to_vec();
+    padded.resize(RULES.max_body_bytes + 1, b'x');
+    let err = Request::parse(&padded, &RULES).unwrap_err();
+    assert!(err.0.contains("over the limit"), "{err}");
+}
+
+#[test]
+fn peek_key_reads_the_key_and_revision_and_skips_the_rest() {
+    let mut job = base();
+    job["html"] = serde_json::json!("<p>".repeat(1_000));
+    job["revision"] = serde_json::json!(3);
+    let (key, revision) = peek_key(job.to_string().as_bytes()).unwrap();
+    assert_eq!((key.as_str(), revision), ("42:order_confirmation", 3));
+    // An explicit key, with an escape in it, wins over order_id:type.
+    let keyed = br#"{"order_id": "o", "type": "t", "key": "a\u0041", "revision": "x"}"#;
+    let (key, revision) = peek_key(keyed).unwrap();
+    assert_eq!((key.as_str(), revision), ("aA", 0));
+    assert_eq!(peek_key(br#"{"cancel": "k"}"#), None);
+    assert_eq!(peek_key(br#"{"order_id": "o"}"#), None);
+    assert_eq!(peek_key(br#"{"key": 5}"#), None);
+    assert_eq!(peek_key(b"not json"), None);
+}
+
+#[test]
 fn throttle_recipient_is_the_user_else_the_first_address() {
     let mut v = base();
     v["to"] = serde_json::json!(["Alice <Alice@Example.com>"]);

@@ -1,0 +1,131 @@
+//! The byte budget: how many deliveries one instance may hold, derived from
+//! `worker.inflight_bytes` and `worker.max_body_bytes`.
+//!
+//! AMQP's prefetch counts messages, not bytes (RabbitMQ ignores `prefetch_size`), so
+//! the bytes an instance holds are bounded by sizing each lane's prefetch: every
+//! delivery is counted at the largest body postie accepts. The send lane gets
+//! `amqp.prefetch` if the budget allows it; the relay (ladder mode) gets the rest, up
+//! to `delay.relay_prefetch`.
+
+use super::{ConfigError, Settings};
+
+/// Each lane's effective prefetch, as the budget allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    /// Unacked deliveries on `<p>.send`.
+    pub send: u16,
+    /// Unacked deliveries on `<p>.intake` (ladder mode; 0 otherwise).
+    pub relay: u16,
+}
+
+impl Settings {
+    /// How many deliveries of the largest accepted size fit in the byte budget.
+    fn budget_slots(&self) -> u64 {
+        let body = self.worker.max_body_bytes.max(1) as u64;
+        self.worker.inflight_bytes / body
+    }
+
+    /// Each lane's prefetch within the byte budget; `ladder` when the relay runs.
+    /// [`Settings::check_budget`] has made sure each lane gets at least its
+    /// concurrency.
+    pub fn prefetch(&self, ladder: bool) -> Prefetch {
+        let slots = self.budget_slots();
+        let relay_min = if ladder {
+            u64::from(self.delay.relay_concurrency)
+        } else {
+            0
+        };
+        let send = u64::from(self.amqp.prefetch).min(slots.saturating_sub(relay_min));
+        let relay = if ladder {
+            let wanted = self.delay.relay_prefetch.max(self.delay.relay_concurrency);
+            u64::from(wanted).min(slots - send)
+        } else {
+            0
+        };
+        Prefetch {
+            send: send as u16,
+            relay: relay as u16,
+        }
+    }
+
+    /// Refuses a budget too small for one delivery per concurrent handler (on both
+    /// lanes unless delays are in plugin mode).
+    pub(super) fn check_budget(&self) -> Result<(), ConfigError> {
+        if self.worker.max_body_bytes == 0 {
+            return Err(ConfigError(
+                "worker.max_body_bytes must be at least 1".into(),
+            ));
+        }
+        let needed = self.worker.concurrency as u64
+            + match self.delay.mode {
+                super::DelayMode::Plugin => 0,
+                _ => u64::from(self.delay.relay_concurrency),
+            };
+        let slots = self.budget_slots();
+        if slots < needed {
+            return Err(ConfigError(format!(
+                "worker.inflight_bytes ({}) holds {slots} bodies of worker.max_body_bytes ({}); \
+                 it must hold at least {needed} (worker.concurrency plus, unless delay.mode = \
+                 plugin, delay.relay_concurrency)",
+                self.worker.inflight_bytes, self.worker.max_body_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_sizes_each_lane_and_refuses_too_little() {
+        let mut s = Settings::default();
+        s.worker.max_body_bytes = 1024;
+        s.worker.inflight_bytes = 1024 * 1024;
+        // Plenty: the send lane's prefetch, and the relay's up to its own cap.
+        s.delay.relay_prefetch = 500;
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 128,
+                relay: 500
+            }
+        );
+        assert_eq!(
+            s.prefetch(false),
+            Prefetch {
+                send: 128,
+                relay: 0
+            }
+        );
+        // Tight: 200 bodies; the relay keeps its concurrency's worth, the send lane
+        // takes what is left first.
+        s.worker.inflight_bytes = 200 * 1024;
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 128,
+                relay: 72
+            }
+        );
+        s.worker.inflight_bytes = 150 * 1024;
+        assert_eq!(
+            s.prefetch(true),
+            Prefetch {
+                send: 86,
+                relay: 64
+            }
+        );
+        assert!(s.check_budget().is_ok());
+        // Below one body per handler on both lanes: refused with one line.
+        s.worker.inflight_bytes = 100 * 1024;
+        let err = s.check_budget().unwrap_err().to_string();
+        assert!(
+            err.contains("worker.inflight_bytes") && err.contains("at least 128"),
+            "{err}"
+        );
+        s.delay.mode = crate::config::DelayMode::Plugin;
+        assert!(s.check_budget().is_ok());
+    }
+}
