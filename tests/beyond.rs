@@ -6,10 +6,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
 use postie::config::{Settings, ThrottlePolicy, ThrottleRule};
-use postie::headers::HEADER_PUBLISHED_AT;
 use serde_json::json;
 use support::{eventually, job, message_id, TestEnv};
 
@@ -22,15 +19,9 @@ fn now_ms() -> i64 {
 /// Publishes `body` with `x-delay`; returns the due time.
 async fn publish_delayed(env: &TestEnv, body: &serde_json::Value, delay_ms: i64) -> i64 {
     let published = now_ms();
-    let mut headers = FieldTable::default();
-    headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-    headers.insert(
-        HEADER_PUBLISHED_AT.into(),
-        AMQPValue::LongLongInt(published),
-    );
     env.publish_raw(
         body.to_string().as_bytes(),
-        broker::job_properties().with_headers(headers),
+        support::delayed_properties(delay_ms, published),
     )
     .await;
     published + delay_ms

@@ -215,15 +215,9 @@ async fn publish_load(
             5_000 + ((i - now) as i64 * 35_000) / pending.max(1) as i64
         };
         let key = format!("{tag}-{i}");
-        let mut headers = FieldTable::default();
-        headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-        headers.insert(
-            HEADER_PUBLISHED_AT.into(),
-            AMQPValue::LongLongInt(published),
-        );
         jobs.push((
             job(&key, "c@example.com"),
-            broker::job_properties().with_headers(headers),
+            support::delayed_properties(delay_ms, published),
         ));
         due.insert(key, published + delay_ms);
     }
@@ -517,7 +511,7 @@ async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
     let run = run_postie(&["topology"], &vars);
     assert_ne!(run.code, Some(0));
     assert!(
-        run.stderr.contains("amqp://***@127.0.0.1:notaport"),
+        run.stderr.contains("amqp://u:***@127.0.0.1:notaport"),
         "{}",
         run.stderr
     );

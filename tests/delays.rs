@@ -31,16 +31,10 @@ fn now_ms() -> i64 {
 /// Publishes `key` with `x-delay` = `delay_ms`; returns the due time (Unix ms).
 async fn publish_delayed(env: &TestEnv, key: &str, delay_ms: i64) -> i64 {
     let published = now_ms();
-    let mut headers = FieldTable::default();
-    headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-    headers.insert(
-        HEADER_PUBLISHED_AT.into(),
-        AMQPValue::LongLongInt(published),
-    );
     let body = job(key, "later@example.com").to_string();
     env.publish_raw(
         body.as_bytes(),
-        broker::job_properties().with_headers(headers),
+        support::delayed_properties(delay_ms, published),
     )
     .await;
     published + delay_ms.max(0)

@@ -10,9 +10,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
-use postie::headers::HEADER_PUBLISHED_AT;
 use support::{job, message_id, TestEnv};
 
 /// Where Debian's `faketime` package puts the library.
@@ -66,15 +63,9 @@ async fn gd_clocks_5_s_ahead_and_behind_send_nothing_early_and_do_not_spin() {
         let key = format!("gd-clock-{i}");
         let delay_ms = 8_000 + i * 500;
         let published = now_ms();
-        let mut headers = FieldTable::default();
-        headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
-        headers.insert(
-            HEADER_PUBLISHED_AT.into(),
-            AMQPValue::LongLongInt(published),
-        );
         jobs.push((
             job(&key, "later@example.com"),
-            broker::job_properties().with_headers(headers),
+            support::delayed_properties(delay_ms, published),
         ));
         due.insert(message_id(&key), published + delay_ms);
     }

@@ -55,6 +55,18 @@ pub fn rabbitmqctl_command(args: &[&str]) -> Command {
     cmd
 }
 
+/// Job properties with `x-delay` = `delay_ms` and `postie-published-at` =
+/// `published_ms`, so that the due time is `published_ms + delay_ms` exactly.
+pub fn delayed_properties(delay_ms: i64, published_ms: i64) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
+    headers.insert(
+        postie::headers::HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(published_ms),
+    );
+    broker::job_properties().with_headers(headers)
+}
+
 /// PostgreSQL server for tests, without a database name (override with POSTIE_TEST_PG).
 pub fn pg_base() -> String {
     std::env::var("POSTIE_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
