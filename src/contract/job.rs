@@ -111,6 +111,10 @@ struct Peek<'a> {
 /// with no usable key. No tree of the body is built: the key fields are borrowed
 /// and the others skipped.
 pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
+    // serde reads a struct from an array too, by position: only an object is a job.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
     let peek: Peek<'_> = serde_json::from_slice(body).ok()?;
     if peek.cancel.is_some() {
         return None;
@@ -128,11 +132,12 @@ pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
     Some((IdempotencyKey::parse(&key).ok()?, revision))
 }
 
-/// A body's `cancel` field, if any; every other field skipped.
-#[derive(Deserialize)]
-struct AsksCancel {
-    #[serde(default)]
-    cancel: Option<serde::de::IgnoredAny>,
+/// Whether a body is a JSON object with a `cancel` member (even `null`), read without
+/// building the values: only the member names are kept. An array is no object, even
+/// though serde would read a struct from one.
+fn asks_cancel(body: &[u8]) -> bool {
+    serde_json::from_slice::<std::collections::HashMap<String, serde::de::IgnoredAny>>(body)
+        .is_ok_and(|members| members.contains_key("cancel"))
 }
 
 impl Request {
@@ -154,7 +159,7 @@ impl Request {
     fn parse_as_published(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         rules.check_size(body)?;
         // Whether it asks to cancel, read without building the body.
-        if let Ok(AsksCancel { cancel: Some(_) }) = serde_json::from_slice(body) {
+        if asks_cancel(body) {
             let cancel: CancelRequest = serde_json::from_slice(body)
                 .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
             if cancel.revision.is_some_and(|r| r < 0) {

@@ -181,6 +181,20 @@ fn peek_key_reads_the_key_and_revision_and_skips_the_rest() {
     assert_eq!(peek_key(br#"{"order_id": "o"}"#), None);
     assert_eq!(peek_key(br#"{"key": 5}"#), None);
     assert_eq!(peek_key(b"not json"), None);
+    // An array is no job, though serde would read the struct from it by position.
+    assert_eq!(peek_key(br#"["k", "o", "t"]"#), None);
+}
+
+#[test]
+fn only_an_object_with_a_cancel_member_is_a_cancel_request() {
+    let array = Request::parse(br#"[{"cancel": "k"}]"#, &RULES).unwrap_err();
+    assert!(array.0.contains("not a JSON object"), "{array}");
+    let null = Request::parse(br#"{"cancel": null}"#, &RULES).unwrap_err();
+    assert!(null.0.contains("not a valid cancel request"), "{null}");
+    assert!(matches!(
+        Request::parse(br#"{"cancel": "k"}"#, &RULES),
+        Ok(Request::Cancel { .. })
+    ));
 }
 
 #[test]
