@@ -2,7 +2,7 @@
 //! engineer asks about, each with fixed, low-cardinality labels (never a key or an
 //! address). One [`Metrics`] per `serve`, rendered by the HTTP endpoint.
 //!
-//! Each metric is declared once, in [`declare!`]'s table below: its field, its
+//! Each metric is declared once, in the `declare!` table below: its field, its
 //! constructor, its exported name and its help text (also the field's doc). A
 //! labelled counter is a [`Counters`] over an enum of its values (`labels.rs`).
 
