@@ -363,6 +363,55 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     );
 }
 
+/// The value of one sample line in the Prometheus text.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// A job found before its due time is counted as an early arrival, not as deferred
+/// (which names another instance's live claim), and is still sent on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mx_an_early_arrival_counts_as_early_not_deferred() {
+    let env = TestEnv::new("mx-early").await;
+    let port = support::free_port();
+    let mut settings = env.settings();
+    settings.http.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let serving = env.serve(settings);
+    let published = now_ms();
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), AMQPValue::LongLongInt(4_000));
+    headers.insert(
+        HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(published),
+    );
+    let body = job("mx-early", "x@example.com").to_string();
+    env.publish_to_queue(
+        &env.topology.send_queue(),
+        body.as_bytes(),
+        broker::job_properties().with_headers(headers),
+    )
+    .await;
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let url = &url;
+    let text = eventually(
+        "the email sent",
+        Duration::from_secs(60),
+        move || async move {
+            let text = reqwest::get(url).await.ok()?.text().await.ok()?;
+            (sample(&text, "postie_emails_sent_total") == Some(1.0)).then_some(text)
+        },
+    )
+    .await;
+    serving.stop().await;
+    assert_eq!(env.sink.count().await, 1);
+    let early = sample(&text, "postie_early_arrivals_total").unwrap_or(0.0);
+    assert!(early >= 1.0, "{text}");
+    assert_eq!(sample(&text, "postie_deferred_total"), Some(0.0), "{text}");
+}
+
 /// PostgreSQL is the schedule of record: when the ladder loses jobs (here purged from
 /// its queues, as a lost broker node can strand them), the reconciler re-publishes
 /// each once it is overdue by the grace period. Every job is sent once, none early,

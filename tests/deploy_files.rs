@@ -482,26 +482,19 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// Every series name postie's `/metrics` can show: counters with `_total`,
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
-    use postie::ops::metrics::{
-        DeadReason, Dependency, Metrics, QueueLabel, RouteLabel, StepLabel,
-    };
+    use postie::ops::metrics::{DeadReason, Dependency, Metrics, QueueLabel, RelayRoute, Step};
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
-    metrics.retries.get_or_create(&StepLabel { step: 0 }).inc();
-    metrics.dead(DeadReason::invalid);
-    metrics
-        .relayed
-        .get_or_create(&RouteLabel {
-            route: "now".into(),
-        })
-        .inc();
+    metrics.retries.inc(Step(0));
+    metrics.dead(DeadReason::Invalid);
+    metrics.relayed.inc(RelayRoute::Now);
     metrics
         .queue_depth
         .get_or_create(&QueueLabel {
             queue: "postie.send".into(),
         })
         .set(1);
-    metrics.reconnected(Dependency::rabbitmq);
+    metrics.reconnected(Dependency::Rabbitmq);
     let rendered = metrics.render();
     let mut out = BTreeSet::new();
     for line in rendered.lines() {

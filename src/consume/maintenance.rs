@@ -19,7 +19,7 @@ use super::Service;
 use crate::broker;
 use crate::inbox::PrunePlan;
 use crate::ops::backoff::Backoff;
-use crate::ops::metrics::PrunedLabel;
+use crate::ops::metrics::Pruned;
 
 /// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie").
 const MAINTENANCE_LOCK: i64 = 0x706f_7374_6965 + 1;
@@ -191,14 +191,11 @@ impl Service {
         match inbox.prune(&plan).await {
             Ok(pruned) => {
                 for (kind, n) in [
-                    ("finished", pruned.finished),
-                    ("tombstone", pruned.tombstones),
-                    ("throttle", pruned.throttle),
+                    (Pruned::Finished, pruned.finished),
+                    (Pruned::Tombstone, pruned.tombstones),
+                    (Pruned::Throttle, pruned.throttle),
                 ] {
-                    metrics
-                        .pruned
-                        .get_or_create(&PrunedLabel { kind: kind.into() })
-                        .inc_by(n);
+                    metrics.pruned.inc_by(kind, n);
                 }
                 metrics.prune_seconds.observe(pruned.took.as_secs_f64());
                 let total = pruned.finished + pruned.tombstones + pruned.throttle;

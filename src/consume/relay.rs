@@ -21,7 +21,7 @@ use crate::broker::ladder::Route;
 use crate::broker::{Acks, DelayLayout, Topology, ROUTING_KEY};
 use crate::contract::{self, readable, IdempotencyKey, ParseRules};
 use crate::headers::{self, HEADER_DUE_AT};
-use crate::ops::metrics::{DeadReason, RouteLabel};
+use crate::ops::metrics::{DeadReason, RelayRoute};
 use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Interrupted, Target};
 
 /// What becomes of one intake delivery, decided when it arrives.
@@ -186,16 +186,11 @@ impl Service {
             Decision::Forward { due_ms } => {
                 let (exchange, routing_key) = route(&self.topology, due_ms, now_ms());
                 let route = if routing_key == ROUTING_KEY {
-                    "now"
+                    RelayRoute::Now
                 } else {
-                    "ladder"
+                    RelayRoute::Ladder
                 };
-                metrics
-                    .relayed
-                    .get_or_create(&RouteLabel {
-                        route: route.into(),
-                    })
-                    .inc();
+                metrics.relayed.inc(route);
                 let mut stamped = headers::without(headers, &[]);
                 headers::set_int(&mut stamped, HEADER_DUE_AT, due_ms);
                 Disposition::Republish(Target {
@@ -206,7 +201,7 @@ impl Service {
             }
             Decision::Invalid(reason) => {
                 tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
-                metrics.dead(DeadReason::invalid);
+                metrics.dead(DeadReason::Invalid);
                 Disposition::DeadLetter(dead_letter(
                     &self.topology,
                     headers,

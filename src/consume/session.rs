@@ -50,7 +50,7 @@ impl Service {
                         self.worker
                             .health()
                             .metrics()
-                            .reconnected(Dependency::rabbitmq);
+                            .reconnected(Dependency::Rabbitmq);
                         connected
                     }
                     Err(error) => {

@@ -68,7 +68,7 @@ impl Health {
             tracing::info!("PostgreSQL answers again");
             self.inner
                 .metrics
-                .reconnected(super::metrics::Dependency::postgresql);
+                .reconnected(super::metrics::Dependency::Postgresql);
         }
     }
 
@@ -156,7 +156,7 @@ impl Health {
             self.inner.metrics.smtp_breaker_open.set(0);
             self.inner
                 .metrics
-                .reconnected(super::metrics::Dependency::smtp);
+                .reconnected(super::metrics::Dependency::Smtp);
             self.update_paused();
         }
     }
