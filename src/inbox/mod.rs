@@ -20,7 +20,7 @@ mod reconcile;
 mod status;
 mod tls;
 
-pub use claim::{Claim, Scheduled};
+pub use claim::{Claim, Completion, Scheduled};
 pub use error::DbError;
 pub use prune::{PrunePlan, Pruned};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
