@@ -22,6 +22,7 @@ mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
 pub use error::DbError;
+pub use migrate::MigrateError;
 pub use prune::{PrunePlan, Pruned};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
 pub use reconcile::Overdue;
