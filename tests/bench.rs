@@ -428,7 +428,7 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
     .await;
     Measured::new(
         format!(
-            "database: claim + mark_sent ({concurrency} tasks, {DATABASE_LEG_CONNECTIONS} connections)"
+            "database: claim + complete (sent) ({concurrency} tasks, {DATABASE_LEG_CONNECTIONS} connections)"
         ),
         n,
         &before,

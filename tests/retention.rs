@@ -428,7 +428,7 @@ async fn database_leg_with_a_prefilled_inbox() {
         let seconds = started.elapsed().as_secs_f64();
         let (total, _, indexes) = size(&env).await;
         eprintln!(
-            "FIGURES prefill: {filled} rows before: claim + mark_sent {:.0}/s ({N} keys, {TASKS} tasks); \
+            "FIGURES prefill: {filled} rows before: claim + complete (sent) {:.0}/s ({N} keys, {TASKS} tasks); \
              postie_inbox {:.0} MB ({:.0} MB indexes)",
             N as f64 / seconds,
             total as f64 / 1_048_576.0,
