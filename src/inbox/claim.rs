@@ -27,7 +27,7 @@ pub struct Scheduled {
 }
 
 /// What the holder of a claim records when it lets go of it: the transitions out of
-/// `sending`, each a row of parameters for one fenced statement ([`COMPLETE`]).
+/// `sending`, each a row of parameters for one fenced statement (`COMPLETE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Completion<'a> {
     /// The relay accepted the email: `sent`, an attempt counted, the body dropped.
@@ -70,7 +70,7 @@ const COMPLETE: &str = "UPDATE postie_inbox
         owner = NULL, lease_until = NULL, updated_at = now()
   WHERE key = $1 AND fence = $2";
 
-/// The parameters of [`COMPLETE`] for one completion.
+/// The parameters of `COMPLETE` for one completion.
 #[derive(Debug, PartialEq, Eq)]
 struct CompletionRow<'a> {
     status: Status,
