@@ -1,5 +1,6 @@
 -- postie's inbox: one row per idempotency key, the source of truth for
--- "has this email been sent?". See DESIGN §3 and src/inbox.rs.
+-- "has this email been sent?". Its states and transitions: ARCHITECTURE.md, "The
+-- inbox's state machine"; the schema as all migrations leave it: sql/schema.sql.
 
 CREATE TABLE postie_inbox (
     key          text        PRIMARY KEY,

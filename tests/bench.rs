@@ -30,7 +30,7 @@ use postie::broker;
 use postie::broker::{DelayLayout, ROUTING_KEY};
 use postie::config::Settings;
 use postie::contract::{EmailJob, ParseRules};
-use postie::inbox::{Claim, Inbox};
+use postie::inbox::{Claim, Completion, Inbox};
 use postie::mail::{Clearance, Mailer};
 use support::bench::{
     broker_connection, broker_memory, clock_ticks, cpu_seconds, env_usize, management_api,
@@ -417,16 +417,18 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
                 panic!("{key} was not claimable");
             };
             let due = chrono::Utc::now().timestamp_millis();
-            assert!(inbox
-                .mark_sent(&key, fence, &message_id(&key), due)
-                .await
-                .unwrap());
+            let message_id = message_id(&key);
+            let sent = Completion::Sent {
+                message_id: &message_id,
+                due_ms: due,
+            };
+            assert!(inbox.complete(&key, fence, sent).await.unwrap());
         }
     })
     .await;
     Measured::new(
         format!(
-            "database: claim + mark_sent ({concurrency} tasks, {DATABASE_LEG_CONNECTIONS} connections)"
+            "database: claim + complete (sent) ({concurrency} tasks, {DATABASE_LEG_CONNECTIONS} connections)"
         ),
         n,
         &before,

@@ -218,7 +218,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
 /// each key is claimed exactly once, the others told it is busy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
-    use postie::inbox::{Claim, Inbox, Scheduled};
+    use postie::inbox::{Claim, Completion, Inbox, Scheduled};
 
     let env = TestEnv::new("claimstates").await;
     let inbox = Inbox::new(&env.settings().database).unwrap();
@@ -230,41 +230,71 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         due_ms: chrono::Utc::now().timestamp_millis(),
         body: Some(b"{}".to_vec()),
     };
-    let claimed = |fence, attempts, takeover| Claim::Claimed {
-        fence,
-        attempts,
-        takeover,
-    };
+    // A claim no longer reports the key's prior attempts (no caller read them): the
+    // attempts a completion recorded are read from the row instead.
+    let claimed = |fence, attempts: i32, takeover| (Claim::Claimed { fence, takeover }, attempts);
     let claim = |key: &'static str, revision: i32, lease: Duration| {
         let inbox = inbox.clone();
         async move { inbox.claim(key, "test", lease, revision).await.unwrap() }
     };
+    let db = env.db().await;
+    let db = &db;
+    let claim_counted = |key: &'static str, revision: i32, lease: Duration| {
+        let claimed = claim(key, revision, lease);
+        async move {
+            let claim = claimed.await;
+            let row = db
+                .query_one("SELECT attempts FROM postie_inbox WHERE key = $1", &[&key])
+                .await
+                .unwrap();
+            (claim, row.get::<_, i32>(0))
+        }
+    };
+    let sent = Completion::Sent {
+        message_id: "<m@x>",
+        due_ms: 0,
+    };
 
-    assert_eq!(claim("new", 0, lease).await, claimed(1, 0, false));
+    assert_eq!(claim_counted("new", 0, lease).await, claimed(1, 0, false));
 
     inbox
         .schedule_many(&[scheduled("scheduled", 0)])
         .await
         .unwrap();
-    assert_eq!(claim("scheduled", 0, lease).await, claimed(2, 0, false));
+    assert_eq!(
+        claim_counted("scheduled", 0, lease).await,
+        claimed(2, 0, false)
+    );
 
-    assert_eq!(claim("retrying", 0, lease).await, claimed(1, 0, false));
-    assert!(inbox
-        .mark_retrying("retrying", 1, "451 later")
-        .await
-        .unwrap());
-    assert_eq!(claim("retrying", 0, lease).await, claimed(2, 1, false));
+    assert_eq!(
+        claim_counted("retrying", 0, lease).await,
+        claimed(1, 0, false)
+    );
+    let retrying = Completion::Retrying { error: "451 later" };
+    assert!(inbox.complete("retrying", 1, retrying).await.unwrap());
+    assert_eq!(
+        claim_counted("retrying", 0, lease).await,
+        claimed(2, 1, false)
+    );
 
-    assert_eq!(claim("dead", 0, lease).await, claimed(1, 0, false));
-    assert!(inbox.mark_dead("dead", 1, "550 no").await.unwrap());
-    assert_eq!(claim("dead", 0, lease).await, claimed(2, 1, false));
+    assert_eq!(claim_counted("dead", 0, lease).await, claimed(1, 0, false));
+    let dead = Completion::Dead { error: "550 no" };
+    assert!(inbox.complete("dead", 1, dead).await.unwrap());
+    assert_eq!(claim_counted("dead", 0, lease).await, claimed(2, 1, false));
 
-    assert_eq!(claim("throttled", 0, lease).await, claimed(1, 0, false));
-    assert!(inbox.mark_throttled("throttled", 1).await.unwrap());
-    assert_eq!(claim("throttled", 0, lease).await, claimed(2, 0, false));
+    assert_eq!(
+        claim_counted("throttled", 0, lease).await,
+        claimed(1, 0, false)
+    );
+    let throttled = Completion::Throttled;
+    assert!(inbox.complete("throttled", 1, throttled).await.unwrap());
+    assert_eq!(
+        claim_counted("throttled", 0, lease).await,
+        claimed(2, 0, false)
+    );
 
-    assert_eq!(claim("sent", 0, lease).await, claimed(1, 0, false));
-    assert!(inbox.mark_sent("sent", 1, "<m@x>", 0).await.unwrap());
+    assert_eq!(claim_counted("sent", 0, lease).await, claimed(1, 0, false));
+    assert!(inbox.complete("sent", 1, sent).await.unwrap());
     assert_eq!(claim("sent", 0, lease).await, Claim::AlreadySent);
 
     inbox
@@ -273,23 +303,32 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         .unwrap();
     inbox.cancel("cancelled", None).await.unwrap();
     assert_eq!(claim("cancelled", 0, lease).await, Claim::Cancelled);
-    assert_eq!(claim("cancelled", 1, lease).await, claimed(2, 0, false));
+    assert_eq!(
+        claim_counted("cancelled", 1, lease).await,
+        claimed(2, 0, false)
+    );
 
     inbox.schedule_many(&[scheduled("stale", 2)]).await.unwrap();
     assert_eq!(claim("stale", 1, lease).await, Claim::Stale);
 
-    assert_eq!(claim("busy", 0, lease).await, claimed(1, 0, false));
+    assert_eq!(claim_counted("busy", 0, lease).await, claimed(1, 0, false));
     match claim("busy", 0, lease).await {
         Claim::Busy { remaining } => assert!(remaining <= lease, "{remaining:?}"),
         other => panic!("a live lease answered {other:?}"),
     }
 
     let short = Duration::from_millis(1);
-    assert_eq!(claim("expired", 0, short).await, claimed(1, 0, false));
+    assert_eq!(
+        claim_counted("expired", 0, short).await,
+        claimed(1, 0, false)
+    );
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(claim("expired", 0, lease).await, claimed(2, 0, true));
+    assert_eq!(
+        claim_counted("expired", 0, lease).await,
+        claimed(2, 0, true)
+    );
     assert!(
-        !inbox.mark_sent("expired", 1, "<m@x>", 0).await.unwrap(),
+        !inbox.complete("expired", 1, sent).await.unwrap(),
         "the first holder's completion is fenced off"
     );
 

@@ -361,7 +361,7 @@ async fn size(env: &TestEnv) -> (i64, i64, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn database_leg_with_a_prefilled_inbox() {
-    use postie::inbox::{Claim, Inbox};
+    use postie::inbox::{Claim, Completion, Inbox};
     const N: usize = 20_000;
     const TASKS: usize = 64;
     let sizes: Vec<i64> = std::env::var("POSTIE_PREFILL")
@@ -412,10 +412,12 @@ async fn database_leg_with_a_prefilled_inbox() {
                             panic!("{key} was not claimable");
                         };
                         let due = chrono::Utc::now().timestamp_millis();
-                        assert!(inbox
-                            .mark_sent(&key, fence, &message_id(&key), due)
-                            .await
-                            .unwrap());
+                        let message_id = message_id(&key);
+                        let sent = Completion::Sent {
+                            message_id: &message_id,
+                            due_ms: due,
+                        };
+                        assert!(inbox.complete(&key, fence, sent).await.unwrap());
                     }
                 })
             })
@@ -426,7 +428,7 @@ async fn database_leg_with_a_prefilled_inbox() {
         let seconds = started.elapsed().as_secs_f64();
         let (total, _, indexes) = size(&env).await;
         eprintln!(
-            "FIGURES prefill: {filled} rows before: claim + mark_sent {:.0}/s ({N} keys, {TASKS} tasks); \
+            "FIGURES prefill: {filled} rows before: claim + complete (sent) {:.0}/s ({N} keys, {TASKS} tasks); \
              postie_inbox {:.0} MB ({:.0} MB indexes)",
             N as f64 / seconds,
             total as f64 / 1_048_576.0,

@@ -64,6 +64,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         for applied in inbox.migrate().await? {
             tracing::info!(migration = %applied, "applied migration");
         }
+    } else {
+        inbox.check_schema().await?;
     }
     // Due times are read on PostgreSQL's clock: measured before the first is read.
     let mut clock_warned = None;

@@ -1,10 +1,16 @@
-//! Claiming a key and recording what became of it. Every call is one statement in
-//! its own implicit transaction: a claim is committed before the send starts, and a
-//! completion (fenced: only the claim's holder may record) before the ack.
+//! Claiming a key and recording what became of it: the inbox's state machine. Every
+//! call is one statement in its own implicit transaction: a claim is committed before
+//! the send starts, and a completion (fenced: only the claim's holder may record)
+//! before the ack.
+//!
+//! The states of a row and the statement behind each transition are drawn in
+//! ARCHITECTURE.md, "The inbox's state machine"; the current SQL of `postie_claim`
+//! and of every table is in `sql/schema.sql`. Into `sending`: [`Inbox::claim`]; out
+//! of it: [`Inbox::complete`] with a [`Completion`].
 
 use std::time::Duration;
 
-use super::{DbError, Inbox};
+use super::{DbError, Inbox, Status};
 
 /// A job the relay routed into the ladder, to be recorded as scheduled.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +26,91 @@ pub struct Scheduled {
     pub body: Option<Vec<u8>>,
 }
 
+/// What the holder of a claim records when it lets go of it: the transitions out of
+/// `sending`, each a row of parameters for one fenced statement (`COMPLETE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion<'a> {
+    /// The relay accepted the email: `sent`, an attempt counted, the body dropped.
+    Sent {
+        /// The Message-ID it carried.
+        message_id: &'a str,
+        /// Its due time (Unix ms), kept so that `sent_at - due_at` is the lateness.
+        due_ms: i64,
+    },
+    /// An SMTP attempt failed transiently (or the relay was unreachable): `retrying`,
+    /// the attempt counted (the relay may have accepted it); whether the job's retry
+    /// cycle is charged is the retry policy's business, not the inbox's.
+    Retrying {
+        /// What the attempt met.
+        error: &'a str,
+    },
+    /// Dead-lettered after an SMTP attempt: `dead`, the attempt counted, the body dropped.
+    Dead {
+        /// Why.
+        error: &'a str,
+    },
+    /// Dropped by its type's throttle (drop policy): `throttled`, the body dropped.
+    Throttled,
+    /// Given back without an SMTP attempt (the throttle's defer policy, a pause before
+    /// the send): `retrying`, no attempt counted.
+    Unclaimed {
+        /// Why it was given back.
+        why: &'a str,
+    },
+}
+
+/// Every completion: fenced (`fence = $2`), the lease released. A send also sets
+/// `message_id`, `due_at` and `sent_at` (the other completions keep theirs).
+const COMPLETE: &str = "UPDATE postie_inbox
+    SET status = $3::text, attempts = attempts + $4::int, last_error = $5::text,
+        body = CASE WHEN $6::bool THEN NULL ELSE body END,
+        message_id = coalesce($7::text, message_id),
+        due_at = coalesce(to_timestamp($8::bigint / 1000.0), due_at),
+        sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
+        owner = NULL, lease_until = NULL, updated_at = now()
+  WHERE key = $1 AND fence = $2";
+
+/// The parameters of `COMPLETE` for one completion.
+#[derive(Debug, PartialEq, Eq)]
+struct CompletionRow<'a> {
+    status: Status,
+    /// SMTP attempts to add: 1 if one was made.
+    attempt: i32,
+    error: Option<&'a str>,
+    drops_body: bool,
+    message_id: Option<&'a str>,
+    due_ms: Option<i64>,
+}
+
+impl<'a> Completion<'a> {
+    /// The status the row takes.
+    pub fn status(&self) -> Status {
+        self.row().status
+    }
+
+    fn row(&self) -> CompletionRow<'a> {
+        let row = |status, attempt, error, drops_body| CompletionRow {
+            status,
+            attempt,
+            error,
+            drops_body,
+            message_id: None,
+            due_ms: None,
+        };
+        match *self {
+            Self::Sent { message_id, due_ms } => CompletionRow {
+                message_id: Some(message_id),
+                due_ms: Some(due_ms),
+                ..row(Status::Sent, 1, None, true)
+            },
+            Self::Retrying { error } => row(Status::Retrying, 1, Some(error), false),
+            Self::Dead { error } => row(Status::Dead, 1, Some(error), true),
+            Self::Throttled => row(Status::Throttled, 0, Some("throttled (drop policy)"), true),
+            Self::Unclaimed { why } => row(Status::Retrying, 0, Some(why), false),
+        }
+    }
+}
+
 /// What a claim found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -27,8 +118,6 @@ pub enum Claim {
     Claimed {
         /// Fencing token: completions must present it.
         fence: i64,
-        /// SMTP attempts made before this claim, over the key's lifetime.
-        attempts: i32,
         /// True if an expired `sending` lease was taken over: the previous owner may
         /// have sent the email (the one known duplicate window).
         takeover: bool,
@@ -48,8 +137,9 @@ pub enum Claim {
 
 impl Inbox {
     /// Claims revision `revision` of `key` for `owner` for `lease` (see `postie_claim`
-    /// in `sql/0008_claim_in_one_update.sql`, which falls back to 0002's function,
-    /// kept as `postie_claim_locked`).
+    /// in `sql/schema.sql`, as of `sql/0010_state_machine.sql`). An answer this postie
+    /// does not know is an error that the worker waits out as an outage (a database
+    /// migrated by a newer postie), never a reason to defer or dead-letter the job.
     pub async fn claim(
         &self,
         key: &str,
@@ -60,7 +150,7 @@ impl Inbox {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
-                "SELECT outcome, fence, attempts, prior_status, wait_ms FROM postie_claim($1, $2, $3, $4)",
+                "SELECT outcome, fence, prior_status, wait_ms FROM postie_claim($1, $2, $3, $4)",
             )
             .await?;
         let lease_ms = lease.as_millis() as i64;
@@ -71,15 +161,19 @@ impl Inbox {
         Ok(match outcome {
             "claimed" => Claim::Claimed {
                 fence: row.get(1),
-                attempts: row.get(2),
-                takeover: row.get::<_, &str>(3) == "sending",
+                takeover: row.get::<_, &str>(2) == "sending",
             },
             "done" => Claim::AlreadySent,
             "cancelled" => Claim::Cancelled,
             "stale" => Claim::Stale,
-            _ => Claim::Busy {
-                remaining: Duration::from_millis(row.get::<_, i64>(4).max(1) as u64),
+            "busy" => Claim::Busy {
+                remaining: Duration::from_millis(row.get::<_, i64>(3).max(1) as u64),
             },
+            other => {
+                return Err(DbError::unreadable(format!(
+                    "postie_claim answered {other:?}, which this postie does not know"
+                )))
+            }
         })
     }
 
@@ -99,9 +193,9 @@ impl Inbox {
         Ok(client.execute(&stmt, &[&key, &fence, &lease_ms]).await? == 1)
     }
 
-    /// Ladder mode: records scheduled jobs in one statement and one commit, with
-    /// the rules of `postie_schedule` (a newer or equal revision replaces a scheduled,
-    /// cancelled-before or retrying row; a sent or in-flight row is left alone). A key
+    /// Ladder mode: records scheduled jobs in one statement and one commit (a newer
+    /// or equal revision replaces a scheduled, cancelled-before or retrying row; a
+    /// sent or in-flight row is left alone). A key
     /// given twice keeps its highest revision. Keys are written in order, so that two
     /// instances' batches lock rows in the same order and cannot deadlock.
     pub async fn schedule_many(&self, jobs: &[Scheduled]) -> Result<(), DbError> {
@@ -137,96 +231,93 @@ impl Inbox {
         Ok(())
     }
 
-    /// Records a job dropped by the throttle.
-    pub async fn mark_throttled(&self, key: &str, fence: i64) -> Result<bool, DbError> {
-        self.complete(
-            "UPDATE postie_inbox SET status = 'throttled', updated_at = now(), body = NULL,
-                    owner = NULL, lease_until = NULL, last_error = $3
-              WHERE key = $1 AND fence = $2",
-            key,
-            fence,
-            "throttled (drop policy)",
-        )
-        .await
-    }
-
-    /// Gives a claim back without an SMTP attempt (the throttle deferred the job).
-    pub async fn unclaim(&self, key: &str, fence: i64, why: &str) -> Result<bool, DbError> {
-        self.complete(
-            "UPDATE postie_inbox SET status = 'retrying', updated_at = now(),
-                    owner = NULL, lease_until = NULL, last_error = $3
-              WHERE key = $1 AND fence = $2",
-            key,
-            fence,
-            why,
-        )
-        .await
-    }
-    /// Records the send. `false` means the fence moved: another instance took the
-    /// key over while this one was sending (counted as a possible duplicate).
-    /// `due_ms` (Unix ms) is kept so that `sent_at - due_at` is the lateness.
-    pub async fn mark_sent(
+    /// Records what became of the claim `fence` on `key` (see [`Completion`]): one
+    /// fenced statement for every transition out of `sending`. `false` means the
+    /// fence moved: another instance took the key over meanwhile (for a send, counted
+    /// as a possible duplicate), and nothing was recorded.
+    pub async fn complete(
         &self,
         key: &str,
         fence: i64,
-        message_id: &str,
-        due_ms: i64,
+        completion: Completion<'_>,
     ) -> Result<bool, DbError> {
+        let row = completion.row();
         let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "UPDATE postie_inbox SET status = 'sent', sent_at = clock_timestamp(), body = NULL,
-                        updated_at = now(), attempts = attempts + 1, owner = NULL,
-                        lease_until = NULL, message_id = $3, last_error = NULL,
-                        due_at = to_timestamp($4::bigint / 1000.0)
-                  WHERE key = $1 AND fence = $2",
-            )
-            .await?;
-        Ok(client
-            .execute(&stmt, &[&key, &fence, &message_id, &due_ms])
-            .await?
-            == 1)
+        let stmt = client.prepare_cached(COMPLETE).await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+            &key,
+            &fence,
+            &row.status.as_str(),
+            &row.attempt,
+            &row.error,
+            &row.drops_body,
+            &row.message_id,
+            &row.due_ms,
+        ];
+        Ok(client.execute(&stmt, &params).await? == 1)
     }
+}
 
-    /// Records an SMTP attempt that failed transiently and gives the claim back: the
-    /// job goes to a retry queue, or (the relay unreachable, the circuit open) is held
-    /// until the relay answers. The attempt is recorded either way (the relay may have
-    /// accepted it); whether the job's retry cycle is charged is the retry policy's
-    /// business, not the inbox's.
-    pub async fn mark_retrying(&self, key: &str, fence: i64, error: &str) -> Result<bool, DbError> {
-        self.complete(
-            "UPDATE postie_inbox SET status = 'retrying', updated_at = now(),
-                    attempts = attempts + 1, owner = NULL, lease_until = NULL, last_error = $3
-              WHERE key = $1 AND fence = $2",
-            key,
-            fence,
-            error,
-        )
-        .await
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    /// Records a dead letter after an SMTP attempt.
-    pub async fn mark_dead(&self, key: &str, fence: i64, error: &str) -> Result<bool, DbError> {
-        self.complete(
-            "UPDATE postie_inbox SET status = 'dead', updated_at = now(), body = NULL,
-                    attempts = attempts + 1, owner = NULL, lease_until = NULL, last_error = $3
-              WHERE key = $1 AND fence = $2",
-            key,
-            fence,
-            error,
-        )
-        .await
-    }
-
-    async fn complete(
-        &self,
-        sql: &str,
-        key: &str,
-        fence: i64,
-        text: &str,
-    ) -> Result<bool, DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client.prepare_cached(sql).await?;
-        Ok(client.execute(&stmt, &[&key, &fence, &text]).await? == 1)
+    #[test]
+    fn each_completion_is_one_row_of_the_fenced_statement() {
+        let sent = Completion::Sent {
+            message_id: "<m@x>",
+            due_ms: 7,
+        };
+        assert_eq!(
+            sent.row(),
+            CompletionRow {
+                status: Status::Sent,
+                attempt: 1,
+                error: None,
+                drops_body: true,
+                message_id: Some("<m@x>"),
+                due_ms: Some(7),
+            }
+        );
+        let table = [
+            (
+                Completion::Retrying { error: "451" },
+                Status::Retrying,
+                1,
+                Some("451"),
+                false,
+            ),
+            (
+                Completion::Dead { error: "550" },
+                Status::Dead,
+                1,
+                Some("550"),
+                true,
+            ),
+            (
+                Completion::Throttled,
+                Status::Throttled,
+                0,
+                Some("throttled (drop policy)"),
+                true,
+            ),
+            (
+                Completion::Unclaimed { why: "later" },
+                Status::Retrying,
+                0,
+                Some("later"),
+                false,
+            ),
+        ];
+        for (completion, status, attempt, error, drops_body) in table {
+            let row = completion.row();
+            assert_eq!(
+                (row.status, row.attempt, row.error, row.drops_body),
+                (status, attempt, error, drops_body),
+                "{completion:?}"
+            );
+            assert_eq!((row.message_id, row.due_ms), (None, None));
+            assert_eq!(completion.status(), status);
+        }
     }
 }

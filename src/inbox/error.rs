@@ -16,6 +16,9 @@ pub struct DbError {
     message: String,
     /// The SQLSTATE (five characters), when the server answered.
     code: Option<String>,
+    /// The server answered, but with something this postie cannot read (an answer
+    /// of a newer schema): an outage to wait out, never the job's fault.
+    unreadable: bool,
 }
 
 /// SQLSTATE classes that are the job's own fault:
@@ -33,6 +36,18 @@ impl DbError {
         Self {
             message,
             code: Some("22000".into()),
+            unreadable: false,
+        }
+    }
+
+    /// An answer this postie does not know (a database migrated by a newer postie, or
+    /// an older binary against a newer schema): an outage, so the job is held and
+    /// never dead-lettered, and readiness names the mismatch.
+    pub(super) fn unreadable(message: String) -> Self {
+        Self {
+            message,
+            code: None,
+            unreadable: true,
         }
     }
 
@@ -53,6 +68,12 @@ impl DbError {
     /// The outage's cause in words, with its SQLSTATE, for the one log line an
     /// operator reads ("the database is read-only (25006) — a failover to a standby?").
     pub fn cause(&self) -> String {
+        if self.unreadable {
+            return format!(
+                "postie cannot read the database's answer ({}) — a database migrated by a newer postie?",
+                self.message
+            );
+        }
         let Some(code) = self.code.as_deref() else {
             return format!("PostgreSQL does not answer ({})", self.message);
         };
@@ -95,6 +116,7 @@ impl From<tokio_postgres::Error> for DbError {
             Some(db) => Self {
                 message: format!("{}: {}", db.code().code(), db.message()),
                 code: Some(db.code().code().to_string()),
+                unreadable: false,
             },
             None => Self {
                 message: match std::error::Error::source(&e) {
@@ -102,6 +124,7 @@ impl From<tokio_postgres::Error> for DbError {
                     None => e.to_string(),
                 },
                 code: None,
+                unreadable: false,
             },
         }
     }
@@ -114,6 +137,7 @@ impl From<deadpool_postgres::PoolError> for DbError {
             other => Self {
                 message: other.to_string(),
                 code: None,
+                unreadable: false,
             },
         }
     }
@@ -127,6 +151,7 @@ mod tests {
         DbError {
             message: format!("{code}: test"),
             code: Some(code.into()),
+            unreadable: false,
         }
     }
 
@@ -151,9 +176,13 @@ mod tests {
         let no_answer = DbError {
             message: "connection refused".into(),
             code: None,
+            unreadable: false,
         };
         assert!(no_answer.is_outage());
         assert!(no_answer.cause().contains("does not answer"));
+        let newer = DbError::unreadable("postie_claim answered \"later\"".into());
+        assert!(newer.is_outage(), "an unknown answer is waited out");
+        assert!(newer.cause().contains("migrated by a newer postie"));
     }
 
     #[test]

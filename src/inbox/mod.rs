@@ -20,8 +20,9 @@ mod reconcile;
 mod status;
 mod tls;
 
-pub use claim::{Claim, Scheduled};
+pub use claim::{Claim, Completion, Scheduled};
 pub use error::DbError;
+pub use migrate::MigrateError;
 pub use prune::{PrunePlan, Pruned};
 pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
 pub use reconcile::Overdue;

@@ -30,7 +30,7 @@ use crate::broker::Topology;
 use crate::config::Settings;
 use crate::contract::{self, EmailJob, IdempotencyKey, InvalidJob, ParseRules, Request};
 use crate::headers::{header_int, HEADER_ATTEMPT};
-use crate::inbox::{Claim, DbError, Inbox, Scheduled};
+use crate::inbox::{Claim, Completion, DbError, Inbox, Scheduled};
 use crate::mail::{Clearance, Mailer, SendError, Slot};
 use crate::ops::backoff::Backoff;
 use crate::ops::health::Health;
@@ -358,8 +358,14 @@ impl Worker {
                 match fence {
                     Some(_) if tried => self.give_back("release", key, fence, error).await?,
                     Some(fence) => {
-                        self.db("release", || self.inbox.unclaim(key.as_str(), fence, error))
-                            .await?;
+                        self.db("release", || {
+                            self.inbox.complete(
+                                key.as_str(),
+                                fence,
+                                Completion::Unclaimed { why: error },
+                            )
+                        })
+                        .await?;
                     }
                     None => {}
                 }
@@ -375,7 +381,8 @@ impl Worker {
             Next::Dead { kind, attempts } => {
                 if let Some(fence) = fence {
                     self.db("record dead", || {
-                        self.inbox.mark_dead(key.as_str(), fence, error)
+                        self.inbox
+                            .complete(key.as_str(), fence, Completion::Dead { error })
                     })
                     .await?;
                 }
@@ -407,7 +414,8 @@ impl Worker {
     ) -> Result<(), Stop> {
         if let Some(fence) = fence {
             self.db(what, || {
-                self.inbox.mark_retrying(key.as_str(), fence, error)
+                self.inbox
+                    .complete(key.as_str(), fence, Completion::Retrying { error })
             })
             .await?;
         }
@@ -465,8 +473,11 @@ impl Worker {
         let lateness_ms = now_ms() - due_ms;
         let kept = self
             .db_durable("record sent", || {
-                self.inbox
-                    .mark_sent(key.as_str(), fence, &message_id, due_ms)
+                let sent = Completion::Sent {
+                    message_id: &message_id,
+                    due_ms,
+                };
+                self.inbox.complete(key.as_str(), fence, sent)
             })
             .await?;
         Ok(if kept {

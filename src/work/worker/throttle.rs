@@ -5,7 +5,7 @@
 use super::{Outcome, Stop, Worker};
 use crate::config::ThrottlePolicy;
 use crate::contract::EmailJob;
-use crate::inbox::Throttle;
+use crate::inbox::{Completion, Throttle};
 
 impl Worker {
     /// Applies the job type's throttle, if any, under the claim: `None` to go on.
@@ -37,7 +37,8 @@ impl Worker {
         Ok(Some(match rule.policy {
             ThrottlePolicy::Drop => {
                 self.db("record throttled", || {
-                    self.inbox.mark_throttled(key.as_str(), fence)
+                    self.inbox
+                        .complete(key.as_str(), fence, Completion::Throttled)
                 })
                 .await?;
                 Outcome::Throttled {
@@ -47,8 +48,9 @@ impl Worker {
             }
             ThrottlePolicy::Defer => {
                 self.db("defer", || {
+                    let why = "throttled (defer policy)";
                     self.inbox
-                        .unclaim(key.as_str(), fence, "throttled (defer policy)")
+                        .complete(key.as_str(), fence, Completion::Unclaimed { why })
                 })
                 .await?;
                 Outcome::Throttled {

@@ -1,0 +1,180 @@
+-- The schema as all migrations in sql/ leave it: every table, index and function
+-- postie uses, in one file to read. It is NOT how a database is set up: `postie
+-- migrate` (or database.migrate_on_start) applies the numbered files in order and
+-- records each in postie_migrations (src/inbox/migrate.rs).
+--
+-- Kept true by tests/schema_sql.rs, which migrates one fresh database, loads this
+-- file into another, and compares their catalogs (columns, constraints, indexes,
+-- function definitions). A new migration updates this file in the same commit.
+--
+-- Numbering: there is no 0006. No file of that number was ever committed (`git log
+-- --all -- sql/`): 0004, 0005 and 0007 were written at the same time for issues 14, 13
+-- and 15, and 0006 was skipped between them. Versions increase; they need not be
+-- contiguous.
+--
+-- The row's states and the transition behind each change of status are drawn in
+-- ARCHITECTURE.md, "The inbox's state machine".
+
+-- One row per idempotency key: the source of truth for "has this email been sent?".
+CREATE TABLE postie_inbox (
+    key          text        PRIMARY KEY,
+    status       text        NOT NULL CHECK (status IN
+                 ('scheduled', 'sending', 'sent', 'retrying', 'dead', 'cancelled', 'throttled')),
+    owner        text,                    -- instance holding the claim while 'sending'
+    lease_until  timestamptz,             -- claim is exclusive until then
+    fence        bigint      NOT NULL DEFAULT 1,  -- +1 on every claim; completions must match
+    attempts     integer     NOT NULL DEFAULT 0,  -- SMTP attempts over the key's lifetime
+    takeovers    integer     NOT NULL DEFAULT 0,  -- claims of an expired 'sending' lease
+    duplicates   integer     NOT NULL DEFAULT 0,  -- deliveries suppressed as already sent
+    last_error   text,
+    message_id   text,
+    due_at       timestamptz,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    sent_at      timestamptz,
+    -- 0002: revisions and cancels
+    revision          integer NOT NULL DEFAULT 0,  -- highest job revision seen; older are stale
+    cancelled_through integer,                     -- a cancel covers revisions up to this one
+    cancelled_at      timestamptz,
+    -- 0007: ladder mode keeps the job until it is finished, for the reconciler
+    body          bytea,                  -- the job as published; NULL once finished
+    reconciled_at timestamptz,            -- last re-publish by the reconciler
+    -- 0009: the reconciler re-publishes only what the broker lost
+    arrived_at    timestamptz,            -- a worker holds this scheduled job, unclaimed
+    reconciled    integer NOT NULL DEFAULT 0   -- re-publishes by the reconciler
+);
+
+-- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
+CREATE INDEX postie_inbox_scheduled_due ON postie_inbox (due_at) WHERE status = 'scheduled';
+-- Finished rows by age, for retention (0004). There is no index on status (0003).
+CREATE INDEX postie_inbox_finished_updated ON postie_inbox (updated_at)
+    WHERE status IN ('sent', 'dead', 'cancelled', 'throttled');
+-- The reconciler's frontier: scheduled jobs a worker holds (0009).
+CREATE INDEX postie_inbox_arrived_due ON postie_inbox (due_at)
+    WHERE status = 'scheduled' AND arrived_at IS NOT NULL;
+
+-- Recent sends per (type, recipient), for the per-type throttle's window (0002).
+CREATE TABLE postie_throttle (
+    kind       text NOT NULL,
+    recipient  text NOT NULL,
+    sends      timestamptz[] NOT NULL,
+    PRIMARY KEY (kind, recipient)
+);
+
+-- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
+CREATE TABLE postie_rate_limit (
+    name text PRIMARY KEY,
+    tat  timestamptz NOT NULL
+);
+
+-- The migration runner's record (created by the runner itself, before 0001;
+-- checksum: SHA-256 of the file as applied, or as found when first recorded).
+CREATE TABLE postie_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    checksum   text
+);
+
+-- The claim (0010; 0001, 0002 and 0008 before it). Outcomes:
+--   'claimed'   : the caller owns the key under the returned fence; prior_status is
+--                 'new', 'claimable' (the fast path) or the status it had ('sending':
+--                 taken over from an expired lease, the known duplicate window);
+--   'done'      : already sent; counted as a suppressed duplicate;
+--   'cancelled' : a cancel covers this revision;
+--   'stale'     : a newer revision of the key has been seen;
+--   'busy'      : another live claim; wait_ms until its lease ends.
+-- `attempts` is returned for instances of older postie versions only.
+CREATE FUNCTION postie_claim(p_key text, p_owner text, p_lease_ms bigint, p_revision integer)
+RETURNS TABLE (outcome text, fence bigint, attempts integer, prior_status text, wait_ms bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    lease timestamptz := clock_timestamp() + p_lease_ms * interval '1 millisecond';
+    r postie_inbox%ROWTYPE;
+BEGIN
+    -- 1. A new key.
+    INSERT INTO postie_inbox AS i (key, status, owner, lease_until, revision)
+    VALUES (p_key, 'sending', p_owner, lease, p_revision)
+    ON CONFLICT (key) DO NOTHING;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'claimed'::text, 1::bigint, 0, 'new'::text, 0::bigint;
+        RETURN;
+    END IF;
+
+    -- 2. A claimable row, in one UPDATE. Under READ COMMITTED a concurrent claim
+    -- makes it wait and re-check the row, which is then 'sending': step 3.
+    UPDATE postie_inbox i
+       SET status = 'sending', owner = p_owner, lease_until = lease,
+           fence = i.fence + 1, revision = p_revision, updated_at = now()
+     WHERE i.key = p_key
+       AND i.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled')
+       AND p_revision >= i.revision
+       AND (i.cancelled_through IS NULL OR p_revision > i.cancelled_through)
+    RETURNING i.fence, i.attempts INTO r.fence, r.attempts;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'claimed'::text, r.fence, r.attempts, 'claimable'::text, 0::bigint;
+        RETURN;
+    END IF;
+
+    -- 3. Everything else, under the row lock.
+    INSERT INTO postie_inbox AS i (key, status, owner, lease_until, revision)
+    VALUES (p_key, 'sending', p_owner, lease, p_revision)
+    ON CONFLICT (key) DO NOTHING;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'claimed'::text, 1::bigint, 0, 'new'::text, 0::bigint;
+        RETURN;
+    END IF;
+
+    SELECT * INTO r FROM postie_inbox i WHERE i.key = p_key FOR UPDATE;
+
+    IF r.status = 'sent' THEN
+        UPDATE postie_inbox i SET duplicates = i.duplicates + 1 WHERE i.key = p_key;
+        RETURN QUERY SELECT 'done'::text, r.fence, r.attempts, r.status, 0::bigint;
+    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through THEN
+        RETURN QUERY SELECT 'cancelled'::text, r.fence, r.attempts, r.status, 0::bigint;
+    ELSIF p_revision < r.revision THEN
+        RETURN QUERY SELECT 'stale'::text, r.fence, r.attempts, r.status, 0::bigint;
+    ELSIF r.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled')
+       OR (r.status = 'sending' AND r.lease_until <= clock_timestamp()) THEN
+        UPDATE postie_inbox i
+           SET status = 'sending', owner = p_owner, lease_until = lease,
+               fence = i.fence + 1, revision = p_revision,
+               takeovers = i.takeovers + (r.status = 'sending')::int,
+               updated_at = now()
+         WHERE i.key = p_key;
+        RETURN QUERY SELECT 'claimed'::text, r.fence + 1, r.attempts, r.status, 0::bigint;
+    ELSE
+        -- 'sending' under a live lease. A newer revision is remembered, so that the
+        -- older one in flight is the last of its kind.
+        UPDATE postie_inbox i SET revision = greatest(i.revision, p_revision) WHERE i.key = p_key;
+        RETURN QUERY SELECT 'busy'::text, r.fence, r.attempts, r.status,
+            greatest(1, ceil(extract(epoch FROM r.lease_until - clock_timestamp()) * 1000))::bigint;
+    END IF;
+END
+$$;
+
+-- Cancel by key: a tombstone if the key is unknown; never un-sends. Returns the
+-- status the key had ('new' if none) and the revision the cancel covers. (0002)
+CREATE FUNCTION postie_cancel(p_key text, p_revision integer)
+RETURNS TABLE (prior_status text, covers integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r postie_inbox%ROWTYPE;
+    through integer;
+BEGIN
+    INSERT INTO postie_inbox AS i (key, status, revision, cancelled_through, cancelled_at)
+    VALUES (p_key, 'cancelled', coalesce(p_revision, 0), coalesce(p_revision, 0), now())
+    ON CONFLICT (key) DO NOTHING;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'new'::text, coalesce(p_revision, 0);
+        RETURN;
+    END IF;
+    SELECT * INTO r FROM postie_inbox i WHERE i.key = p_key FOR UPDATE;
+    through := greatest(coalesce(r.cancelled_through, -1), coalesce(p_revision, r.revision));
+    UPDATE postie_inbox i
+       SET cancelled_through = through, cancelled_at = now(), updated_at = now(),
+           status = CASE WHEN i.status IN ('sent', 'sending') THEN i.status ELSE 'cancelled' END
+     WHERE i.key = p_key;
+    RETURN QUERY SELECT r.status, through;
+END
+$$;
