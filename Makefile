@@ -30,7 +30,7 @@ lint: ## formatting and clippy, warnings are errors
 
 check: lint test ## what CI checks
 
-ci: ## what CI runs: scripts/test-setup.sh, then make test
+ci: ## what CI runs (.ci/run): make lint, then scripts/test-setup.sh, make test and make test-rabbitmq-4
 	bash .ci/run
 
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)
