@@ -136,19 +136,20 @@ fn modules_depend_in_the_documented_direction() {
 
 #[test]
 fn the_reader_finds_every_form_of_path() {
-    let text = r#"
+    let text = r##"
         use crate::inbox::Inbox;
         use crate::{config::Settings, ops::{health, metrics}};
         use super::super::mail::Mailer;
         fn f() { crate::broker::publish(); let s = "crate::dlq"; } // crate::cli
         /* crate::consume /* nested */ crate::consume */
         pub(in crate::work) fn g<'a>(x: &'a str) -> char { let _ = super::x; 'c' }
+        const Q: [char; 2] = ['\'', '\\']; const R: &str = r#"crate::cli "quoted""#;
         #[cfg(test)]
         mod tests { use crate::cli::run; fn h() { crate::dlq::x(); } }
         #[cfg(test)]
         use crate::consume::Service;
         fn after() { crate::headers::X; }
-    "#;
+    "##;
     let module = vec!["work".to_string(), "outcome".to_string()];
     let found: Vec<String> = references(text, &module, false)
         .into_iter()
@@ -260,7 +261,8 @@ fn tokens(text: &str) -> Vec<(usize, Token)> {
         } else if ch == '\'' {
             // A character literal ('x', '\n', '\u{1F600}'), or a lifetime ('a).
             if next == '\\' {
-                i += 2;
+                // Past the backslash and the escaped character, which may be a quote.
+                i += 3;
                 while i < c.len() && c[i] != '\'' {
                     i += 1;
                 }
