@@ -1254,8 +1254,6 @@ async fn bench_relay_bodies() {
 async fn bench_paths() {
     let n = env_usize("POSTIE_BENCH_N", 20_000);
     let defaults = Defaults::read();
-    let bin = std::env::var("POSTIE_BENCH_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_postie").to_string());
     let (_, round) = measure_round(n, &defaults).await;
     let runs: Vec<_> = round
         .runs
@@ -1291,7 +1289,7 @@ async fn bench_paths() {
         .collect();
     let report = serde_json::json!({
         "n": n,
-        "postie_bin": bin,
+        "postie_bin": support::bench::postie_bin(),
         "cpu_model": cpu_model(),
         "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),
         "versions": versions().await,

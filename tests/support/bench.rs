@@ -30,6 +30,12 @@ pub fn cpu_model() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
+/// The postie binary the benchmarks run: POSTIE_BENCH_BIN (a file named `postie`,
+/// whose processes [`CpuSnapshot`] finds by that name), else this build's.
+pub fn postie_bin() -> String {
+    std::env::var("POSTIE_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_postie").into())
+}
+
 /// A size knob from the environment, else `default`.
 pub fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)

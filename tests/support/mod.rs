@@ -166,9 +166,7 @@ impl TestEnv {
     /// POSTIE_BENCH_BIN names (scripts/bench-abba.sh compares two builds this way; the
     /// file must be called `postie`, which is how the benchmarks find its CPU time).
     pub fn spawn_process(&self, extra_env: &[(&str, &str)]) -> PostieProcess {
-        let bin = std::env::var_os("POSTIE_BENCH_BIN")
-            .unwrap_or_else(|| env!("CARGO_BIN_EXE_postie").into());
-        let mut cmd = Command::new(bin);
+        let mut cmd = Command::new(bench::postie_bin());
         cmd.arg("serve")
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
