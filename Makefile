@@ -1,10 +1,10 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-delay chaos
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-abba bench-delay chaos
 
 help: ## this list
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 
 build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sink, themselves)
 	$(CARGO) build --release --locked
@@ -30,11 +30,15 @@ lint: ## formatting and clippy, warnings are errors
 
 check: lint test ## what CI checks
 
-ci: ## what CI runs: scripts/test-setup.sh, then make test
+ci: ## what CI runs (.ci/run): make lint, then scripts/test-setup.sh, make test and make test-rabbitmq-4
 	bash .ci/run
 
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)
 	$(CARGO) test --release --locked --test bench -- --ignored --nocapture bench_full
+
+bench-abba: ## before and after, back to back: BASE=<rev> [HEAD=<rev>], send and delayed paths run A B B A (target/abba/abba.md)
+	@test -n "$(BASE)" || { echo "usage: make bench-abba BASE=<rev> [HEAD=<rev>]"; exit 2; }
+	bash scripts/bench-abba.sh $(BASE) $(HEAD)
 
 bench-delay: ## producer publish rates; ladder lateness for a 10,000-job burst over 0-60 s; 10^6 pending: parking time, broker memory, lateness behind them
 	$(CARGO) test --release --locked --test bench_delay -- --ignored --nocapture delay_bench_full

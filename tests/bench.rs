@@ -33,8 +33,8 @@ use postie::contract::{EmailJob, ParseRules};
 use postie::inbox::{Claim, Completion, Inbox};
 use postie::mail::{Clearance, Mailer};
 use support::bench::{
-    broker_connection, broker_memory, clock_ticks, cpu_seconds, env_usize, management_api,
-    message_id, peak_rss_kib, publish_bodies, publish_delayed, round3, CpuSnapshot, CpuUse,
+    broker_connection, broker_memory, clock_ticks, cpu_model, cpu_seconds, env_usize, message_id,
+    peak_rss_kib, publish_bodies, publish_delayed, round3, try_management_api, CpuSnapshot, CpuUse,
     Lateness, Who,
 };
 use support::{job, PostieProcess, TestEnv};
@@ -776,12 +776,36 @@ async fn versions() -> String {
     };
     let pg = show("server_version").await;
     let sync = show("synchronous_commit").await;
-    let overview = management_api("overview").await;
-    let rabbit = overview["rabbitmq_version"]
-        .as_str()
-        .unwrap_or("?")
-        .to_string();
+    // Only the version: the end-to-end runs (`bench_paths`) need no management API.
+    let rabbit = match try_management_api("overview").await {
+        Ok(overview) => overview["rabbitmq_version"]
+            .as_str()
+            .unwrap_or("?")
+            .to_string(),
+        Err(_) => "? (no management API)".into(),
+    };
     format!("RabbitMQ {rabbit}, PostgreSQL {pg} (synchronous_commit = {sync})")
+}
+
+/// One round: the four legs, then the end-to-end runs ([`ROUND_RUNS`]); also the
+/// broker leg's publish rate.
+async fn measure_round(n: usize, defaults: &Defaults) -> (Measured, Round) {
+    let (publish, broker) = broker_leg(n, defaults.prefetch).await;
+    let database = database_leg(n, defaults.concurrency).await;
+    let smtp = smtp_leg(n, defaults.concurrency).await;
+    let relay = relay_leg(n, &support::bench::extra_postie_env()).await;
+    let mut runs = Vec::new();
+    for (instances, entry) in ROUND_RUNS {
+        runs.push(end_to_end(n, instances, entry).await);
+    }
+    let round = Round {
+        broker,
+        database,
+        smtp,
+        relay,
+        runs,
+    };
+    (publish, round)
 }
 
 async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
@@ -790,22 +814,9 @@ async fn run(n: usize, pending_max: usize, rounds: usize) -> Report {
     let mut broker_publish = None;
     let mut measured = Vec::new();
     for _ in 0..rounds.max(1) {
-        let (publish, broker) = broker_leg(n, defaults.prefetch).await;
+        let (publish, round) = measure_round(n, &defaults).await;
         broker_publish.get_or_insert(publish);
-        let database = database_leg(n, defaults.concurrency).await;
-        let smtp = smtp_leg(n, defaults.concurrency).await;
-        let relay = relay_leg(n, &support::bench::extra_postie_env()).await;
-        let mut runs = Vec::new();
-        for (instances, entry) in ROUND_RUNS {
-            runs.push(end_to_end(n, instances, entry).await);
-        }
-        measured.push(Round {
-            broker,
-            database,
-            smtp,
-            relay,
-            runs,
-        });
+        measured.push(round);
     }
     let mut order: Vec<usize> = (0..measured.len()).collect();
     order.sort_by(|&a, &b| measured[a].ratio_of(0).total_cmp(&measured[b].ratio_of(0)));
@@ -842,7 +853,7 @@ fn markdown(r: &Report) -> String {
         w,
         "postie defaults: worker.concurrency = {}, amqp.prefetch = {}, database.pool_size = {}, \
          smtp.pool_size = {}, delay.relay_concurrency = {}, delay.relay_prefetch = {}. Durable: persistent messages, quorum \
-         queues. {}. {} cores, CLK_TCK = {}.",
+         queues. {}. {} cores ({}), CLK_TCK = {}.",
         d.concurrency,
         d.prefetch,
         d.db_pool,
@@ -851,6 +862,7 @@ fn markdown(r: &Report) -> String {
         d.relay_prefetch,
         r.versions,
         std::thread::available_parallelism().map_or(0, |p| p.get()),
+        cpu_model(),
         clock_ticks(),
     );
     let _ = writeln!(w);
@@ -1121,6 +1133,7 @@ fn json(r: &Report) -> serde_json::Value {
         },
         "versions": r.versions,
         "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),
+        "cpu_model": cpu_model(),
         "legs": {
             "broker": r.shown().broker.json(), "database": r.shown().database.json(),
             "smtp": r.shown().smtp.json(),
@@ -1231,4 +1244,68 @@ async fn bench_relay_bodies() {
         100.0 * (on / off - 1.0)
     );
     assert!(on > 0.0 && off > 0.0);
+}
+
+/// One side of an A/B comparison (scripts/bench-abba.sh, `make bench-abba`): one round
+/// of the legs and the send and delayed paths with 1 and 3 processes, with the postie
+/// binary POSTIE_BENCH_BIN names (default: this build's). Prints one line per run and
+/// writes emails/s, ÷ its bound and CPU ms per email by process to POSTIE_BENCH_OUT
+/// (default target/bench/paths.json). No ladder backlog, no sink leg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: one side of scripts/bench-abba.sh"]
+async fn bench_paths() {
+    let n = env_usize("POSTIE_BENCH_N", 20_000);
+    let defaults = Defaults::read();
+    let (_, round) = measure_round(n, &defaults).await;
+    let runs: Vec<_> = round
+        .runs
+        .iter()
+        .enumerate()
+        .map(|(k, e)| {
+            let cpu = &e.run.cpu;
+            println!(
+                "{}: {:.0} emails/s, {:.2} of its bound ({:.0}/s); CPU ms/email postie {:.3}, PostgreSQL {:.3}, RabbitMQ {:.3}",
+                e.run.label,
+                e.run.rate(),
+                round.ratio_of(k),
+                round.bound_of(e),
+                cpu.of(Who::Postie),
+                cpu.of(Who::Postgres),
+                cpu.of(Who::Rabbitmq),
+            );
+            assert_eq!((e.lost, e.duplicates), (0, 0), "{}", e.run.label);
+            serde_json::json!({
+                "label": e.run.label,
+                "instances": e.instances,
+                "path": match e.entry { Entry::Send => "send", Entry::Delayed => "delayed" },
+                "per_s": round3(e.run.rate()),
+                "bound_per_s": round3(round.bound_of(e)),
+                "ratio_to_its_bound": round3(round.ratio_of(k)),
+                "cpu_ms_per_email": {
+                    "postie": round3(cpu.of(Who::Postie)),
+                    "postgres": round3(cpu.of(Who::Postgres)),
+                    "rabbitmq": round3(cpu.of(Who::Rabbitmq)),
+                },
+            })
+        })
+        .collect();
+    let report = serde_json::json!({
+        "n": n,
+        "postie_bin": support::bench::postie_bin(),
+        "cpu_model": cpu_model(),
+        "cores": std::thread::available_parallelism().map_or(0, |p| p.get()),
+        "versions": versions().await,
+        "legs_per_s": {
+            "broker": round3(round.broker.rate()), "database": round3(round.database.rate()),
+            "smtp": round3(round.smtp.rate()), "relay": round3(round.relay.rate()),
+        },
+        "stolen": round3(round.stolen()),
+        "runs": runs,
+    });
+    let out = std::env::var("POSTIE_BENCH_OUT")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench/paths.json").into());
+    if let Some(dir) = std::path::Path::new(&out).parent() {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&report).unwrap()).unwrap();
 }

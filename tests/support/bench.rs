@@ -16,6 +16,26 @@ use secrecy::SecretString;
 use super::sink::SinkMessage;
 use super::{amqp_url, job, TestEnv};
 
+/// The machine's CPU model, from `/proc/cpuinfo` (`model name`, else `?`): figures from
+/// an AMD EPYC and an Intel Xeon differ, so every report names its machine.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("model name"))
+                .and_then(|rest| rest.split_once(':'))
+                .map(|(_, model)| model.split_whitespace().collect::<Vec<_>>().join(" "))
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The postie binary the benchmarks run: POSTIE_BENCH_BIN (a file named `postie`,
+/// whose processes [`CpuSnapshot`] finds by that name), else this build's.
+pub fn postie_bin() -> String {
+    std::env::var("POSTIE_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_postie").into())
+}
+
 /// A size knob from the environment, else `default`.
 pub fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -26,15 +46,18 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 
 /// A GET on RabbitMQ's management API (guest/guest), as JSON.
 pub async fn management_api(path: &str) -> serde_json::Value {
+    try_management_api(path).await.expect("management API")
+}
+
+/// The same, or the error when the management API does not answer (the plugin off).
+pub async fn try_management_api(path: &str) -> reqwest::Result<serde_json::Value> {
     reqwest::Client::new()
         .get(format!("{}/api/{path}", super::management_url()))
         .basic_auth("guest", Some("guest"))
         .send()
-        .await
-        .expect("management API")
+        .await?
         .json()
         .await
-        .unwrap()
 }
 
 /// RabbitMQ's `mem_used` (bytes) from the management API.

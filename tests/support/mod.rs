@@ -162,9 +162,11 @@ impl TestEnv {
         }
     }
 
-    /// Starts `postie serve` as a separate OS process.
+    /// Starts `postie serve` as a separate OS process: this build's binary, or the one
+    /// POSTIE_BENCH_BIN names (scripts/bench-abba.sh compares two builds this way; the
+    /// file must be called `postie`, which is how the benchmarks find its CPU time).
     pub fn spawn_process(&self, extra_env: &[(&str, &str)]) -> PostieProcess {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_postie"));
+        let mut cmd = Command::new(bench::postie_bin());
         cmd.arg("serve")
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
