@@ -81,10 +81,6 @@ const KNOWN_VIOLATIONS: &[(&str, &str)] = &[
     // depends on the RabbitMQ module. Move the names and the layout into a leaf (or
     // into `work`), or let `consume` hand them in.
     ("work", "broker"),
-    // `ops::telemetry`'s filter for lapin's log lines asks `broker::expecting_refusals()`
-    // (set while `broker::probe` expects refusals): a cycle, as `broker` may use `ops`.
-    // Keep the flag in `ops::telemetry` and let the probe set it.
-    ("ops", "broker"),
 ];
 
 #[test]

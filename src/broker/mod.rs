@@ -15,7 +15,5 @@ pub use amqp::{
     queue_exists, queue_state, without_user_id, Connected, PublishError, QueueState,
 };
 pub use ladder::Ladder;
-pub use probe::{
-    expecting_refusals, probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed,
-};
+pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};
 pub use topology::{DelayLayout, Topology, TopologyError, ROUTING_KEY};

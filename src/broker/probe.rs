@@ -1,7 +1,6 @@
 //! Choosing the delay mode: `delay.mode = auto` probes the broker once at start-up,
 //! on throwaway connections (a failed probe closes the whole connection).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
@@ -10,6 +9,7 @@ use lapin::ExchangeKind;
 
 use super::topology::{classify, insert, string, Topology, TopologyError};
 use crate::config::{DelayMode, Settings, TopologySettings};
+use crate::ops::telemetry::ExpectedRefusals;
 
 /// Resolves `delay.mode` (probing the broker for `auto`), logs the choice and why in
 /// one INFO line, and names the topology.
@@ -194,30 +194,4 @@ async fn plugin_refusal(
             other => Err(other.into()),
         },
     }
-}
-
-/// While one is alive, lapin's ERROR and WARN lines are the probe's expected
-/// refusals, not faults: the log filter drops them ([`expecting_refusals`]). The
-/// probe runs at start-up, before the service opens its own connections.
-struct ExpectedRefusals;
-
-static PROBES: AtomicUsize = AtomicUsize::new(0);
-
-impl ExpectedRefusals {
-    fn begin() -> Self {
-        PROBES.fetch_add(1, Ordering::SeqCst);
-        Self
-    }
-}
-
-impl Drop for ExpectedRefusals {
-    fn drop(&mut self) {
-        PROBES.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// True while the delay-mode probe runs: lapin's protocol errors then are the answers
-/// the probe asked for (a missing exchange, an unknown exchange type).
-pub fn expecting_refusals() -> bool {
-    PROBES.load(Ordering::SeqCst) > 0
 }

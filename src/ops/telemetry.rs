@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use lapin::types::FieldTable;
@@ -132,8 +133,35 @@ fn not_a_probe_refusal(
         !(meta.is_event()
             && meta.target().starts_with("lapin")
             && *meta.level() <= tracing::Level::WARN
-            && crate::broker::expecting_refusals())
+            && expecting_refusals())
     })
+}
+
+/// While one is alive, lapin's ERROR and WARN lines are expected refusals, not faults:
+/// the log filter drops them. `broker::probe` holds one while it asks the broker
+/// questions whose answer may be a refusal; it runs at start-up, before the service
+/// opens its own connections.
+pub struct ExpectedRefusals(());
+
+static EXPECTING: AtomicUsize = AtomicUsize::new(0);
+
+impl ExpectedRefusals {
+    /// Lapin's ERROR and WARN lines are dropped until the guard is dropped.
+    pub fn begin() -> Self {
+        EXPECTING.fetch_add(1, Ordering::SeqCst);
+        Self(())
+    }
+}
+
+impl Drop for ExpectedRefusals {
+    fn drop(&mut self) {
+        EXPECTING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// True while an [`ExpectedRefusals`] is alive.
+pub fn expecting_refusals() -> bool {
+    EXPECTING.load(Ordering::SeqCst) > 0
 }
 
 /// The log writer, each line scrubbed of the configured passwords.
