@@ -3,8 +3,10 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Deserializer};
 
+use super::key::key_text;
 use super::{
     check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
 };
@@ -16,7 +18,7 @@ const MAX_RECIPIENTS: usize = 100;
 /// A validated email job.
 #[derive(Debug, Clone)]
 pub struct EmailJob {
-    /// The idempotency key (`key`, else `order_id:type`).
+    /// The idempotency key (`key`, else `order_id:type`: [`key_text`]).
     pub key: IdempotencyKey,
     /// Notification type, if given.
     pub kind: Option<String>,
@@ -88,22 +90,64 @@ pub enum Request {
     },
 }
 
-/// The fields [`peek_key`] reads, borrowed from the body where they hold no escapes;
-/// every other field is skipped without being built.
+/// The members [`peek_key`] reads, the key fields borrowed from the body where they
+/// hold no escapes; every other member is skipped without being built.
 #[derive(Deserialize)]
 struct Peek<'a> {
     #[serde(default, borrow)]
-    key: Option<Cow<'a, str>>,
+    key: Option<KeyMember<'a>>,
     #[serde(default, borrow)]
-    order_id: Option<Cow<'a, str>>,
+    order_id: Option<KeyMember<'a>>,
     #[serde(default, borrow, rename = "type")]
-    kind: Option<Cow<'a, str>>,
+    kind: Option<KeyMember<'a>>,
     /// Any JSON value; only an integer counts (small, and the body's size is
     /// checked before any parse).
     #[serde(default)]
     revision: Option<serde_json::Value>,
-    #[serde(default)]
-    cancel: Option<serde::de::IgnoredAny>,
+    #[serde(default, deserialize_with = "present")]
+    cancel: Option<IgnoredAny>,
+}
+
+/// A key member as the peek reads it: text, or any other value, which is there (so
+/// the key rule does not pass it over) but names no key.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum KeyMember<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Other(IgnoredAny),
+}
+
+impl<'a> KeyMember<'a> {
+    fn text(member: Option<&Self>) -> Option<&str> {
+        match member? {
+            Self::Text(text) => Some(text),
+            Self::Other(_) => None,
+        }
+    }
+}
+
+impl<'a> Peek<'a> {
+    /// Reads a body's key members, or `None` for a cancel request or a body that is
+    /// no JSON object.
+    fn read(body: &'a [u8]) -> Option<Self> {
+        // serde reads a struct from an array too, by position: only an object is a job.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return None;
+        }
+        let peek: Self = serde_json::from_slice(body).ok()?;
+        peek.cancel.is_none().then_some(peek)
+    }
+
+    /// The key text by [`key_text`]; `None` when the member it picks is no string.
+    fn key(&self) -> Option<Cow<'_, str>> {
+        let key = match &self.key {
+            Some(KeyMember::Text(key)) => Some(Cow::Borrowed(&**key)),
+            Some(KeyMember::Other(_)) => return None,
+            None => None,
+        };
+        let (order_id, kind) = (self.order_id.as_ref(), self.kind.as_ref());
+        key_text(key, KeyMember::text(order_id), KeyMember::text(kind))
+    }
 }
 
 /// The key and revision of a job body, without validating the rest (the relay
@@ -111,33 +155,41 @@ struct Peek<'a> {
 /// with no usable key. No tree of the body is built: the key fields are borrowed
 /// and the others skipped.
 pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
-    // serde reads a struct from an array too, by position: only an object is a job.
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return None;
-    }
-    let peek: Peek<'_> = serde_json::from_slice(body).ok()?;
-    if peek.cancel.is_some() {
-        return None;
-    }
-    let key = match (peek.key, peek.order_id, peek.kind) {
-        (Some(key), _, _) => key,
-        (None, Some(order_id), Some(kind)) => Cow::Owned(format!("{order_id}:{kind}")),
-        _ => return None,
-    };
+    let peek = Peek::read(body)?;
+    let key = IdempotencyKey::parse(&peek.key()?).ok()?;
     let revision = peek
         .revision
         .and_then(|r| r.as_i64())
         .unwrap_or(0)
         .clamp(0, i32::MAX as i64) as i32;
-    Some((IdempotencyKey::parse(&key).ok()?, revision))
+    Some((key, revision))
+}
+
+/// The key a body names by the contract's rule, as published and unvalidated (so that
+/// an operator can tell invalid jobs apart): `None` for cancels, bodies that are no
+/// JSON object, and bodies whose key members name none.
+pub fn peek_key_text(body: &[u8]) -> Option<String> {
+    Some(Peek::read(body)?.key()?.into_owned())
 }
 
 /// Whether a body is a JSON object with a `cancel` member (even `null`), read without
 /// building the values: only the member names are kept. An array is no object, even
-/// though serde would read a struct from one.
+/// though serde would read a struct from one. Asked only of a body that failed to read
+/// as a job, to tell which reasons it gets.
 fn asks_cancel(body: &[u8]) -> bool {
-    serde_json::from_slice::<std::collections::HashMap<String, serde::de::IgnoredAny>>(body)
+    serde_json::from_slice::<std::collections::HashMap<String, IgnoredAny>>(body)
         .is_ok_and(|members| members.contains_key("cancel"))
+}
+
+/// A member that is there, whatever its value (even `null`).
+fn present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<IgnoredAny>, D::Error> {
+    IgnoredAny::deserialize(member).map(Some)
+}
+
+/// A member that may be absent but, when there, must be a string (`null` refused, as
+/// for a required field).
+fn text_if_present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<String>, D::Error> {
+    String::deserialize(member).map(Some)
 }
 
 impl Request {
@@ -155,51 +207,66 @@ impl Request {
         }
     }
 
-    /// [`Request::parse`] with the key as published.
+    /// [`Request::parse`] with the key as published. A job is read in one pass
+    /// ([`RawJob::read`]). A body with a `cancel` member is read again as a
+    /// [`CancelRequest`], and so is a body that failed as a job and has one, so that
+    /// a cancel request's reasons are its own: only cancels and refused bodies are
+    /// read twice.
     fn parse_as_published(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         rules.check_size(body)?;
-        // Whether it asks to cancel, read without building the body.
-        if asks_cancel(body) {
-            let cancel: CancelRequest = serde_json::from_slice(body)
-                .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
-            if cancel.revision.is_some_and(|r| r < 0) {
-                return invalid("cancel revision must not be negative");
+        match RawJob::read(body, rules) {
+            Ok(raw) if raw.cancel.is_none() => {
+                EmailJob::from_raw(raw, rules).map(|job| Self::Job(Box::new(job)))
             }
-            return Ok(Self::Cancel {
-                key: IdempotencyKey::parse(&cancel.cancel)?,
-                revision: cancel.revision,
-            });
+            Ok(_) => Self::parse_cancel(body),
+            Err(_) if asks_cancel(body) => Self::parse_cancel(body),
+            Err(not_a_job) => Err(not_a_job),
         }
-        EmailJob::parse(body, rules).map(|job| Self::Job(Box::new(job)))
+    }
+
+    fn parse_cancel(body: &[u8]) -> Result<Self, InvalidJob> {
+        let cancel: CancelRequest = serde_json::from_slice(body)
+            .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
+        if cancel.revision.is_some_and(|r| r < 0) {
+            return invalid("cancel revision must not be negative");
+        }
+        Ok(Self::Cancel {
+            key: IdempotencyKey::parse(&cancel.cancel)?,
+            revision: cancel.revision,
+        })
     }
 }
 
-/// The JSON body as producers send it (version 1). Unknown fields are rejected so
-/// that a typo (`"htm"`) cannot silently drop part of an email.
+/// The JSON body as producers send it (version 1), read in one pass: a job's members,
+/// and whether a `cancel` member is there. Unknown fields are rejected so that a typo
+/// (`"htm"`) cannot silently drop part of an email. The key and address members are
+/// borrowed from the body where they hold no escapes.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawJob {
+struct RawJob<'a> {
     #[serde(default)]
     version: Option<u32>,
-    #[serde(default)]
-    key: Option<String>,
-    #[serde(default)]
-    order_id: Option<String>,
+    #[serde(default, borrow)]
+    key: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    order_id: Option<Cow<'a, str>>,
     #[serde(default, rename = "type")]
     kind: Option<String>,
     #[serde(default)]
     user_id: Option<String>,
-    #[serde(default)]
-    from: Option<String>,
+    #[serde(default, borrow)]
+    from: Option<Cow<'a, str>>,
     #[serde(default)]
     to: Vec<String>,
     #[serde(default)]
     cc: Vec<String>,
     #[serde(default)]
     bcc: Vec<String>,
-    #[serde(default)]
-    reply_to: Option<String>,
-    subject: String,
+    #[serde(default, borrow)]
+    reply_to: Option<Cow<'a, str>>,
+    /// Required of a job; optional here only because a cancel request has none.
+    #[serde(default, deserialize_with = "text_if_present")]
+    subject: Option<String>,
     #[serde(default)]
     text: Option<String>,
     #[serde(default)]
@@ -208,6 +275,40 @@ struct RawJob {
     headers: BTreeMap<String, String>,
     #[serde(default)]
     revision: Option<i32>,
+    #[serde(default, deserialize_with = "present")]
+    cancel: Option<IgnoredAny>,
+}
+
+impl<'a> RawJob<'a> {
+    /// Reads a body in one pass, after the checks that need no parse: empty, size,
+    /// UTF-8, an object. The error is the reason a job is refused for.
+    fn read(body: &'a [u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        if body.is_empty() {
+            return invalid("empty body");
+        }
+        rules.check_size(body)?;
+        let text = std::str::from_utf8(body).map_err(|e| {
+            InvalidJob(format!(
+                "body is not UTF-8 (invalid byte at {})",
+                e.valid_up_to()
+            ))
+        })?;
+        // serde would also read a struct from a JSON array in field order: refuse it.
+        if !text.trim_start().starts_with('{') {
+            return invalid("body is not a JSON object");
+        }
+        serde_json::from_str(text).map_err(|e| not_a_job(&e))
+    }
+}
+
+/// The reason for a body serde cannot read as a job. serde_json's message can quote
+/// the producer's field names and values: kept short and free of line breaks, since
+/// it ends up in a header.
+fn not_a_job(error: &impl std::fmt::Display) -> InvalidJob {
+    InvalidJob(format!(
+        "body is not a valid job: {}",
+        readable(&error.to_string(), 300)
+    ))
 }
 
 /// What the contract allows around the body.
@@ -299,34 +400,21 @@ const RESERVED_HEADERS: &[&str] = &[
 ];
 
 impl EmailJob {
-    /// Parses and validates one job body.
+    /// Parses and validates one job body; a cancel request is no job.
     pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
-        if body.is_empty() {
-            return invalid("empty body");
+        let raw = RawJob::read(body, rules)?;
+        if raw.cancel.is_some() {
+            return Err(not_a_job(
+                &"unknown field `cancel` (a cancel request is no job)",
+            ));
         }
-        rules.check_size(body)?;
-        let text = std::str::from_utf8(body).map_err(|e| {
-            InvalidJob(format!(
-                "body is not UTF-8 (invalid byte at {})",
-                e.valid_up_to()
-            ))
-        })?;
-        // serde would also read a struct from a JSON array in field order: refuse it.
-        if !text.trim_start().starts_with('{') {
-            return invalid("body is not a JSON object");
-        }
-        let raw: RawJob = serde_json::from_str(text).map_err(|e| {
-            // serde_json's message can quote the producer's field names and values:
-            // keep it short and free of line breaks, since it ends up in a header.
-            InvalidJob(format!(
-                "body is not a valid job: {}",
-                readable(&e.to_string(), 300)
-            ))
-        })?;
         Self::from_raw(raw, rules)
     }
 
-    fn from_raw(raw: RawJob, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+    fn from_raw(raw: RawJob<'_>, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        let Some(subject) = raw.subject else {
+            return Err(not_a_job(&"missing field `subject`"));
+        };
         if let Some(v) = raw.version {
             if v != 1 {
                 return invalid(format!("unsupported version {v} (this postie reads 1)"));
@@ -345,12 +433,9 @@ impl EmailJob {
         if let Some(user_id) = &raw.user_id {
             check_token("user_id", user_id)?;
         }
-        let key = match (&raw.key, &raw.order_id, &raw.kind) {
-            (Some(key), _, _) => IdempotencyKey::parse(key)?,
-            (None, Some(order_id), Some(kind)) => {
-                IdempotencyKey::parse(&format!("{order_id}:{kind}"))?
-            }
-            _ => {
+        let key = match key_text(raw.key, raw.order_id.as_deref(), raw.kind.as_deref()) {
+            Some(key) => IdempotencyKey::parse(&key)?,
+            None => {
                 return invalid(
                     "no idempotency key: give \"key\", or both \"order_id\" and \"type\"",
                 )
@@ -379,7 +464,7 @@ impl EmailJob {
             .map(|r| Address::parse("reply_to", r))
             .transpose()?;
 
-        check_header_value("subject", &raw.subject)?;
+        check_header_value("subject", &subject)?;
         if raw.text.is_none() && raw.html.is_none() {
             return invalid("neither \"text\" nor \"html\" given");
         }
@@ -405,7 +490,7 @@ impl EmailJob {
             cc,
             bcc,
             reply_to,
-            subject: raw.subject,
+            subject,
             text: raw.text,
             html: raw.html,
             headers,

@@ -13,7 +13,7 @@ mod key;
 
 pub use address::Address;
 pub use delay::{due_at, published_at, x_delay, PLUGIN_MAX_DELAY};
-pub use job::{peek_key, CancelRequest, EmailJob, ParseRules, Request};
+pub use job::{peek_key, peek_key_text, CancelRequest, EmailJob, ParseRules, Request};
 pub use key::{key_owner, IdempotencyKey};
 
 /// Longest accepted key, order id or type.
