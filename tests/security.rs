@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use postie::config::{DatabaseSettings, SmtpSettings};
 use postie::inbox::Inbox;
-use postie::mail::{Clearance, Mailer, SendError};
+use postie::mail::{Clearance, Email, Mailer, SendError};
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
@@ -261,7 +261,9 @@ async fn send_to(url: &str, to: &str) -> Result<(), SendError> {
     })
     .unwrap_or_else(|e| panic!("{url}: {e}"));
     let slot = mailer.slot().await;
-    mailer.send(&slot, &message(to), &Clearance::new()).await
+    mailer
+        .send(&slot, &Email::new(&message(to)), &Clearance::new())
+        .await
 }
 
 #[tokio::test]

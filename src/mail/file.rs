@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use lettre::{AsyncFileTransport, AsyncTransport, Message, Tokio1Executor};
+use lettre::{AsyncFileTransport, AsyncTransport, Tokio1Executor};
 
-use super::{Clearance, SendError, Transport};
+use super::{Clearance, Email, SendError, Transport};
 
 /// Writes each email to `<dir>/<uuid>.eml`.
 pub(super) struct EmlFiles(AsyncFileTransport<Tokio1Executor>);
@@ -25,13 +25,13 @@ impl EmlFiles {
 impl Transport for EmlFiles {
     fn send<'a>(
         &'a self,
-        email: &'a Message,
+        email: &'a Email,
         clearance: &'a Clearance,
     ) -> BoxFuture<'a, Result<(), SendError>> {
         async move {
             clearance.check()?;
             self.0
-                .send(email.clone())
+                .send_raw(email.envelope(), email.formatted())
                 .await
                 .map(|_| ())
                 .map_err(|e| SendError::Transient(format!("writing .eml file: {e}")))
