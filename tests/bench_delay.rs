@@ -77,7 +77,7 @@ async fn publish_rate(env: &TestEnv, jobs: usize, window: usize) -> PublishRate 
         }
         let confirm = channel
             .basic_publish(
-                exchange.as_str().into(),
+                exchange.into(),
                 ROUTING_KEY.into(),
                 Default::default(),
                 body,

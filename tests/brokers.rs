@@ -95,7 +95,7 @@ async fn return_repeatedly(env: &TestEnv, how: Return, times: usize) -> usize {
             channel = conn.create_channel().await.unwrap();
         }
         let got = channel
-            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .basic_get(queue.into(), BasicGetOptions::default())
             .await
             .unwrap();
         let Some(message) = got else { break };
@@ -189,10 +189,7 @@ async fn purge_send(env: &TestEnv) {
         .unwrap();
     let channel = conn.create_channel().await.unwrap();
     channel
-        .queue_purge(
-            env.topology.send_queue().as_str().into(),
-            Default::default(),
-        )
+        .queue_purge(env.topology.send_queue().into(), Default::default())
         .await
         .unwrap();
     let _ = conn.close(200, "done".into()).await;

@@ -170,7 +170,7 @@ async fn gd_a_broker_that_refuses_the_declaration_is_redialled_ever_more_slowly(
     env.delete_queue(&env.topology.dead_queue()).await;
     channel
         .queue_declare(
-            env.topology.dead_queue().as_str().into(),
+            env.topology.dead_queue().into(),
             QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
@@ -232,7 +232,7 @@ async fn gd_a_publish_channel_closed_by_the_broker_is_replaced() {
     let (_conn, channel) = test_channel(&env).await;
     channel
         .exchange_delete(
-            env.topology.retry_exchange().as_str().into(),
+            env.topology.retry_exchange().into(),
             ExchangeDeleteOptions::default(),
         )
         .await

@@ -455,7 +455,7 @@ async fn size_after_a_run_with_short_retention() {
     inbox_table(&env).await;
     let conn = broker_connection("postie-size-run").await;
     let channel = postie::broker::confirm_channel(&conn).await.unwrap();
-    let exchange = env.topology.work_exchange();
+    let exchange = env.topology.work_exchange().to_owned();
     let started = Instant::now();
     let publishing = tokio::spawn(async move {
         let bodies = (0..n).map(|i| {

@@ -84,7 +84,7 @@ impl Service {
         };
         let queue = self.topology.send_queue();
         let declared = channel
-            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .queue_declare(queue.into(), passive, FieldTable::default())
             .await?;
         Ok(declared.message_count())
     }

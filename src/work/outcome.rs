@@ -249,8 +249,8 @@ impl Outcome {
                 tracing::info!(step, "claimed elsewhere; parked until the lease ends");
                 metrics.deferred.inc();
                 Disposition::Republish(Target {
-                    exchange: topology.retry_exchange(),
-                    routing_key: topology.retry_queue(*step),
+                    exchange: topology.retry_exchange().to_owned(),
+                    routing_key: topology.retry_queue(*step).to_owned(),
                     headers: headers::without(original, &[]),
                 })
             }
@@ -282,8 +282,8 @@ impl Outcome {
                 headers::set_int(&mut headers, headers::HEADER_ATTEMPT, i64::from(*attempt));
                 headers::set_text(&mut headers, headers::HEADER_LAST_ERROR, &error);
                 Disposition::Republish(Target {
-                    exchange: topology.retry_exchange(),
-                    routing_key: topology.retry_queue(*step),
+                    exchange: topology.retry_exchange().to_owned(),
+                    routing_key: topology.retry_queue(*step).to_owned(),
                     headers,
                 })
             }
@@ -332,7 +332,7 @@ impl DeadKind {
 /// Back through the contract exchange (the relay or the plugin holds it until due).
 fn delayed(topology: &Topology, headers: FieldTable) -> Target {
     Target {
-        exchange: topology.delayed_exchange(),
+        exchange: topology.delayed_exchange().to_owned(),
         routing_key: ROUTING_KEY.to_string(),
         headers,
     }
@@ -365,7 +365,7 @@ pub fn dead_letter(
         i64::from(attempts),
     );
     Target {
-        exchange: topology.dead_exchange(),
+        exchange: topology.dead_exchange().to_owned(),
         routing_key: ROUTING_KEY.to_string(),
         headers,
     }

@@ -233,7 +233,7 @@ impl TestEnv {
             let confirm = amqp
                 .1
                 .basic_publish(
-                    self.topology.delayed_exchange().as_str().into(),
+                    self.topology.delayed_exchange().into(),
                     ROUTING_KEY.into(),
                     lapin::options::BasicPublishOptions {
                         mandatory: true,
@@ -352,7 +352,7 @@ impl TestEnv {
         let mut out = Vec::new();
         while let Some(msg) = channel
             .basic_get(
-                self.topology.dead_queue().as_str().into(),
+                self.topology.dead_queue().into(),
                 BasicGetOptions::default(),
             )
             .await

@@ -110,3 +110,28 @@ fn names_follow_the_prefix() {
     assert_eq!(t.queues(), ["p.send", "p.dead", "p.retry.0", "p.retry.1"]);
     assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.retry", "p.dlx"]);
 }
+
+#[test]
+fn pc_the_routing_names_are_spelled_once_and_lent() {
+    let t = topology(&[5, 30]);
+    // The same text every time: no name is formatted per call.
+    for name in [
+        Topology::work_exchange,
+        Topology::send_queue,
+        Topology::delayed_exchange,
+        Topology::retry_exchange,
+        Topology::dead_exchange,
+        Topology::dead_queue,
+        Topology::intake_queue,
+    ] {
+        assert!(std::ptr::eq(name(&t), name(&t)));
+    }
+    assert!(std::ptr::eq(t.retry_queue(0), t.retry_queue(0)));
+    assert_eq!(
+        [t.intake_queue(), t.dead_exchange(), t.retry_exchange()],
+        ["p.intake", "p.dlx", "p.retry"]
+    );
+    assert_eq!(t.ladder_entry(), None);
+    // delay_level is still spelled for any level (declarations and tests ask).
+    assert_eq!(t.delay_level(9), "p.delay.9");
+}
