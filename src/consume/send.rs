@@ -107,12 +107,12 @@ impl Service {
             routing_key,
             headers,
         } = target;
-        let headers = headers::without(Some(&headers), headers::BROKER_DEATH_HEADERS);
-        let properties = match self.settings.worker.key_namespace {
-            KeyNamespace::UserId => delivery.properties.clone(),
-            KeyNamespace::Off => broker::without_user_id(&delivery.properties),
-        };
-        let properties: BasicProperties = properties.with_delivery_mode(2).with_headers(headers);
+        let headers = headers::without_broker_death(headers);
+        let keep_user_id = self.settings.worker.key_namespace == KeyNamespace::UserId;
+        let properties: BasicProperties =
+            broker::copy_properties(&delivery.properties, keep_user_id)
+                .with_delivery_mode(2)
+                .with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
         let mandatory = !(exchange == self.topology.delayed_exchange()
             && self.topology.delay() == DelayLayout::Plugin);
