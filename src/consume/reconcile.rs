@@ -188,7 +188,7 @@ impl Service {
     pub(super) async fn finish_unclaimed(
         &self,
         outcome: &Outcome,
-        scheduled: Option<(IdempotencyKey, i32)>,
+        scheduled: impl FnOnce() -> Option<(IdempotencyKey, i32)>,
     ) {
         let status = match outcome {
             Outcome::DeadLetter {
@@ -201,7 +201,7 @@ impl Service {
         if !self.reconciling() {
             return;
         }
-        let Some((key, revision)) = scheduled else {
+        let Some((key, revision)) = scheduled() else {
             return;
         };
         let inbox = self.worker.inbox();

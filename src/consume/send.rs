@@ -44,8 +44,10 @@ impl Service {
         async {
             let timestamp = *delivery.properties.timestamp();
             let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-            let scheduled = self.scheduled_key(&delivery);
-            let key = scheduled.as_ref().map(|(key, _)| key);
+            // The scheduled key is read from the body only if it is needed: the
+            // worker's parse is the delivery's one parse otherwise.
+            let scheduled = || self.scheduled_key(&delivery);
+            let key = || scheduled().map(|(key, _)| key);
             let work = self
                 .worker
                 .process(&delivery.data, headers, timestamp, user_id);
