@@ -7,10 +7,12 @@ use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 
 use super::key::key_text;
+use super::rules::ParseRules;
 use super::{
     check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
 };
-use crate::config::{KeyNamespace, Settings};
+#[cfg(test)]
+use super::{peek_key, peek_key_text};
 
 /// Most recipients (to + cc + bcc) on one job.
 const MAX_RECIPIENTS: usize = 100;
@@ -90,88 +92,6 @@ pub enum Request {
     },
 }
 
-/// The members [`peek_key`] reads, the key fields borrowed from the body where they
-/// hold no escapes; every other member is skipped without being built.
-#[derive(Deserialize)]
-struct Peek<'a> {
-    #[serde(default, borrow)]
-    key: Option<KeyMember<'a>>,
-    #[serde(default, borrow)]
-    order_id: Option<KeyMember<'a>>,
-    #[serde(default, borrow, rename = "type")]
-    kind: Option<KeyMember<'a>>,
-    /// Any JSON value; only an integer counts (small, and the body's size is
-    /// checked before any parse).
-    #[serde(default)]
-    revision: Option<serde_json::Value>,
-    #[serde(default, deserialize_with = "present")]
-    cancel: Option<IgnoredAny>,
-}
-
-/// A key member as the peek reads it: text, or any other value, which is there (so
-/// the key rule does not pass it over) but names no key.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum KeyMember<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Other(IgnoredAny),
-}
-
-impl<'a> KeyMember<'a> {
-    fn text(member: Option<&Self>) -> Option<&str> {
-        match member? {
-            Self::Text(text) => Some(text),
-            Self::Other(_) => None,
-        }
-    }
-}
-
-impl<'a> Peek<'a> {
-    /// Reads a body's key members, or `None` for a cancel request or a body that is
-    /// no JSON object.
-    fn read(body: &'a [u8]) -> Option<Self> {
-        // serde reads a struct from an array too, by position: only an object is a job.
-        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return None;
-        }
-        let peek: Self = serde_json::from_slice(body).ok()?;
-        peek.cancel.is_none().then_some(peek)
-    }
-
-    /// The key text by [`key_text`]; `None` when the member it picks is no string.
-    fn key(&self) -> Option<Cow<'_, str>> {
-        let key = match &self.key {
-            Some(KeyMember::Text(key)) => Some(Cow::Borrowed(&**key)),
-            Some(KeyMember::Other(_)) => return None,
-            None => None,
-        };
-        let (order_id, kind) = (self.order_id.as_ref(), self.kind.as_ref());
-        key_text(key, KeyMember::text(order_id), KeyMember::text(kind))
-    }
-}
-
-/// The key and revision of a job body, without validating the rest (the relay
-/// records scheduled jobs; the worker validates). `None` for cancels and bodies
-/// with no usable key. No tree of the body is built: the key fields are borrowed
-/// and the others skipped.
-pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
-    let peek = Peek::read(body)?;
-    let key = IdempotencyKey::parse(&peek.key()?).ok()?;
-    let revision = peek
-        .revision
-        .and_then(|r| r.as_i64())
-        .unwrap_or(0)
-        .clamp(0, i32::MAX as i64) as i32;
-    Some((key, revision))
-}
-
-/// The key a body names by the contract's rule, as published and unvalidated (so that
-/// an operator can tell invalid jobs apart): `None` for cancels, bodies that are no
-/// JSON object, and bodies whose key members name none.
-pub fn peek_key_text(body: &[u8]) -> Option<String> {
-    Some(Peek::read(body)?.key()?.into_owned())
-}
-
 /// Whether a body is a JSON object with a `cancel` member (even `null`), read without
 /// building the values: only the member names are kept. An array is no object, even
 /// though serde would read a struct from one. Asked only of a body that failed to read
@@ -182,7 +102,9 @@ fn asks_cancel(body: &[u8]) -> bool {
 }
 
 /// A member that is there, whatever its value (even `null`).
-fn present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<IgnoredAny>, D::Error> {
+pub(super) fn present<'de, D: Deserializer<'de>>(
+    member: D,
+) -> Result<Option<IgnoredAny>, D::Error> {
     IgnoredAny::deserialize(member).map(Some)
 }
 
@@ -301,6 +223,36 @@ impl<'a> RawJob<'a> {
     }
 }
 
+impl RawJob<'_> {
+    /// The version, the identity members (in the order their reasons have always
+    /// come) and the key by the contract's rule ([`key_text`]).
+    fn key_and_revision(&self) -> Result<(IdempotencyKey, i32), InvalidJob> {
+        if let Some(v) = self.version {
+            if v != 1 {
+                return invalid(format!("unsupported version {v} (this postie reads 1)"));
+            }
+        }
+        if let Some(order_id) = &self.order_id {
+            check_token("order_id", order_id)?;
+        }
+        let revision = self.revision.unwrap_or(0);
+        if revision < 0 {
+            return invalid("\"revision\" must not be negative");
+        }
+        if let Some(kind) = &self.kind {
+            check_token("type", kind)?;
+        }
+        if let Some(user_id) = &self.user_id {
+            check_token("user_id", user_id)?;
+        }
+        let key = self.key.as_deref().map(Cow::Borrowed);
+        match key_text(key, self.order_id.as_deref(), self.kind.as_deref()) {
+            Some(key) => Ok((IdempotencyKey::parse(&key)?, revision)),
+            None => invalid("no idempotency key: give \"key\", or both \"order_id\" and \"type\""),
+        }
+    }
+}
+
 /// The reason for a body serde cannot read as a job. serde_json's message can quote
 /// the producer's field names and values: kept short and free of line breaks, since
 /// it ends up in a header.
@@ -309,63 +261,6 @@ fn not_a_job(error: &impl std::fmt::Display) -> InvalidJob {
         "body is not a valid job: {}",
         readable(&error.to_string(), 300)
     ))
-}
-
-/// What the contract allows around the body.
-#[derive(Debug, Clone, Copy)]
-pub struct ParseRules<'a> {
-    /// Largest body in bytes.
-    pub max_body_bytes: usize,
-    /// Sender for jobs without `from`.
-    pub default_from: Option<&'a str>,
-    /// Whose key space keys live in (`worker.key_namespace`).
-    pub key_namespace: KeyNamespace,
-    /// The message's AMQP `user_id` property, checked by the broker.
-    pub user_id: Option<&'a str>,
-}
-
-impl<'a> ParseRules<'a> {
-    /// The rules `settings` set: `worker.max_body_bytes` and `smtp.default_from`.
-    pub fn from_settings(settings: &'a Settings) -> Self {
-        Self {
-            max_body_bytes: settings.worker.max_body_bytes,
-            default_from: settings.smtp.default_from.as_deref(),
-            key_namespace: settings.worker.key_namespace,
-            user_id: None,
-        }
-    }
-
-    /// The same rules for a message published with AMQP `user_id` `user_id`.
-    pub fn for_user(self, user_id: Option<&'a str>) -> Self {
-        Self { user_id, ..self }
-    }
-
-    /// `key` in the key space these rules name: as published, or (`worker.key_namespace
-    /// = "user_id"`) in the namespace of the message's `user_id`, refused without one.
-    pub fn namespaced(&self, key: &IdempotencyKey) -> Result<IdempotencyKey, InvalidJob> {
-        match (self.key_namespace, self.user_id) {
-            (KeyNamespace::Off, _) => Ok(key.clone()),
-            (KeyNamespace::UserId, Some(user)) if !user.is_empty() => Ok(key.in_namespace(user)),
-            (KeyNamespace::UserId, _) => invalid(
-                "no AMQP user_id property: with worker.key_namespace = \"user_id\" every job \
-                 and cancel request must be published with user_id set to the publishing \
-                 RabbitMQ user",
-            ),
-        }
-    }
-
-    /// Refuses a body over `max_body_bytes`, by its length alone: checked before any
-    /// parse, so an oversized body never costs more memory than itself.
-    pub fn check_size(&self, body: &[u8]) -> Result<(), InvalidJob> {
-        if body.len() > self.max_body_bytes {
-            return invalid(format!(
-                "body is {} bytes, over the limit of {}",
-                body.len(),
-                self.max_body_bytes
-            ));
-        }
-        Ok(())
-    }
 }
 
 /// Headers a producer may not set: postie owns them, or they would change who
@@ -411,36 +306,11 @@ impl EmailJob {
         Self::from_raw(raw, rules)
     }
 
-    fn from_raw(raw: RawJob<'_>, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
-        let Some(subject) = raw.subject else {
+    fn from_raw(mut raw: RawJob<'_>, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        let Some(subject) = raw.subject.take() else {
             return Err(not_a_job(&"missing field `subject`"));
         };
-        if let Some(v) = raw.version {
-            if v != 1 {
-                return invalid(format!("unsupported version {v} (this postie reads 1)"));
-            }
-        }
-        if let Some(order_id) = &raw.order_id {
-            check_token("order_id", order_id)?;
-        }
-        let revision = raw.revision.unwrap_or(0);
-        if revision < 0 {
-            return invalid("\"revision\" must not be negative");
-        }
-        if let Some(kind) = &raw.kind {
-            check_token("type", kind)?;
-        }
-        if let Some(user_id) = &raw.user_id {
-            check_token("user_id", user_id)?;
-        }
-        let key = match key_text(raw.key, raw.order_id.as_deref(), raw.kind.as_deref()) {
-            Some(key) => IdempotencyKey::parse(&key)?,
-            None => {
-                return invalid(
-                    "no idempotency key: give \"key\", or both \"order_id\" and \"type\"",
-                )
-            }
-        };
+        let (key, revision) = raw.key_and_revision()?;
 
         let from = match raw.from.as_deref().or(rules.default_from) {
             Some(from) => Address::parse("from", from)?,
