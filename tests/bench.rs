@@ -619,7 +619,7 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
         Entry::Delayed => (env.topology.delayed_exchange(), env.topology.intake_queue()),
     };
     let publisher = broker::confirm_channel(&conn).await.unwrap();
-    publish_bodies(&publisher, &exchange, ROUTING_KEY, bodies(n, "e2e")).await;
+    publish_bodies(&publisher, exchange, ROUTING_KEY, bodies(n, "e2e")).await;
     let probe = conn.create_channel().await.unwrap();
     assert_eq!(
         depth(&probe, &[queue]).await as usize,

@@ -203,7 +203,7 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
         started.elapsed() < Duration::from_millis(PENDING_DELAY_MS as u64),
         "the backlog came due before the jobs behind it were measured: use fewer pending jobs"
     );
-    let dead = env.depth(&env.topology.dead_queue()).await;
+    let dead = env.depth(env.topology.dead_queue()).await;
     assert_eq!(
         dead,
         0,

@@ -130,14 +130,14 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
     );
     let ttl = |d: std::time::Duration| ("x-message-ttl", json!(d.as_millis() as u64));
     let to_work = || {
-        let mut a = dead_letter(&topology.work_exchange());
+        let mut a = dead_letter(topology.work_exchange());
         a.push(("x-dead-letter-routing-key", json!(ROUTING_KEY)));
         a
     };
 
     let mut expected: BTreeMap<String, Value> = BTreeMap::new();
     let mut send = vec![quorum.clone(), delivery_limit.clone()];
-    send.extend(dead_letter(&topology.dead_exchange()));
+    send.extend(dead_letter(topology.dead_exchange()));
     expected.insert(topology.send_queue().into(), args(&send));
     expected.insert(
         topology.dead_queue().into(),
@@ -151,7 +151,7 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
 
     let ladder = ladder(topology);
     let mut intake = vec![quorum.clone(), delivery_limit];
-    intake.extend(dead_letter(&topology.dead_exchange()));
+    intake.extend(dead_letter(topology.dead_exchange()));
     expected.insert(topology.intake_queue().into(), args(&intake));
     for k in 0..ladder.levels() {
         let mut level = vec![quorum.clone(), ttl(ladder.ttl(k))];

@@ -302,7 +302,7 @@ async fn pruning_a_large_backlog_while_sending_fails_no_send() {
     assert_eq!(env.inbox_count("status = 'sent'").await, JOBS as i64);
     assert_eq!(env.inbox_count("status <> 'sent'").await, 0);
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "a send failed"
     );

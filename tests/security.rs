@@ -493,7 +493,7 @@ async fn amqps_connects_with_the_broker_certificate_verified() {
     let (code, stdout, stderr) = run_postie(&publish, &trusted);
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     assert!(stdout.contains("published tls-1"), "{stdout}");
-    assert_eq!(env.depth(&env.topology.intake_queue()).await, 1);
+    assert_eq!(env.depth(env.topology.intake_queue()).await, 1);
 
     // The system's roots do not vouch for the test CA: refused, password not shown.
     let (code, stdout, stderr) = run_postie(&publish, &vars);
@@ -504,7 +504,7 @@ async fn amqps_connects_with_the_broker_certificate_verified() {
     );
     let credentials = format!("{}:{}@", broker.username(), broker.password().unwrap_or(""));
     assert!(!stderr.contains(&credentials), "{stderr}");
-    assert_eq!(env.depth(&env.topology.intake_queue()).await, 1);
+    assert_eq!(env.depth(env.topology.intake_queue()).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

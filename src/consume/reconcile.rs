@@ -174,7 +174,7 @@ impl Service {
                     properties = properties.with_user_id(owner.as_str().into());
                 }
             }
-            broker::publish_confirmed(channel, &exchange, ROUTING_KEY, true, &job.body, properties)
+            broker::publish_confirmed(channel, exchange, ROUTING_KEY, true, &job.body, properties)
                 .await
                 .map_err(|error| Partial { published, error })?;
         }

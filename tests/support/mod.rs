@@ -206,7 +206,7 @@ impl TestEnv {
         let amqp = self.amqp().await;
         broker::publish_confirmed(
             &amqp.1,
-            &self.topology.delayed_exchange(),
+            self.topology.delayed_exchange(),
             ROUTING_KEY,
             true,
             body,

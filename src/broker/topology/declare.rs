@@ -66,30 +66,30 @@ impl Topology {
             (self.retry_exchange(), ExchangeKind::Direct),
             (self.dead_exchange(), ExchangeKind::Fanout),
         ] {
-            self.declare_exchange(channel, &name, kind, FieldTable::default())
+            self.declare_exchange(channel, name, kind, FieldTable::default())
                 .await?;
         }
 
         let mut send_args = self.quorum_args();
-        dead_letter_to(&mut send_args, &self.dead_exchange());
+        dead_letter_to(&mut send_args, self.dead_exchange());
         insert(
             &mut send_args,
             "x-delivery-limit",
             AMQPValue::LongInt(self.delivery_limit as i32),
         );
-        self.declare_queue(channel, &self.send_queue(), send_args)
+        self.declare_queue(channel, self.send_queue(), send_args)
             .await?;
         self.bind(
             channel,
-            &self.send_queue(),
-            &self.work_exchange(),
+            self.send_queue(),
+            self.work_exchange(),
             ROUTING_KEY,
         )
         .await?;
 
         for (n, step) in self.retry_steps.iter().enumerate() {
             let mut args = self.quorum_args();
-            dead_letter_to(&mut args, &self.work_exchange());
+            dead_letter_to(&mut args, self.work_exchange());
             insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
             insert(
                 &mut args,
@@ -97,17 +97,17 @@ impl Topology {
                 AMQPValue::LongLongInt(step.as_millis() as i64),
             );
             let queue = self.retry_queue(n);
-            self.declare_queue(channel, &queue, args).await?;
-            self.bind(channel, &queue, &self.retry_exchange(), &queue)
+            self.declare_queue(channel, queue, args).await?;
+            self.bind(channel, queue, self.retry_exchange(), queue)
                 .await?;
         }
 
-        self.declare_queue(channel, &self.dead_queue(), self.quorum_args())
+        self.declare_queue(channel, self.dead_queue(), self.quorum_args())
             .await?;
         self.bind(
             channel,
-            &self.dead_queue(),
-            &self.dead_exchange(),
+            self.dead_queue(),
+            self.dead_exchange(),
             ROUTING_KEY,
         )
         .await?;
@@ -116,8 +116,8 @@ impl Topology {
             DelayLayout::Plugin => {
                 self.bind(
                     channel,
-                    &self.send_queue(),
-                    &self.delayed_exchange(),
+                    self.send_queue(),
+                    self.delayed_exchange(),
                     ROUTING_KEY,
                 )
                 .await
@@ -129,7 +129,7 @@ impl Topology {
     async fn declare_delayed_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
         let name = self.delayed_exchange();
         let (kind, args) = self.delayed_exchange_spec();
-        match self.declare_exchange(channel, &name, kind, args).await {
+        match self.declare_exchange(channel, name, kind, args).await {
             Err(TopologyError::Mismatch { detail, .. }) => Err(TopologyError::ModeMismatch {
                 exchange: name.to_owned(),
                 detail,
@@ -141,18 +141,18 @@ impl Topology {
     /// The intake queue and the cascade: see the `delay` module for the shape.
     async fn declare_ladder(&self, channel: &Channel, ladder: Ladder) -> Result<(), TopologyError> {
         let mut intake_args = self.quorum_args();
-        dead_letter_to(&mut intake_args, &self.dead_exchange());
+        dead_letter_to(&mut intake_args, self.dead_exchange());
         insert(
             &mut intake_args,
             "x-delivery-limit",
             AMQPValue::LongInt(self.delivery_limit as i32),
         );
-        self.declare_queue(channel, &self.intake_queue(), intake_args)
+        self.declare_queue(channel, self.intake_queue(), intake_args)
             .await?;
         self.bind(
             channel,
-            &self.intake_queue(),
-            &self.delayed_exchange(),
+            self.intake_queue(),
+            self.delayed_exchange(),
             ROUTING_KEY,
         )
         .await?;
@@ -168,7 +168,7 @@ impl Topology {
                 AMQPValue::LongLongInt(ladder.ttl(k).as_millis() as i64),
             );
             if k == 0 {
-                dead_letter_to(&mut args, &self.work_exchange());
+                dead_letter_to(&mut args, self.work_exchange());
                 insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
             } else {
                 // Keep the binary routing key: the next level reads its own bit.
@@ -182,7 +182,7 @@ impl Topology {
         for k in 0..ladder.levels() {
             let zero = ladder.pattern(k, false);
             if k == 0 {
-                self.bind(channel, &self.send_queue(), &self.delay_level(0), &zero)
+                self.bind(channel, self.send_queue(), &self.delay_level(0), &zero)
                     .await?;
             } else {
                 let (source, destination) = (self.delay_level(k), self.delay_level(k - 1));

@@ -98,7 +98,7 @@ fn ladder_mode_adds_the_intake_and_one_level_per_bit() {
     assert!(t.queues().contains(&"p.intake".to_string()));
     assert!(t.queues().contains(&"p.delay.2".to_string()));
     assert!(!t.queues().contains(&"p.delay.3".to_string()));
-    assert_eq!(t.ladder_entry().as_deref(), Some("p.delay.2"));
+    assert_eq!(t.ladder_entry(), Some("p.delay.2"));
     assert_eq!(t.mode_name(), "ladder");
 }
 
