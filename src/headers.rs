@@ -86,6 +86,19 @@ pub const BROKER_DEATH_HEADERS: &[&str] = &[
     "x-delivery-count",
 ];
 
+/// `headers` without the [`BROKER_DEATH_HEADERS`], copied only if it has one of them:
+/// a republished copy's headers, which its publisher built and owns.
+pub fn without_broker_death(headers: FieldTable) -> FieldTable {
+    let has_any = BROKER_DEATH_HEADERS
+        .iter()
+        .any(|name| headers.contains_key(name));
+    if has_any {
+        without(Some(&headers), BROKER_DEATH_HEADERS)
+    } else {
+        headers
+    }
+}
+
 /// A copy of `headers` without `names`.
 pub fn without(headers: Option<&FieldTable>, names: &[&str]) -> FieldTable {
     let mut out = FieldTable::default();
@@ -124,5 +137,19 @@ mod tests {
         let out = without(Some(&h), &[HEADER_ATTEMPT]);
         assert!(!out.contains_key(HEADER_ATTEMPT));
         assert!(out.contains_key("traceparent"));
+    }
+
+    #[test]
+    fn pc_broker_death_headers_are_dropped_and_a_clean_table_is_kept_as_is() {
+        let mut h = FieldTable::default();
+        set_text(&mut h, "traceparent", "00-abc");
+        set_int(&mut h, HEADER_DUE_AT, 5);
+        let clean = without_broker_death(h.clone());
+        assert_eq!(clean, h);
+        set_int(&mut h, "x-delivery-count", 2);
+        h.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        let stripped = without_broker_death(h);
+        let names: Vec<&str> = stripped.inner().keys().map(ShortString::as_str).collect();
+        assert_eq!(names, [HEADER_DUE_AT, "traceparent"]);
     }
 }

@@ -309,7 +309,7 @@ where
 }
 
 /// Ready messages in each queue, summed, on one channel.
-async fn depth(channel: &Channel, queues: &[String]) -> u64 {
+async fn depth(channel: &Channel, queues: &[impl AsRef<str>]) -> u64 {
     let mut total = 0;
     for queue in queues {
         let options = QueueDeclareOptions {
@@ -317,7 +317,7 @@ async fn depth(channel: &Channel, queues: &[String]) -> u64 {
             ..Default::default()
         };
         let declared = channel
-            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .queue_declare(queue.as_ref().into(), options, FieldTable::default())
             .await
             .expect("queue exists");
         total += u64::from(declared.message_count());
@@ -491,7 +491,7 @@ async fn sink_leg(n: usize, concurrency: usize) -> Measured {
     let email = mailer
         .build(&parse_job(body.as_bytes(), &settings))
         .unwrap();
-    let mut data = String::from_utf8(email.formatted())
+    let mut data = String::from_utf8(email.formatted().to_vec())
         .unwrap()
         .replace("\r\n.", "\r\n..");
     if !data.ends_with("\r\n") {
@@ -558,7 +558,7 @@ async fn relay_leg(n: usize, extra: &[(String, String)]) -> Measured {
             confirms.push(
                 publisher
                     .basic_publish(
-                        env.topology.delayed_exchange().as_str().into(),
+                        env.topology.delayed_exchange().into(),
                         ROUTING_KEY.into(),
                         Default::default(),
                         body,
@@ -621,7 +621,7 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
         Entry::Delayed => (env.topology.delayed_exchange(), env.topology.intake_queue()),
     };
     let publisher = broker::confirm_channel(&conn).await.unwrap();
-    publish_bodies(&publisher, &exchange, ROUTING_KEY, bodies(n, "e2e")).await;
+    publish_bodies(&publisher, exchange, ROUTING_KEY, bodies(n, "e2e")).await;
     let probe = conn.create_channel().await.unwrap();
     assert_eq!(
         depth(&probe, &[queue]).await as usize,

@@ -77,7 +77,7 @@ async fn publish_rate(env: &TestEnv, jobs: usize, window: usize) -> PublishRate 
         }
         let confirm = channel
             .basic_publish(
-                exchange.as_str().into(),
+                exchange.into(),
                 ROUTING_KEY.into(),
                 Default::default(),
                 body,
@@ -203,7 +203,7 @@ async fn run(jobs: usize, pending: usize, spread_ms: i64, publishes: usize) -> R
         started.elapsed() < Duration::from_millis(PENDING_DELAY_MS as u64),
         "the backlog came due before the jobs behind it were measured: use fewer pending jobs"
     );
-    let dead = env.depth(&env.topology.dead_queue()).await;
+    let dead = env.depth(env.topology.dead_queue()).await;
     assert_eq!(
         dead,
         0,

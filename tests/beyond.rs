@@ -208,7 +208,7 @@ async fn cancel_before_due_after_send_and_before_the_job_exists() {
         env.inbox_row("c-tombstone").await.unwrap().status,
         "cancelled"
     );
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

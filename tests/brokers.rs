@@ -95,7 +95,7 @@ async fn return_repeatedly(env: &TestEnv, how: Return, times: usize) -> usize {
             channel = conn.create_channel().await.unwrap();
         }
         let got = channel
-            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .basic_get(queue.into(), BasicGetOptions::default())
             .await
             .unwrap();
         let Some(message) = got else { break };
@@ -130,7 +130,7 @@ async fn after_returns(env: &TestEnv, how: Return) -> Option<String> {
     let limit = env.settings().topology.delivery_limit as usize;
     let key = format!("{}-{how:?}", env.prefix);
     env.publish_to_queue(
-        &env.topology.send_queue(),
+        env.topology.send_queue(),
         job(&key, "limit@example.com").to_string().as_bytes(),
         postie::broker::job_properties(),
     )
@@ -139,7 +139,7 @@ async fn after_returns(env: &TestEnv, how: Return) -> Option<String> {
     let settings = env.settings();
     let letters = eventually("the job is somewhere", WAIT, || async {
         let letters = postie::dlq::list(&settings, 10).await.ok()?;
-        let waiting = env.depth(&env.topology.send_queue()).await;
+        let waiting = env.depth(env.topology.send_queue()).await;
         (letters.len() + waiting as usize == 1).then_some(letters)
     })
     .await;
@@ -165,7 +165,7 @@ async fn a_job_returned_past_the_delivery_limit_reaches_the_dlq_with_a_reason() 
         .await
         .expect("a job rejected past the delivery limit is dead-lettered");
     assert!(
-        reason.contains("delivery_limit") && reason.contains(&env.topology.send_queue()),
+        reason.contains("delivery_limit") && reason.contains(env.topology.send_queue()),
         "{reason}"
     );
     env.take_dead_letters().await;
@@ -189,10 +189,7 @@ async fn purge_send(env: &TestEnv) {
         .unwrap();
     let channel = conn.create_channel().await.unwrap();
     channel
-        .queue_purge(
-            env.topology.send_queue().as_str().into(),
-            Default::default(),
-        )
+        .queue_purge(env.topology.send_queue().into(), Default::default())
         .await
         .unwrap();
     let _ = conn.close(200, "done".into()).await;

@@ -293,7 +293,7 @@ async fn run(jobs_n: usize, faults_per_kind: usize, seed: u64) -> Report {
     let pace = window / (jobs_n as u32).max(1);
     let published = Arc::new(Mutex::new(Published::default()));
     let publisher = tokio::spawn(publish_all(
-        env.topology.delayed_exchange(),
+        env.topology.delayed_exchange().to_owned(),
         jobs.clone(),
         pace,
         published.clone(),

@@ -364,7 +364,7 @@ async fn node_loss_run(run: &str, now: usize, pending: usize) -> Figures {
     eventually(
         "intake drained",
         Duration::from_secs(60),
-        move || async move { (envr.depth(&envr.topology.intake_queue()).await == 0).then_some(()) },
+        move || async move { (envr.depth(envr.topology.intake_queue()).await == 0).then_some(()) },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;

@@ -70,8 +70,8 @@ async fn a_contract_job_is_sent_once_with_its_headers_and_acked() {
         .await
         .expect("inbox row");
     assert_eq!((row.status.as_str(), row.attempts), ("sent", 1));
-    assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.send_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +92,7 @@ async fn five_publishes_of_one_key_send_one_email_and_count_four_duplicates() {
     let messages = env.sink.messages(false).await;
     assert_eq!(messages.len(), 1, "{messages:?}");
     assert_eq!(messages[0].message_id, message_id("order-7:shipped"));
-    assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.send_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,7 +113,7 @@ async fn smtp_4xx_is_retried_through_the_retry_queues_then_sent() {
     serving.stop().await;
     let row = env.inbox_row("k-flaky").await.unwrap();
     assert_eq!((row.status.as_str(), row.attempts), ("sent", 3), "{row:?}");
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
     assert_eq!(env.sink.count().await, 1);
 }
 
@@ -127,7 +127,7 @@ async fn smtp_5xx_goes_to_the_dlq_at_once_with_the_reason() {
     env.publish(&job("k-nobody", "nobody@example.com")).await;
     let env = &env;
     eventually("one dead letter", WAIT, move || async move {
-        (env.depth(&env.topology.dead_queue()).await == 1).then_some(())
+        (env.depth(env.topology.dead_queue()).await == 1).then_some(())
     })
     .await;
     serving.stop().await;
@@ -157,7 +157,7 @@ async fn exhausted_retries_dead_letter_and_a_replay_starts_a_fresh_cycle() {
     env.publish(&job("k-down", "down@example.com")).await;
     let envr = &env;
     eventually("the dead letter", WAIT, move || async move {
-        (envr.depth(&envr.topology.dead_queue()).await == 1).then_some(())
+        (envr.depth(envr.topology.dead_queue()).await == 1).then_some(())
     })
     .await;
     let mut dead = env.take_dead_letters().await;
@@ -182,7 +182,7 @@ async fn exhausted_retries_dead_letter_and_a_replay_starts_a_fresh_cycle() {
     // The relay is fixed; an operator moves the dead letter back to the work queue.
     env.sink.clear_faults().await;
     env.publish_to_queue(
-        &env.topology.send_queue(),
+        env.topology.send_queue(),
         &letter.body,
         letter.properties.clone(),
     )
@@ -229,7 +229,7 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
 
     let envr = &env;
     eventually("6 dead letters and 7 emails", WAIT, move || async move {
-        let dead = envr.depth(&envr.topology.dead_queue()).await;
+        let dead = envr.depth(envr.topology.dead_queue()).await;
         (dead == 6 && envr.sink.count().await == 7).then_some(())
     })
     .await;
@@ -287,7 +287,7 @@ async fn a_postgres_outage_loses_and_dead_letters_nothing() {
     env.publish_many(&second).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "dead-lettered during the outage"
     );
@@ -302,8 +302,8 @@ async fn a_postgres_outage_loses_and_dead_letters_nothing() {
     let ids: BTreeSet<_> = messages.iter().map(|m| m.message_id.clone()).collect();
     assert_eq!(ids.len(), 40, "lost emails");
     assert_eq!(messages.len(), 40, "duplicate emails");
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
-    assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.send_queue()).await, 0);
 }
 
 /// `postie topology | head -0`: output into a pipe closed by the reader ends the

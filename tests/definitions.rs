@@ -130,26 +130,29 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
     );
     let ttl = |d: std::time::Duration| ("x-message-ttl", json!(d.as_millis() as u64));
     let to_work = || {
-        let mut a = dead_letter(&topology.work_exchange());
+        let mut a = dead_letter(topology.work_exchange());
         a.push(("x-dead-letter-routing-key", json!(ROUTING_KEY)));
         a
     };
 
-    let mut expected = BTreeMap::new();
+    let mut expected: BTreeMap<String, Value> = BTreeMap::new();
     let mut send = vec![quorum.clone(), delivery_limit.clone()];
-    send.extend(dead_letter(&topology.dead_exchange()));
-    expected.insert(topology.send_queue(), args(&send));
-    expected.insert(topology.dead_queue(), args(std::slice::from_ref(&quorum)));
+    send.extend(dead_letter(topology.dead_exchange()));
+    expected.insert(topology.send_queue().into(), args(&send));
+    expected.insert(
+        topology.dead_queue().into(),
+        args(std::slice::from_ref(&quorum)),
+    );
     for (n, step) in topology.retry_steps().iter().enumerate() {
         let mut retry = vec![quorum.clone(), ttl(*step)];
         retry.extend(to_work());
-        expected.insert(topology.retry_queue(n), args(&retry));
+        expected.insert(topology.retry_queue(n).into(), args(&retry));
     }
 
     let ladder = ladder(topology);
     let mut intake = vec![quorum.clone(), delivery_limit];
-    intake.extend(dead_letter(&topology.dead_exchange()));
-    expected.insert(topology.intake_queue(), args(&intake));
+    intake.extend(dead_letter(topology.dead_exchange()));
+    expected.insert(topology.intake_queue().into(), args(&intake));
     for k in 0..ladder.levels() {
         let mut level = vec![quorum.clone(), ttl(ladder.ttl(k))];
         if k == 0 {
@@ -166,14 +169,23 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
 /// Exchange name → (type, arguments), as `Topology::declare` creates them.
 fn expected_exchanges(topology: &Topology) -> BTreeMap<String, (String, Value)> {
     let (kind, arguments) = topology.delayed_exchange_spec();
-    let mut expected = BTreeMap::new();
+    let mut expected: BTreeMap<String, (String, Value)> = BTreeMap::new();
     expected.insert(
-        topology.delayed_exchange(),
+        topology.delayed_exchange().into(),
         (kind_name(&kind), field_table_json(&arguments)),
     );
-    expected.insert(topology.work_exchange(), ("direct".into(), json!({})));
-    expected.insert(topology.retry_exchange(), ("direct".into(), json!({})));
-    expected.insert(topology.dead_exchange(), ("fanout".into(), json!({})));
+    expected.insert(
+        topology.work_exchange().into(),
+        ("direct".into(), json!({})),
+    );
+    expected.insert(
+        topology.retry_exchange().into(),
+        ("direct".into(), json!({})),
+    );
+    expected.insert(
+        topology.dead_exchange().into(),
+        ("fanout".into(), json!({})),
+    );
     for k in 0..ladder(topology).levels() {
         expected.insert(topology.delay_level(k), ("topic".into(), json!({})));
     }
@@ -185,7 +197,7 @@ type Binding = (String, String, String, String);
 /// (source, destination, destination type, routing key) of every binding.
 fn expected_bindings(topology: &Topology) -> BTreeSet<Binding> {
     let to_queue =
-        |source: String, queue: String, key: String| (source, queue, "queue".into(), key);
+        |source: &str, queue: &str, key: String| (source.into(), queue.into(), "queue".into(), key);
     let mut expected = BTreeSet::from([
         to_queue(
             topology.work_exchange(),
@@ -206,21 +218,17 @@ fn expected_bindings(topology: &Topology) -> BTreeSet<Binding> {
     // postie republishes a retry to the retry exchange with the queue's name as key.
     for n in 0..topology.retry_steps().len() {
         let queue = topology.retry_queue(n);
-        expected.insert(to_queue(topology.retry_exchange(), queue.clone(), queue));
+        expected.insert(to_queue(topology.retry_exchange(), queue, queue.into()));
     }
     let ladder = ladder(topology);
     for k in 0..ladder.levels() {
         let level = topology.delay_level(k);
         // A set bit waits in the level's queue; a clear bit falls through to the
         // level below (the send queue under level 0).
-        expected.insert(to_queue(
-            level.clone(),
-            level.clone(),
-            ladder.pattern(k, true),
-        ));
+        expected.insert(to_queue(&level, &level, ladder.pattern(k, true)));
         if k == 0 {
             expected.insert(to_queue(
-                level,
+                &level,
                 topology.send_queue(),
                 ladder.pattern(0, false),
             ));
@@ -243,7 +251,7 @@ fn auto_mode_on_this_broker_setup_is_the_ladder_the_file_describes() {
     assert_eq!(DelaySettings::default().mode, DelayMode::Auto);
     let defs = definitions();
     let exchanges = by_name(&defs, "exchanges");
-    let delayed = exchanges[&topology().delayed_exchange()];
+    let delayed = exchanges[topology().delayed_exchange()];
     assert_eq!(text(delayed, "type"), "direct");
     let plugins = std::fs::read_to_string(repo_file("rabbitmq/enabled_plugins")).unwrap();
     assert!(
@@ -320,7 +328,7 @@ fn retry_ttls_are_the_retry_steps_in_milliseconds() {
         "default retry steps changed: update the file"
     );
     for (n, step) in steps.iter().enumerate() {
-        let ttl = queues[&topology.retry_queue(n)]["arguments"]["x-message-ttl"]
+        let ttl = queues[topology.retry_queue(n)]["arguments"]["x-message-ttl"]
             .as_u64()
             .unwrap_or_else(|| panic!("retry queue {n} needs an integer x-message-ttl"));
         assert_eq!(u128::from(ttl), step.as_millis(), "TTL of retry queue {n}");
@@ -358,7 +366,7 @@ fn every_hop_that_carries_a_job_dead_letters_at_least_once() {
         assert_eq!(arguments["x-overflow"], json!("reject-publish"), "{name}");
     }
     assert_eq!(
-        queues[&topology.send_queue()]["arguments"]["x-dead-letter-exchange"],
+        queues[topology.send_queue()]["arguments"]["x-dead-letter-exchange"],
         json!(topology.dead_exchange())
     );
 }
@@ -421,7 +429,7 @@ fn retries_go_through_the_retry_exchange_keyed_by_queue_name() {
     let topology = topology();
     let exchanges = by_name(&defs, "exchanges");
     let retry = exchanges
-        .get(&topology.retry_exchange())
+        .get(topology.retry_exchange())
         .unwrap_or_else(|| panic!("exchange {} missing", topology.retry_exchange()));
     assert_eq!(text(retry, "type"), "direct");
     let from_retry: BTreeMap<&str, &str> = list(&defs, "bindings")
@@ -433,7 +441,7 @@ fn retries_go_through_the_retry_exchange_keyed_by_queue_name() {
         })
         .collect();
     let expected: BTreeSet<String> = (0..topology.retry_steps().len())
-        .map(|n| topology.retry_queue(n))
+        .map(|n| topology.retry_queue(n).to_owned())
         .collect();
     assert_eq!(
         from_retry.keys().copied().collect::<BTreeSet<_>>(),

@@ -91,7 +91,7 @@ async fn ladder_jobs_delayed_0_to_8_s_are_all_sent_and_none_early() {
     );
     // The inbox keeps the same due times.
     assert_eq!(env.inbox_count("sent_at < due_at").await, 0);
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,7 +119,7 @@ async fn bad_or_too_long_x_delay_is_dead_lettered_at_intake() {
         "3 dead letters and the good email",
         Duration::from_secs(60),
         move || async move {
-            (envr.depth(&envr.topology.dead_queue()).await == 3 && envr.sink.count().await == 1)
+            (envr.depth(envr.topology.dead_queue()).await == 3 && envr.sink.count().await == 1)
                 .then_some(())
         },
     )
@@ -174,7 +174,7 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
         0,
         "sent before due"
     );
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +343,7 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     );
     let body = job("moved-in", "x@example.com").to_string();
     env.publish_to_queue(
-        &env.topology.send_queue(),
+        env.topology.send_queue(),
         body.as_bytes(),
         broker::job_properties().with_headers(headers),
     )

@@ -17,7 +17,7 @@ async fn wait_for_dead(env: &TestEnv, count: u32) {
     eventually(
         &format!("{count} dead letter(s)"),
         WAIT,
-        move || async move { (env.depth(&env.topology.dead_queue()).await == count).then_some(()) },
+        move || async move { (env.depth(env.topology.dead_queue()).await == count).then_some(()) },
     )
     .await;
 }
@@ -142,7 +142,7 @@ async fn list_shows_dead_letters_without_consuming_and_replay_moves_only_matchin
 
     serving.stop().await;
     assert_eq!(env.sink.count().await, 2);
-    assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.send_queue()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,8 +169,7 @@ async fn the_management_ui_move_replays_a_dead_letter_with_a_fresh_retry_cycle()
     env.sink
         .set_faults(json!([{"stage": "rcpt", "rcpt_contains": "down", "action": {"reply": "421 4.4.2 service down"}, "times": 2}]))
         .await;
-    let shovel =
-        Shovel::move_messages(&env.topology.dead_queue(), &env.topology.send_queue()).await;
+    let shovel = Shovel::move_messages(env.topology.dead_queue(), env.topology.send_queue()).await;
 
     eventually("the moved job's email", WAIT, move || async move {
         (envr.sink.count().await == 1).then_some(())
@@ -187,8 +186,8 @@ async fn the_management_ui_move_replays_a_dead_letter_with_a_fresh_retry_cycle()
     shovel.delete().await;
 
     serving.stop().await;
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
-    assert_eq!(env.depth(&env.topology.send_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.send_queue()).await, 0);
     assert_eq!(env.sink.count().await, 1);
 }
 

@@ -52,7 +52,7 @@ async fn gd_clocks_5_s_ahead_and_behind_send_nothing_early_and_do_not_spin() {
     support::eventually(
         "both instances consuming",
         Duration::from_secs(60),
-        || async { (env.consumers(&send_queue).await >= 2).then_some(()) },
+        || async { (env.consumers(send_queue).await >= 2).then_some(()) },
     )
     .await;
 

@@ -80,7 +80,7 @@ async fn gd_a_read_only_database_holds_jobs_and_dead_letters_none() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let sent_during = env.sink.count().await - sent_at_start;
-    let dead_during = env.depth(&env.topology.dead_queue()).await;
+    let dead_during = env.depth(env.topology.dead_queue()).await;
     set_read_only(&env, false).await;
 
     let logs = || {
@@ -96,7 +96,7 @@ async fn gd_a_read_only_database_holds_jobs_and_dead_letters_none() {
         "every job sent or dead",
         Duration::from_secs(300),
         || async {
-            let ended = env.sink.count().await + env.depth(&dead_queue).await as usize;
+            let ended = env.sink.count().await + env.depth(dead_queue).await as usize;
             (ended >= JOBS).then_some(())
         },
     )
@@ -167,10 +167,10 @@ async fn gd_a_broker_that_refuses_the_declaration_is_redialled_ever_more_slowly(
     // quorum queue) now gets 406 PRECONDITION_FAILED on every session. Deleting the
     // send queue (empty by now) ends the running session.
     let (_conn, channel) = test_channel(&env).await;
-    env.delete_queue(&env.topology.dead_queue()).await;
+    env.delete_queue(env.topology.dead_queue()).await;
     channel
         .queue_declare(
-            env.topology.dead_queue().as_str().into(),
+            env.topology.dead_queue().into(),
             QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
@@ -179,7 +179,7 @@ async fn gd_a_broker_that_refuses_the_declaration_is_redialled_ever_more_slowly(
         )
         .await
         .unwrap();
-    env.delete_queue(&env.topology.send_queue()).await;
+    env.delete_queue(env.topology.send_queue()).await;
     tokio::time::sleep(Duration::from_secs(30)).await;
 
     let failed = logged_at(&postie.log(), "broker session failed; reconnecting");
@@ -208,7 +208,7 @@ async fn gd_a_broker_that_refuses_the_declaration_is_redialled_ever_more_slowly(
     );
 
     // The operator fixes the queue: the next session declares everything, and jobs flow.
-    env.delete_queue(&env.topology.dead_queue()).await;
+    env.delete_queue(env.topology.dead_queue()).await;
     env.publish(&job("gd-redial-after", "x@example.com")).await;
     env.emails_or_log(&postie, "the job after the fix", 2, Duration::from_secs(60))
         .await;
@@ -226,13 +226,13 @@ async fn gd_a_publish_channel_closed_by_the_broker_is_replaced() {
     let postie = env.spawn_process(&[]);
     let send_queue = env.topology.send_queue();
     support::eventually("postie consuming", Duration::from_secs(60), || async {
-        (env.consumers(&send_queue).await > 0).then_some(())
+        (env.consumers(send_queue).await > 0).then_some(())
     })
     .await;
     let (_conn, channel) = test_channel(&env).await;
     channel
         .exchange_delete(
-            env.topology.retry_exchange().as_str().into(),
+            env.topology.retry_exchange().into(),
             ExchangeDeleteOptions::default(),
         )
         .await

@@ -138,7 +138,7 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
             "relay" => env.publish_raw(&body, delayed(0)).await,
             _ => {
                 let send = env.topology.send_queue();
-                env.publish_to_queue(&send, &body, broker::job_properties())
+                env.publish_to_queue(send, &body, broker::job_properties())
                     .await
             }
         }

@@ -137,7 +137,7 @@ impl Producer {
         }
         broker::publish_confirmed(
             &self.channel,
-            &env.topology.delayed_exchange(),
+            env.topology.delayed_exchange(),
             ROUTING_KEY,
             true,
             body.to_string().as_bytes(),

@@ -245,7 +245,7 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     .await;
     tokio::time::sleep(Duration::from_secs(30)).await; // well past every retry step (1+2+5 s)
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "dead-lettered because of the outage"
     );
@@ -265,7 +265,7 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     }
     assert_eq!(per_id.len(), JOBS, "lost");
     assert!(per_id.values().all(|n| *n == 1), "duplicates");
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
     eprintln!("FIGURES smtp-down: 30 s outage, all {JOBS} sent {:.1}s after the relay came back; dead-lettered 0", recovery.as_secs_f64());
 }
 
@@ -396,7 +396,7 @@ async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing
             .filter(|i| !sent.contains_key(&support::message_id(&format!("cut-{i}"))))
             .collect::<Vec<_>>()
     };
-    env.delete_queue(&send).await;
+    env.delete_queue(send).await;
     let cancelled = Instant::now();
     eventually(
         "postie re-declares the send queue",
@@ -429,7 +429,7 @@ async fn broker_connection_cut_frozen_closed_and_consumer_cancelled_lose_nothing
     let duplicates: usize = per_id.values().map(|c| c - 1).sum();
     assert_eq!(duplicates, 0, "duplicate emails");
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "dead-lettered"
     );

@@ -85,7 +85,7 @@ async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
             due[id] - arrivals[0]
         );
     }
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
 }
 
 /// Publishes `n` jobs, starts one postie process with slow SMTP, runs `outage`
@@ -137,7 +137,7 @@ where
     let duplicates: usize = per_id.values().map(|c| c - 1).sum();
     assert_eq!(duplicates, 0, "duplicate emails");
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "dead-lettered because of the outage"
     );

@@ -39,7 +39,7 @@ async fn three_instances_send_exactly_one_email_per_key() {
     eventually(
         "the queue drained",
         Duration::from_secs(120),
-        move || async move { (envr.depth(&envr.topology.send_queue()).await == 0).then_some(()) },
+        move || async move { (envr.depth(envr.topology.send_queue()).await == 0).then_some(()) },
     )
     .await;
     let duplicates_counted = eventually(
@@ -67,7 +67,7 @@ async fn three_instances_send_exactly_one_email_per_key() {
     let duplicate_emails: usize = received.values().map(|n| n - 1).sum();
     assert_eq!(duplicate_emails, 0, "duplicate emails");
     assert_eq!(duplicates_counted as usize, JOBS - UNIQUE);
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
     eprintln!(
         "FIGURES compete: {JOBS} jobs ({UNIQUE} unique) by 3 processes in {:.2}s from start: {:.0} emails/s, {:.0} deliveries/s; duplicates suppressed {duplicates_counted}; lost 0; duplicate emails {duplicate_emails}",
         elapsed.as_secs_f64(),
@@ -171,7 +171,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
     .await;
     let first_due = *due.values().min().unwrap();
     let intake = env.topology.intake_queue();
-    assert_eq!(env.depth(&intake).await as usize, JOBS);
+    assert_eq!(env.depth(intake).await as usize, JOBS);
 
     // Small pools: the other tests of this file run at the same time, with three
     // processes of 16 connections each, under PostgreSQL's 100.
@@ -187,7 +187,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
     .await;
     first.kill9();
     let killed_at = chrono::Utc::now().timestamp_millis();
-    let left = env.depth(&intake).await;
+    let left = env.depth(intake).await;
     let _second = env.spawn_process(&small_pool);
     env.wait_for_emails("every delayed job", JOBS, Duration::from_secs(300))
         .await;
@@ -200,7 +200,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
         // Killed before anything was due: it was sending nothing.
         assert_eq!(report.duplicates, 0, "duplicates: {report:?}");
     }
-    assert_eq!(env.depth(&env.topology.dead_queue()).await, 0);
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
     assert_eq!(
         env.inbox_count("status = 'scheduled'").await,
         0,

@@ -138,7 +138,7 @@ async fn finish(run: &Run, what: &str, within: Duration) -> Figures {
         },
         throttled: quota.throttled,
         attempts: quota.accepted + quota.throttled,
-        dead: env.depth(&env.topology.dead_queue()).await,
+        dead: env.depth(env.topology.dead_queue()).await,
         leases: metric_sum(run, "postie_rate_limit_leases_total").await,
         paid_back: metric_sum(run, "postie_rate_limit_tokens_paid_back_total").await,
         sent: received.len(),

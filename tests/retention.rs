@@ -302,7 +302,7 @@ async fn pruning_a_large_backlog_while_sending_fails_no_send() {
     assert_eq!(env.inbox_count("status = 'sent'").await, JOBS as i64);
     assert_eq!(env.inbox_count("status <> 'sent'").await, 0);
     assert_eq!(
-        env.depth(&env.topology.dead_queue()).await,
+        env.depth(env.topology.dead_queue()).await,
         0,
         "a send failed"
     );
@@ -457,7 +457,7 @@ async fn size_after_a_run_with_short_retention() {
     inbox_table(&env).await;
     let conn = broker_connection("postie-size-run").await;
     let channel = postie::broker::confirm_channel(&conn).await.unwrap();
-    let exchange = env.topology.work_exchange();
+    let exchange = env.topology.work_exchange().to_owned();
     let started = Instant::now();
     let publishing = tokio::spawn(async move {
         let bodies = (0..n).map(|i| {

@@ -373,7 +373,7 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
             async move {
                 let mut delivered = log.lock().unwrap().delivered.clone();
                 delivered.sort();
-                let dead = envr.depth(&envr.topology.dead_queue()).await;
+                let dead = envr.depth(envr.topology.dead_queue()).await;
                 let dup = envr
                     .inbox_row("sec-ok")
                     .await

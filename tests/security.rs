@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use postie::config::{DatabaseSettings, SmtpSettings};
 use postie::inbox::Inbox;
-use postie::mail::{Clearance, Mailer, SendError};
+use postie::mail::{Clearance, Email, Mailer, SendError};
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
@@ -261,7 +261,9 @@ async fn send_to(url: &str, to: &str) -> Result<(), SendError> {
     })
     .unwrap_or_else(|e| panic!("{url}: {e}"));
     let slot = mailer.slot().await;
-    mailer.send(&slot, &message(to), &Clearance::new()).await
+    mailer
+        .send(&slot, &Email::new(&message(to)), &Clearance::new())
+        .await
 }
 
 #[tokio::test]
@@ -491,7 +493,7 @@ async fn amqps_connects_with_the_broker_certificate_verified() {
     let (code, stdout, stderr) = run_postie(&publish, &trusted);
     assert_eq!(code, Some(0), "{stdout}{stderr}");
     assert!(stdout.contains("published tls-1"), "{stdout}");
-    assert_eq!(env.depth(&env.topology.intake_queue()).await, 1);
+    assert_eq!(env.depth(env.topology.intake_queue()).await, 1);
 
     // The system's roots do not vouch for the test CA: refused, password not shown.
     let (code, stdout, stderr) = run_postie(&publish, &vars);
@@ -502,7 +504,7 @@ async fn amqps_connects_with_the_broker_certificate_verified() {
     );
     let credentials = format!("{}:{}@", broker.username(), broker.password().unwrap_or(""));
     assert!(!stderr.contains(&credentials), "{stderr}");
-    assert_eq!(env.depth(&env.topology.intake_queue()).await, 1);
+    assert_eq!(env.depth(env.topology.intake_queue()).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

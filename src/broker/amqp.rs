@@ -287,11 +287,13 @@ pub fn job_properties() -> BasicProperties {
         .with_content_type("application/json".into())
 }
 
-/// `properties` without `user_id`. RabbitMQ refuses a publish whose `user_id` is not
-/// the publishing connection's user (406, closing the channel) unless that user has
-/// the `impersonator` tag: a producer's `user_id` cannot ride along on postie's own
+/// `properties` for a copy postie republishes: every property but `headers` (the copy
+/// brings its own, so the original's are not copied only to be replaced) and, unless
+/// `keep_user_id`, `user_id`. RabbitMQ refuses a publish whose `user_id` is not the
+/// publishing connection's user (406, closing the channel) unless that user has the
+/// `impersonator` tag: a producer's `user_id` cannot ride along on postie's own
 /// re-publishes unless postie needs it (`worker.key_namespace = "user_id"`).
-pub fn without_user_id(properties: &BasicProperties) -> BasicProperties {
+pub fn copy_properties(properties: &BasicProperties, keep_user_id: bool) -> BasicProperties {
     let mut out = BasicProperties::default();
     macro_rules! copy {
         ($($get:ident => $set:ident),* $(,)?) => {
@@ -303,7 +305,6 @@ pub fn without_user_id(properties: &BasicProperties) -> BasicProperties {
     copy!(
         content_type => with_content_type,
         content_encoding => with_content_encoding,
-        headers => with_headers,
         delivery_mode => with_delivery_mode,
         priority => with_priority,
         correlation_id => with_correlation_id,
@@ -315,12 +316,16 @@ pub fn without_user_id(properties: &BasicProperties) -> BasicProperties {
         app_id => with_app_id,
         cluster_id => with_cluster_id,
     );
+    if keep_user_id {
+        copy!(user_id => with_user_id);
+    }
     out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lapin::types::AMQPValue;
 
     #[test]
     fn only_the_user_id_is_dropped() {
@@ -337,7 +342,12 @@ mod tests {
             .with_app_id("shop".into())
             .with_correlation_id("c-1".into())
             .with_priority(3);
-        assert_eq!(without_user_id(&full), expected);
+        assert_eq!(copy_properties(&full, false), expected);
+        // Kept when asked; the headers are never copied (the copy sets its own).
+        let mut headers = FieldTable::default();
+        headers.insert("traceparent".into(), AMQPValue::LongString("00-abc".into()));
+        let with_headers = full.clone().with_headers(headers);
+        assert_eq!(copy_properties(&with_headers, true), full);
     }
 
     #[test]

@@ -13,17 +13,18 @@
 
 use std::time::Duration;
 
-use lapin::options::{
-    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{Channel, ExchangeKind};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::ExchangeKind;
 
 use super::ladder::Ladder;
 use crate::config::DelayMode;
 use crate::config::{DelaySettings, TopologySettings};
 use crate::contract::PLUGIN_MAX_DELAY;
+
+mod declare;
+
+pub use declare::TopologyError;
+pub(in crate::broker) use declare::{classify, insert, string};
 
 /// How `<p>.delayed` holds jobs until due: the resolved delay mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +39,9 @@ pub enum DelayLayout {
 /// hop keeps it.
 pub const ROUTING_KEY: &str = "email";
 
-/// Names and arguments of every exchange and queue, derived from the settings.
+/// Names and arguments of every exchange and queue, derived from the settings. The
+/// names a message is routed by are spelled once, here, and lent out: routing a job
+/// formats nothing.
 #[derive(Debug, Clone)]
 pub struct Topology {
     prefix: String,
@@ -47,52 +50,49 @@ pub struct Topology {
     quorum_group: Option<u32>,
     delay: DelayLayout,
     max_delay: Duration,
+    names: Names,
 }
 
-/// A declaration the broker refused, with the fix spelled out.
-#[derive(Debug, thiserror::Error)]
-pub enum TopologyError {
-    /// An object exists with other arguments (406 PRECONDITION_FAILED).
-    #[error(
-        "{what} already exists on the broker with different settings ({detail}); \
-         delete it (after moving its messages) or change topology.prefix"
-    )]
-    Mismatch {
-        /// The object that clashed.
-        what: String,
-        /// The broker's text.
-        detail: String,
-    },
-    /// `<p>.delayed` exists with the other mode's exchange type.
-    #[error(
-        "exchange {exchange} already exists with another type, so it was declared for the other \
-         delay mode ({detail}); set delay.mode to match it, or switch modes deliberately: stop \
-         publishers, let pending delayed jobs drain, delete {exchange}, then start postie"
-    )]
-    ModeMismatch {
-        /// The exchange.
-        exchange: String,
-        /// The broker's text.
-        detail: String,
-    },
-    /// Plugin mode on a broker without the plugin (503 unknown exchange type).
-    #[error(
-        "delay.mode = plugin, but the broker has no delayed-message plugin ({detail}); enable \
-         rabbitmq_delayed_message_exchange on the broker, or set delay.mode = ladder (or auto)"
-    )]
-    PluginMissing {
-        /// The broker's text.
-        detail: String,
-    },
-    /// Anything else the broker or the connection said.
-    #[error("declaring {what}: {source}")]
-    Broker {
-        /// The object being declared.
-        what: String,
-        /// The cause.
-        #[source]
-        source: lapin::Error,
-    },
+/// The names, spelled once from the prefix.
+#[derive(Debug, Clone)]
+struct Names {
+    intake: String,
+    delayed: String,
+    work: String,
+    send: String,
+    retry: String,
+    /// `<p>.retry.<n>`, one per backoff step.
+    retry_queues: Vec<String>,
+    dead_exchange: String,
+    dead_queue: String,
+    /// Ladder mode: the top level's exchange, where the relay enters the cascade.
+    ladder_entry: Option<String>,
+}
+
+impl Names {
+    fn new(prefix: &str, retry_steps: usize, delay: DelayLayout) -> Self {
+        Self {
+            intake: format!("{prefix}.intake"),
+            delayed: format!("{prefix}.delayed"),
+            work: format!("{prefix}.work"),
+            send: format!("{prefix}.send"),
+            retry: format!("{prefix}.retry"),
+            retry_queues: (0..retry_steps)
+                .map(|n| format!("{prefix}.retry.{n}"))
+                .collect(),
+            dead_exchange: format!("{prefix}.dlx"),
+            dead_queue: format!("{prefix}.dead"),
+            ladder_entry: match delay {
+                DelayLayout::Ladder(ladder) => Some(delay_level(prefix, ladder.levels() - 1)),
+                DelayLayout::Plugin => None,
+            },
+        }
+    }
+}
+
+/// Ladder level `k`'s name under `prefix`.
+fn delay_level(prefix: &str, k: u32) -> String {
+    format!("{prefix}.delay.{k}")
 }
 
 impl Topology {
@@ -113,6 +113,7 @@ impl Topology {
             quorum_group: settings.quorum_initial_group_size,
             delay: layout,
             max_delay,
+            names: Names::new(&settings.prefix, settings.retry_steps.len(), layout),
         }
     }
 
@@ -135,58 +136,56 @@ impl Topology {
     }
 
     /// Ladder mode: the queue the intake relay consumes.
-    pub fn intake_queue(&self) -> String {
-        format!("{}.intake", self.prefix)
+    pub fn intake_queue(&self) -> &str {
+        &self.names.intake
     }
 
     /// Ladder mode: level `k`'s exchange and queue (same name, different kinds).
+    /// Spelled when asked: only declarations and tests ask.
     pub fn delay_level(&self, k: u32) -> String {
-        format!("{}.delay.{k}", self.prefix)
+        delay_level(&self.prefix, k)
     }
 
     /// Ladder mode: where the relay enters the cascade (the top level's exchange).
-    pub fn ladder_entry(&self) -> Option<String> {
-        match self.delay {
-            DelayLayout::Ladder(ladder) => Some(self.delay_level(ladder.levels() - 1)),
-            DelayLayout::Plugin => None,
-        }
+    pub fn ladder_entry(&self) -> Option<&str> {
+        self.names.ladder_entry.as_deref()
     }
 
     /// The producers' entry exchange.
-    pub fn delayed_exchange(&self) -> String {
-        format!("{}.delayed", self.prefix)
+    pub fn delayed_exchange(&self) -> &str {
+        &self.names.delayed
     }
 
     /// Where due jobs and retries re-enter.
-    pub fn work_exchange(&self) -> String {
-        format!("{}.work", self.prefix)
+    pub fn work_exchange(&self) -> &str {
+        &self.names.work
     }
 
     /// The queue the consumers compete on.
-    pub fn send_queue(&self) -> String {
-        format!("{}.send", self.prefix)
+    pub fn send_queue(&self) -> &str {
+        &self.names.send
     }
 
     /// The exchange postie republishes retries through (so that it never needs
     /// the default exchange, and a least-privilege user suffices).
-    pub fn retry_exchange(&self) -> String {
-        format!("{}.retry", self.prefix)
+    pub fn retry_exchange(&self) -> &str {
+        &self.names.retry
     }
 
-    /// Retry queue for backoff step `n` (0-based); also its routing key on
-    /// [`Topology::retry_exchange`].
-    pub fn retry_queue(&self, n: usize) -> String {
-        format!("{}.retry.{n}", self.prefix)
+    /// Retry queue for backoff step `n` (0-based, below the number of steps); also
+    /// its routing key on [`Topology::retry_exchange`].
+    pub fn retry_queue(&self, n: usize) -> &str {
+        &self.names.retry_queues[n]
     }
 
     /// The dead-letter exchange.
-    pub fn dead_exchange(&self) -> String {
-        format!("{}.dlx", self.prefix)
+    pub fn dead_exchange(&self) -> &str {
+        &self.names.dead_exchange
     }
 
     /// The dead-letter queue operators replay from.
-    pub fn dead_queue(&self) -> String {
-        format!("{}.dead", self.prefix)
+    pub fn dead_queue(&self) -> &str {
+        &self.names.dead_queue
     }
 
     /// The backoff steps.
@@ -196,10 +195,10 @@ impl Topology {
 
     /// Every queue, for status and clean-up.
     pub fn queues(&self) -> Vec<String> {
-        let mut queues = vec![self.send_queue(), self.dead_queue()];
-        queues.extend((0..self.retry_steps.len()).map(|n| self.retry_queue(n)));
+        let mut queues = vec![self.send_queue().to_owned(), self.dead_queue().to_owned()];
+        queues.extend(self.names.retry_queues.iter().cloned());
         if let DelayLayout::Ladder(ladder) = self.delay {
-            queues.push(self.intake_queue());
+            queues.push(self.intake_queue().to_owned());
             queues.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
         }
         queues
@@ -207,84 +206,18 @@ impl Topology {
 
     /// Every exchange, for clean-up.
     pub fn exchanges(&self) -> Vec<String> {
-        let mut exchanges = vec![
+        let mut exchanges: Vec<String> = [
             self.delayed_exchange(),
             self.work_exchange(),
             self.retry_exchange(),
             self.dead_exchange(),
-        ];
+        ]
+        .map(str::to_owned)
+        .into();
         if let DelayLayout::Ladder(ladder) = self.delay {
             exchanges.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
         }
         exchanges
-    }
-
-    /// Declares everything; safe to run any number of times, from any instance.
-    pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
-        self.declare_delayed_exchange(channel).await?;
-        for (name, kind) in [
-            (self.work_exchange(), ExchangeKind::Direct),
-            (self.retry_exchange(), ExchangeKind::Direct),
-            (self.dead_exchange(), ExchangeKind::Fanout),
-        ] {
-            self.declare_exchange(channel, &name, kind, FieldTable::default())
-                .await?;
-        }
-
-        let mut send_args = self.quorum_args();
-        dead_letter_to(&mut send_args, &self.dead_exchange());
-        insert(
-            &mut send_args,
-            "x-delivery-limit",
-            AMQPValue::LongInt(self.delivery_limit as i32),
-        );
-        self.declare_queue(channel, &self.send_queue(), send_args)
-            .await?;
-        self.bind(
-            channel,
-            &self.send_queue(),
-            &self.work_exchange(),
-            ROUTING_KEY,
-        )
-        .await?;
-
-        for (n, step) in self.retry_steps.iter().enumerate() {
-            let mut args = self.quorum_args();
-            dead_letter_to(&mut args, &self.work_exchange());
-            insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
-            insert(
-                &mut args,
-                "x-message-ttl",
-                AMQPValue::LongLongInt(step.as_millis() as i64),
-            );
-            let queue = self.retry_queue(n);
-            self.declare_queue(channel, &queue, args).await?;
-            self.bind(channel, &queue, &self.retry_exchange(), &queue)
-                .await?;
-        }
-
-        self.declare_queue(channel, &self.dead_queue(), self.quorum_args())
-            .await?;
-        self.bind(
-            channel,
-            &self.dead_queue(),
-            &self.dead_exchange(),
-            ROUTING_KEY,
-        )
-        .await?;
-
-        match self.delay {
-            DelayLayout::Plugin => {
-                self.bind(
-                    channel,
-                    &self.send_queue(),
-                    &self.delayed_exchange(),
-                    ROUTING_KEY,
-                )
-                .await
-            }
-            DelayLayout::Ladder(ladder) => self.declare_ladder(channel, ladder).await,
-        }
     }
 
     /// The entry exchange's type and arguments in the resolved mode.
@@ -297,134 +230,6 @@ impl Topology {
             }
             DelayLayout::Ladder(_) => (ExchangeKind::Direct, FieldTable::default()),
         }
-    }
-
-    async fn declare_delayed_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
-        let name = self.delayed_exchange();
-        let (kind, args) = self.delayed_exchange_spec();
-        match self.declare_exchange(channel, &name, kind, args).await {
-            Err(TopologyError::Mismatch { detail, .. }) => Err(TopologyError::ModeMismatch {
-                exchange: name,
-                detail,
-            }),
-            other => other,
-        }
-    }
-
-    /// The intake queue and the cascade: see the `delay` module for the shape.
-    async fn declare_ladder(&self, channel: &Channel, ladder: Ladder) -> Result<(), TopologyError> {
-        let mut intake_args = self.quorum_args();
-        dead_letter_to(&mut intake_args, &self.dead_exchange());
-        insert(
-            &mut intake_args,
-            "x-delivery-limit",
-            AMQPValue::LongInt(self.delivery_limit as i32),
-        );
-        self.declare_queue(channel, &self.intake_queue(), intake_args)
-            .await?;
-        self.bind(
-            channel,
-            &self.intake_queue(),
-            &self.delayed_exchange(),
-            ROUTING_KEY,
-        )
-        .await?;
-
-        for k in 0..ladder.levels() {
-            let name = self.delay_level(k);
-            self.declare_exchange(channel, &name, ExchangeKind::Topic, FieldTable::default())
-                .await?;
-            let mut args = self.quorum_args();
-            insert(
-                &mut args,
-                "x-message-ttl",
-                AMQPValue::LongLongInt(ladder.ttl(k).as_millis() as i64),
-            );
-            if k == 0 {
-                dead_letter_to(&mut args, &self.work_exchange());
-                insert(&mut args, "x-dead-letter-routing-key", string(ROUTING_KEY));
-            } else {
-                // Keep the binary routing key: the next level reads its own bit.
-                dead_letter_to(&mut args, &self.delay_level(k - 1));
-            }
-            self.declare_queue(channel, &name, args).await?;
-            self.bind(channel, &name, &name, &ladder.pattern(k, true))
-                .await?;
-        }
-        // Zero bits skip a level without waiting; below level 0 is the send queue.
-        for k in 0..ladder.levels() {
-            let zero = ladder.pattern(k, false);
-            if k == 0 {
-                self.bind(channel, &self.send_queue(), &self.delay_level(0), &zero)
-                    .await?;
-            } else {
-                let (source, destination) = (self.delay_level(k), self.delay_level(k - 1));
-                channel
-                    .exchange_bind(
-                        destination.as_str().into(),
-                        source.as_str().into(),
-                        zero.as_str().into(),
-                        ExchangeBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(|e| classify(format!("binding {source} → {destination}"), e))?;
-            }
-        }
-        Ok(())
-    }
-
-    async fn declare_exchange(
-        &self,
-        channel: &Channel,
-        name: &str,
-        kind: ExchangeKind,
-        args: FieldTable,
-    ) -> Result<(), TopologyError> {
-        let options = ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        channel
-            .exchange_declare(name.into(), kind, options, args)
-            .await
-            .map_err(|e| classify(format!("exchange {name}"), e))
-    }
-
-    async fn declare_queue(
-        &self,
-        channel: &Channel,
-        name: &str,
-        args: FieldTable,
-    ) -> Result<(), TopologyError> {
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        channel
-            .queue_declare(name.into(), options, args)
-            .await
-            .map(|_| ())
-            .map_err(|e| classify(format!("queue {name}"), e))
-    }
-
-    async fn bind(
-        &self,
-        channel: &Channel,
-        queue: &str,
-        exchange: &str,
-        routing_key: &str,
-    ) -> Result<(), TopologyError> {
-        channel
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                routing_key.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| classify(format!("binding {exchange} → {queue}"), e))
     }
 
     /// Arguments shared by every queue that carries jobs: replicated quorum queues
@@ -443,60 +248,6 @@ impl Topology {
         }
         args
     }
-
-    /// Deletes every queue and exchange (tests and `postie topology --delete`).
-    pub async fn delete(&self, channel: &Channel) -> Result<(), lapin::Error> {
-        for queue in self.queues() {
-            channel
-                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                .await?;
-        }
-        for exchange in self.exchanges() {
-            channel
-                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-                .await?;
-        }
-        Ok(())
-    }
-}
-
-fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
-    insert(args, "x-dead-letter-exchange", string(exchange));
-    insert(args, "x-dead-letter-strategy", string("at-least-once"));
-    insert(args, "x-overflow", string("reject-publish"));
-}
-
-pub(super) fn insert(args: &mut FieldTable, key: &str, value: AMQPValue) {
-    args.insert(ShortString::from(key), value);
-}
-
-pub(super) fn string(value: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(value))
-}
-
-pub(super) fn classify(what: String, source: lapin::Error) -> TopologyError {
-    if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
-        let detail = amqp.get_message().to_string();
-        // RabbitMQ 3.x refuses an unknown exchange type with 503 COMMAND_INVALID (and
-        // closes the connection), 4.3 with 406 PRECONDITION_FAILED, the code a
-        // conflicting redeclaration also gets: only the text tells them apart.
-        if unknown_exchange_type(&detail) {
-            return TopologyError::PluginMissing { detail };
-        }
-        if amqp.get_id() == 406 {
-            return TopologyError::Mismatch { what, detail };
-        }
-    }
-    TopologyError::Broker { what, source }
-}
-
-/// Whether a broker's refusal says it does not know the `x-delayed-message` exchange
-/// type, however it words it (`unknown exchange type 'x-delayed-message'` on 3.10
-/// and 4.3).
-pub(super) fn unknown_exchange_type(detail: &str) -> bool {
-    let detail = detail.to_ascii_lowercase();
-    detail.contains("x-delayed-message")
-        && (detail.contains("unknown exchange type") || detail.contains("invalid exchange type"))
 }
 
 #[cfg(test)]

@@ -46,7 +46,7 @@ pub(super) async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Res
 /// `postie dlq list`: prints a table of up to `limit` dead letters.
 async fn print_list(settings: &Settings, limit: usize) -> anyhow::Result<()> {
     let (depth, letters) = peek(settings, limit).await?;
-    let queue = names(settings).dead_queue();
+    let queue = names(settings).dead_queue().to_owned();
     match depth {
         0 => out!("{queue} is empty"),
         n if (n as usize) > letters.len() => {

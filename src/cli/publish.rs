@@ -120,7 +120,7 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
     }
     broker::publish_confirmed(
         &channel,
-        &topology.delayed_exchange(),
+        topology.delayed_exchange(),
         ROUTING_KEY,
         false,
         &body,

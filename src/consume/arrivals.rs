@@ -69,10 +69,11 @@ impl Arrivals {
 
     /// Runs `work` on the delivery of the job `key`; if it is still running at
     /// `mark_at`, marks the job as arrived (`None`: already marked, or marks are off).
+    /// The key is read only then: a job claimed at once has its body read once.
     pub(super) async fn watch<F: Future>(
         &self,
         mark_at: Option<Instant>,
-        key: Option<&IdempotencyKey>,
+        key: impl FnOnce() -> Option<IdempotencyKey>,
         work: F,
     ) -> F::Output {
         let Some(at) = mark_at.filter(|_| self.enabled()) else {
@@ -81,7 +82,7 @@ impl Arrivals {
         tokio::pin!(work);
         tokio::select! {
             output = &mut work => return output,
-            _ = tokio::time::sleep_until(at) => self.note(key),
+            _ = tokio::time::sleep_until(at) => self.note(key().as_ref()),
         }
         work.await
     }

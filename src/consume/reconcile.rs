@@ -84,7 +84,7 @@ impl Service {
         };
         let queue = self.topology.send_queue();
         let declared = channel
-            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .queue_declare(queue.into(), passive, FieldTable::default())
             .await?;
         Ok(declared.message_count())
     }
@@ -174,7 +174,7 @@ impl Service {
                     properties = properties.with_user_id(owner.as_str().into());
                 }
             }
-            broker::publish_confirmed(channel, &exchange, ROUTING_KEY, true, &job.body, properties)
+            broker::publish_confirmed(channel, exchange, ROUTING_KEY, true, &job.body, properties)
                 .await
                 .map_err(|error| Partial { published, error })?;
         }
@@ -188,7 +188,7 @@ impl Service {
     pub(super) async fn finish_unclaimed(
         &self,
         outcome: &Outcome,
-        scheduled: Option<(IdempotencyKey, i32)>,
+        scheduled: impl FnOnce() -> Option<(IdempotencyKey, i32)>,
     ) {
         let status = match outcome {
             Outcome::DeadLetter {
@@ -201,7 +201,7 @@ impl Service {
         if !self.reconciling() {
             return;
         }
-        let Some((key, revision)) = scheduled else {
+        let Some((key, revision)) = scheduled() else {
             return;
         };
         let inbox = self.worker.inbox();

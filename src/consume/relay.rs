@@ -59,8 +59,8 @@ fn route(topology: &Topology, due_ms: i64, now_ms: i64) -> (String, String) {
         DelayLayout::Plugin => Route::Now,
     };
     match (route, topology.ladder_entry()) {
-        (Route::Ladder { routing_key, .. }, Some(entry)) => (entry, routing_key),
-        _ => (topology.work_exchange(), ROUTING_KEY.to_string()),
+        (Route::Ladder { routing_key, .. }, Some(entry)) => (entry.to_owned(), routing_key),
+        _ => (topology.work_exchange().to_owned(), ROUTING_KEY.to_owned()),
     }
 }
 

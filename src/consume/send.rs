@@ -44,8 +44,10 @@ impl Service {
         async {
             let timestamp = *delivery.properties.timestamp();
             let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-            let scheduled = self.scheduled_key(&delivery);
-            let key = scheduled.as_ref().map(|(key, _)| key);
+            // The scheduled key is read from the body only if it is needed: the
+            // worker's parse is the delivery's one parse otherwise.
+            let scheduled = || self.scheduled_key(&delivery);
+            let key = || scheduled().map(|(key, _)| key);
             let work = self
                 .worker
                 .process(&delivery.data, headers, timestamp, user_id);
@@ -107,12 +109,12 @@ impl Service {
             routing_key,
             headers,
         } = target;
-        let headers = headers::without(Some(&headers), headers::BROKER_DEATH_HEADERS);
-        let properties = match self.settings.worker.key_namespace {
-            KeyNamespace::UserId => delivery.properties.clone(),
-            KeyNamespace::Off => broker::without_user_id(&delivery.properties),
-        };
-        let properties: BasicProperties = properties.with_delivery_mode(2).with_headers(headers);
+        let headers = headers::without_broker_death(headers);
+        let keep_user_id = self.settings.worker.key_namespace == KeyNamespace::UserId;
+        let properties: BasicProperties =
+            broker::copy_properties(&delivery.properties, keep_user_id)
+                .with_delivery_mode(2)
+                .with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
         let mandatory = !(exchange == self.topology.delayed_exchange()
             && self.topology.delay() == DelayLayout::Plugin);

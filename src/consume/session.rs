@@ -112,14 +112,14 @@ impl Service {
         self.worker.health().set_broker_up(true);
         let mut lanes = vec![Lane {
             role: Role::Send,
-            queue: self.topology.send_queue(),
+            queue: self.topology.send_queue().to_owned(),
             prefetch: self.prefetch().send,
             concurrency: self.settings.worker.concurrency,
         }];
         if let DelayLayout::Ladder(_) = self.topology.delay() {
             lanes.push(Lane {
                 role: Role::Relay,
-                queue: self.topology.intake_queue(),
+                queue: self.topology.intake_queue().to_owned(),
                 prefetch: self.prefetch().relay,
                 concurrency: self.settings.delay.relay_concurrency as usize,
             });

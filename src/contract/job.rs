@@ -3,12 +3,16 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Deserializer};
 
+use super::key::key_text;
+use super::rules::ParseRules;
 use super::{
     check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
 };
-use crate::config::{KeyNamespace, Settings};
+#[cfg(test)]
+use super::{peek_key, peek_key_text};
 
 /// Most recipients (to + cc + bcc) on one job.
 const MAX_RECIPIENTS: usize = 100;
@@ -16,7 +20,7 @@ const MAX_RECIPIENTS: usize = 100;
 /// A validated email job.
 #[derive(Debug, Clone)]
 pub struct EmailJob {
-    /// The idempotency key (`key`, else `order_id:type`).
+    /// The idempotency key (`key`, else `order_id:type`: [`key_text`]).
     pub key: IdempotencyKey,
     /// Notification type, if given.
     pub kind: Option<String>,
@@ -88,56 +92,26 @@ pub enum Request {
     },
 }
 
-/// The fields [`peek_key`] reads, borrowed from the body where they hold no escapes;
-/// every other field is skipped without being built.
-#[derive(Deserialize)]
-struct Peek<'a> {
-    #[serde(default, borrow)]
-    key: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    order_id: Option<Cow<'a, str>>,
-    #[serde(default, borrow, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    /// Any JSON value; only an integer counts (small, and the body's size is
-    /// checked before any parse).
-    #[serde(default)]
-    revision: Option<serde_json::Value>,
-    #[serde(default)]
-    cancel: Option<serde::de::IgnoredAny>,
-}
-
-/// The key and revision of a job body, without validating the rest (the relay
-/// records scheduled jobs; the worker validates). `None` for cancels and bodies
-/// with no usable key. No tree of the body is built: the key fields are borrowed
-/// and the others skipped.
-pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
-    // serde reads a struct from an array too, by position: only an object is a job.
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return None;
-    }
-    let peek: Peek<'_> = serde_json::from_slice(body).ok()?;
-    if peek.cancel.is_some() {
-        return None;
-    }
-    let key = match (peek.key, peek.order_id, peek.kind) {
-        (Some(key), _, _) => key,
-        (None, Some(order_id), Some(kind)) => Cow::Owned(format!("{order_id}:{kind}")),
-        _ => return None,
-    };
-    let revision = peek
-        .revision
-        .and_then(|r| r.as_i64())
-        .unwrap_or(0)
-        .clamp(0, i32::MAX as i64) as i32;
-    Some((IdempotencyKey::parse(&key).ok()?, revision))
-}
-
 /// Whether a body is a JSON object with a `cancel` member (even `null`), read without
 /// building the values: only the member names are kept. An array is no object, even
-/// though serde would read a struct from one.
+/// though serde would read a struct from one. Asked only of a body that failed to read
+/// as a job, to tell which reasons it gets.
 fn asks_cancel(body: &[u8]) -> bool {
-    serde_json::from_slice::<std::collections::HashMap<String, serde::de::IgnoredAny>>(body)
+    serde_json::from_slice::<std::collections::HashMap<String, IgnoredAny>>(body)
         .is_ok_and(|members| members.contains_key("cancel"))
+}
+
+/// A member that is there, whatever its value (even `null`).
+pub(super) fn present<'de, D: Deserializer<'de>>(
+    member: D,
+) -> Result<Option<IgnoredAny>, D::Error> {
+    IgnoredAny::deserialize(member).map(Some)
+}
+
+/// A member that may be absent but, when there, must be a string (`null` refused, as
+/// for a required field).
+fn text_if_present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<String>, D::Error> {
+    String::deserialize(member).map(Some)
 }
 
 impl Request {
@@ -155,51 +129,66 @@ impl Request {
         }
     }
 
-    /// [`Request::parse`] with the key as published.
+    /// [`Request::parse`] with the key as published. A job is read in one pass
+    /// ([`RawJob::read`]). A body with a `cancel` member is read again as a
+    /// [`CancelRequest`], and so is a body that failed as a job and has one, so that
+    /// a cancel request's reasons are its own: only cancels and refused bodies are
+    /// read twice.
     fn parse_as_published(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         rules.check_size(body)?;
-        // Whether it asks to cancel, read without building the body.
-        if asks_cancel(body) {
-            let cancel: CancelRequest = serde_json::from_slice(body)
-                .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
-            if cancel.revision.is_some_and(|r| r < 0) {
-                return invalid("cancel revision must not be negative");
+        match RawJob::read(body, rules) {
+            Ok(raw) if raw.cancel.is_none() => {
+                EmailJob::from_raw(raw, rules).map(|job| Self::Job(Box::new(job)))
             }
-            return Ok(Self::Cancel {
-                key: IdempotencyKey::parse(&cancel.cancel)?,
-                revision: cancel.revision,
-            });
+            Ok(_) => Self::parse_cancel(body),
+            Err(_) if asks_cancel(body) => Self::parse_cancel(body),
+            Err(not_a_job) => Err(not_a_job),
         }
-        EmailJob::parse(body, rules).map(|job| Self::Job(Box::new(job)))
+    }
+
+    fn parse_cancel(body: &[u8]) -> Result<Self, InvalidJob> {
+        let cancel: CancelRequest = serde_json::from_slice(body)
+            .map_err(|e| InvalidJob(format!("not a valid cancel request: {e}")))?;
+        if cancel.revision.is_some_and(|r| r < 0) {
+            return invalid("cancel revision must not be negative");
+        }
+        Ok(Self::Cancel {
+            key: IdempotencyKey::parse(&cancel.cancel)?,
+            revision: cancel.revision,
+        })
     }
 }
 
-/// The JSON body as producers send it (version 1). Unknown fields are rejected so
-/// that a typo (`"htm"`) cannot silently drop part of an email.
+/// The JSON body as producers send it (version 1), read in one pass: a job's members,
+/// and whether a `cancel` member is there. Unknown fields are rejected so that a typo
+/// (`"htm"`) cannot silently drop part of an email. The key and address members are
+/// borrowed from the body where they hold no escapes.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawJob {
+struct RawJob<'a> {
     #[serde(default)]
     version: Option<u32>,
-    #[serde(default)]
-    key: Option<String>,
-    #[serde(default)]
-    order_id: Option<String>,
+    #[serde(default, borrow)]
+    key: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    order_id: Option<Cow<'a, str>>,
     #[serde(default, rename = "type")]
     kind: Option<String>,
     #[serde(default)]
     user_id: Option<String>,
-    #[serde(default)]
-    from: Option<String>,
+    #[serde(default, borrow)]
+    from: Option<Cow<'a, str>>,
     #[serde(default)]
     to: Vec<String>,
     #[serde(default)]
     cc: Vec<String>,
     #[serde(default)]
     bcc: Vec<String>,
-    #[serde(default)]
-    reply_to: Option<String>,
-    subject: String,
+    #[serde(default, borrow)]
+    reply_to: Option<Cow<'a, str>>,
+    /// Required of a job; optional here only because a cancel request has none.
+    #[serde(default, deserialize_with = "text_if_present")]
+    subject: Option<String>,
     #[serde(default)]
     text: Option<String>,
     #[serde(default)]
@@ -208,63 +197,70 @@ struct RawJob {
     headers: BTreeMap<String, String>,
     #[serde(default)]
     revision: Option<i32>,
+    #[serde(default, deserialize_with = "present")]
+    cancel: Option<IgnoredAny>,
 }
 
-/// What the contract allows around the body.
-#[derive(Debug, Clone, Copy)]
-pub struct ParseRules<'a> {
-    /// Largest body in bytes.
-    pub max_body_bytes: usize,
-    /// Sender for jobs without `from`.
-    pub default_from: Option<&'a str>,
-    /// Whose key space keys live in (`worker.key_namespace`).
-    pub key_namespace: KeyNamespace,
-    /// The message's AMQP `user_id` property, checked by the broker.
-    pub user_id: Option<&'a str>,
+impl<'a> RawJob<'a> {
+    /// Reads a body in one pass, after the checks that need no parse: empty, size,
+    /// UTF-8, an object. The error is the reason a job is refused for.
+    fn read(body: &'a [u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        if body.is_empty() {
+            return invalid("empty body");
+        }
+        rules.check_size(body)?;
+        let text = std::str::from_utf8(body).map_err(|e| {
+            InvalidJob(format!(
+                "body is not UTF-8 (invalid byte at {})",
+                e.valid_up_to()
+            ))
+        })?;
+        // serde would also read a struct from a JSON array in field order: refuse it.
+        if !text.trim_start().starts_with('{') {
+            return invalid("body is not a JSON object");
+        }
+        serde_json::from_str(text).map_err(|e| not_a_job(&e))
+    }
 }
 
-impl<'a> ParseRules<'a> {
-    /// The rules `settings` set: `worker.max_body_bytes` and `smtp.default_from`.
-    pub fn from_settings(settings: &'a Settings) -> Self {
-        Self {
-            max_body_bytes: settings.worker.max_body_bytes,
-            default_from: settings.smtp.default_from.as_deref(),
-            key_namespace: settings.worker.key_namespace,
-            user_id: None,
+impl RawJob<'_> {
+    /// The version, the identity members (in the order their reasons have always
+    /// come) and the key by the contract's rule ([`key_text`]).
+    fn key_and_revision(&self) -> Result<(IdempotencyKey, i32), InvalidJob> {
+        if let Some(v) = self.version {
+            if v != 1 {
+                return invalid(format!("unsupported version {v} (this postie reads 1)"));
+            }
+        }
+        if let Some(order_id) = &self.order_id {
+            check_token("order_id", order_id)?;
+        }
+        let revision = self.revision.unwrap_or(0);
+        if revision < 0 {
+            return invalid("\"revision\" must not be negative");
+        }
+        if let Some(kind) = &self.kind {
+            check_token("type", kind)?;
+        }
+        if let Some(user_id) = &self.user_id {
+            check_token("user_id", user_id)?;
+        }
+        let key = self.key.as_deref().map(Cow::Borrowed);
+        match key_text(key, self.order_id.as_deref(), self.kind.as_deref()) {
+            Some(key) => Ok((IdempotencyKey::parse(&key)?, revision)),
+            None => invalid("no idempotency key: give \"key\", or both \"order_id\" and \"type\""),
         }
     }
+}
 
-    /// The same rules for a message published with AMQP `user_id` `user_id`.
-    pub fn for_user(self, user_id: Option<&'a str>) -> Self {
-        Self { user_id, ..self }
-    }
-
-    /// `key` in the key space these rules name: as published, or (`worker.key_namespace
-    /// = "user_id"`) in the namespace of the message's `user_id`, refused without one.
-    pub fn namespaced(&self, key: &IdempotencyKey) -> Result<IdempotencyKey, InvalidJob> {
-        match (self.key_namespace, self.user_id) {
-            (KeyNamespace::Off, _) => Ok(key.clone()),
-            (KeyNamespace::UserId, Some(user)) if !user.is_empty() => Ok(key.in_namespace(user)),
-            (KeyNamespace::UserId, _) => invalid(
-                "no AMQP user_id property: with worker.key_namespace = \"user_id\" every job \
-                 and cancel request must be published with user_id set to the publishing \
-                 RabbitMQ user",
-            ),
-        }
-    }
-
-    /// Refuses a body over `max_body_bytes`, by its length alone: checked before any
-    /// parse, so an oversized body never costs more memory than itself.
-    pub fn check_size(&self, body: &[u8]) -> Result<(), InvalidJob> {
-        if body.len() > self.max_body_bytes {
-            return invalid(format!(
-                "body is {} bytes, over the limit of {}",
-                body.len(),
-                self.max_body_bytes
-            ));
-        }
-        Ok(())
-    }
+/// The reason for a body serde cannot read as a job. serde_json's message can quote
+/// the producer's field names and values: kept short and free of line breaks, since
+/// it ends up in a header.
+fn not_a_job(error: &impl std::fmt::Display) -> InvalidJob {
+    InvalidJob(format!(
+        "body is not a valid job: {}",
+        readable(&error.to_string(), 300)
+    ))
 }
 
 /// Headers a producer may not set: postie owns them, or they would change who
@@ -299,63 +295,22 @@ const RESERVED_HEADERS: &[&str] = &[
 ];
 
 impl EmailJob {
-    /// Parses and validates one job body.
+    /// Parses and validates one job body; a cancel request is no job.
     pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
-        if body.is_empty() {
-            return invalid("empty body");
+        let raw = RawJob::read(body, rules)?;
+        if raw.cancel.is_some() {
+            return Err(not_a_job(
+                &"unknown field `cancel` (a cancel request is no job)",
+            ));
         }
-        rules.check_size(body)?;
-        let text = std::str::from_utf8(body).map_err(|e| {
-            InvalidJob(format!(
-                "body is not UTF-8 (invalid byte at {})",
-                e.valid_up_to()
-            ))
-        })?;
-        // serde would also read a struct from a JSON array in field order: refuse it.
-        if !text.trim_start().starts_with('{') {
-            return invalid("body is not a JSON object");
-        }
-        let raw: RawJob = serde_json::from_str(text).map_err(|e| {
-            // serde_json's message can quote the producer's field names and values:
-            // keep it short and free of line breaks, since it ends up in a header.
-            InvalidJob(format!(
-                "body is not a valid job: {}",
-                readable(&e.to_string(), 300)
-            ))
-        })?;
         Self::from_raw(raw, rules)
     }
 
-    fn from_raw(raw: RawJob, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
-        if let Some(v) = raw.version {
-            if v != 1 {
-                return invalid(format!("unsupported version {v} (this postie reads 1)"));
-            }
-        }
-        if let Some(order_id) = &raw.order_id {
-            check_token("order_id", order_id)?;
-        }
-        let revision = raw.revision.unwrap_or(0);
-        if revision < 0 {
-            return invalid("\"revision\" must not be negative");
-        }
-        if let Some(kind) = &raw.kind {
-            check_token("type", kind)?;
-        }
-        if let Some(user_id) = &raw.user_id {
-            check_token("user_id", user_id)?;
-        }
-        let key = match (&raw.key, &raw.order_id, &raw.kind) {
-            (Some(key), _, _) => IdempotencyKey::parse(key)?,
-            (None, Some(order_id), Some(kind)) => {
-                IdempotencyKey::parse(&format!("{order_id}:{kind}"))?
-            }
-            _ => {
-                return invalid(
-                    "no idempotency key: give \"key\", or both \"order_id\" and \"type\"",
-                )
-            }
+    fn from_raw(mut raw: RawJob<'_>, rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+        let Some(subject) = raw.subject.take() else {
+            return Err(not_a_job(&"missing field `subject`"));
         };
+        let (key, revision) = raw.key_and_revision()?;
 
         let from = match raw.from.as_deref().or(rules.default_from) {
             Some(from) => Address::parse("from", from)?,
@@ -379,7 +334,7 @@ impl EmailJob {
             .map(|r| Address::parse("reply_to", r))
             .transpose()?;
 
-        check_header_value("subject", &raw.subject)?;
+        check_header_value("subject", &subject)?;
         if raw.text.is_none() && raw.html.is_none() {
             return invalid("neither \"text\" nor \"html\" given");
         }
@@ -405,7 +360,7 @@ impl EmailJob {
             cc,
             bcc,
             reply_to,
-            subject: raw.subject,
+            subject,
             text: raw.text,
             html: raw.html,
             headers,

@@ -1,25 +1,59 @@
 //! The idempotency key: the business key that makes two publishes of one event collide.
 
+use std::borrow::Cow;
+use std::cmp::Ordering;
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
 
 use super::{check_token, InvalidJob};
 
+/// The key rule of the contract (DESIGN.md §1), the one place it is written: a body's
+/// `key` when it has one, else `"{order_id}:{type}"` when it has both, else none.
+/// Absent means absent or `null` (the schema's rule for every field); a member that is
+/// there is never passed over for the next, so a blank `key` is the body's key (which
+/// [`IdempotencyKey::parse`] then refuses as empty), not a reason to fall back to
+/// `order_id:type`. The text is as published: validating it is the caller's step.
+pub(crate) fn key_text<'a>(
+    key: Option<Cow<'a, str>>,
+    order_id: Option<&str>,
+    kind: Option<&str>,
+) -> Option<Cow<'a, str>> {
+    match (key, order_id, kind) {
+        (Some(key), _, _) => Some(key),
+        (None, Some(order_id), Some(kind)) => Some(Cow::Owned(format!("{order_id}:{kind}"))),
+        _ => None,
+    }
+}
+
 /// The business key that makes two publishes of one event collide.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(String);
+#[derive(Clone)]
+pub struct IdempotencyKey {
+    text: String,
+    /// The SHA-256 of the key behind its Message-ID, computed once, when first asked
+    /// for: the message and its `sent` record carry the same id.
+    digest: OnceLock<String>,
+}
 
 impl IdempotencyKey {
     /// Checks length and characters.
     pub fn parse(raw: &str) -> Result<Self, InvalidJob> {
         check_token("key", raw)?;
-        Ok(Self(raw.to_owned()))
+        Ok(Self::from_text(raw.to_owned()))
+    }
+
+    fn from_text(text: String) -> Self {
+        Self {
+            text,
+            digest: OnceLock::new(),
+        }
     }
 
     /// The key as text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.text
     }
 
     /// This key in the key space of the RabbitMQ user `user` (`worker.key_namespace =
@@ -27,14 +61,46 @@ impl IdempotencyKey {
     /// two (user, key) pairs give the same text.
     pub fn in_namespace(&self, user: &str) -> Self {
         let user = user.replace('%', "%25").replace(':', "%3A");
-        Self(format!("{user}:{}", self.0))
+        Self::from_text(format!("{user}:{}", self.text))
     }
 
     /// The Message-ID every attempt of this key carries: the same key always gives
-    /// the same id, so even a duplicate that slips through can be recognised.
+    /// the same id, so even a duplicate that slips through can be recognised. The
+    /// digest is computed once per key (the email and its `sent` record both ask).
     pub fn message_id(&self, domain: &str) -> String {
-        let digest = Sha256::digest(self.0.as_bytes());
-        format!("<{}@{domain}>", hex::encode(&digest[..16]))
+        let digest = self.digest.get_or_init(|| {
+            let digest = Sha256::digest(self.text.as_bytes());
+            hex::encode(&digest[..16])
+        });
+        format!("<{digest}@{domain}>")
+    }
+}
+
+// Equality, order and hash are the key text's: the cached digest follows from it.
+impl PartialEq for IdempotencyKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+impl Eq for IdempotencyKey {}
+impl PartialOrd for IdempotencyKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for IdempotencyKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.text.cmp(&other.text)
+    }
+}
+impl Hash for IdempotencyKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.text.hash(state);
+    }
+}
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyKey").field(&self.text).finish()
     }
 }
 
@@ -48,6 +114,6 @@ pub fn key_owner(stored_key: &str) -> Option<String> {
 
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.text)
     }
 }

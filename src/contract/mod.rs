@@ -10,11 +10,15 @@ mod address;
 mod delay;
 mod job;
 mod key;
+mod peek;
+mod rules;
 
 pub use address::Address;
 pub use delay::{due_at, published_at, x_delay, PLUGIN_MAX_DELAY};
-pub use job::{peek_key, CancelRequest, EmailJob, ParseRules, Request};
+pub use job::{CancelRequest, EmailJob, Request};
 pub use key::{key_owner, IdempotencyKey};
+pub use peek::{peek_key, peek_key_text};
+pub use rules::ParseRules;
 
 /// Longest accepted key, order id or type.
 const MAX_KEY_LEN: usize = 200;

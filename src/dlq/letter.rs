@@ -6,14 +6,14 @@ use std::fmt::Write as _;
 
 use lapin::types::{AMQPValue, FieldTable};
 
-use crate::contract::{EmailJob, ParseRules};
+use crate::contract::{self, IdempotencyKey, ParseRules};
 use crate::headers::{self, header_int, header_text};
 
 /// One dead letter as an operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterSummary {
-    /// The job's idempotency key: from a valid body, else the body's raw `key` (or
-    /// `order_id:type`) field, else `-`.
+    /// The job's idempotency key by the contract's rule (`key`, else `order_id:type`),
+    /// else `-`.
     pub key: String,
     /// `postie-dead-kind` (`invalid`, `permanent`, `retries_exhausted`), or `broker`
     /// for a message the broker dead-lettered by itself (delivery limit), or `-`.
@@ -82,7 +82,10 @@ pub fn summarize(
     headers: Option<&FieldTable>,
     rules: &ParseRules<'_>,
 ) -> DeadLetterSummary {
-    let key = key_of(body, rules).unwrap_or_else(|| "-".into());
+    // A blank key names nothing an operator could look for.
+    let key = key_of(body, rules)
+        .filter(|key| !key.trim().is_empty())
+        .unwrap_or_else(|| "-".into());
     let postie_reason = header_text(headers, headers::HEADER_DEAD_REASON);
     let postie_at = header_text(headers, headers::HEADER_DEAD_AT);
     let broker = last_death(headers);
@@ -129,19 +132,15 @@ pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
     headers::without(original, REPLAY_DROPPED_HEADERS)
 }
 
-/// The idempotency key of a body: parsed as a job if it is one, else read from its
-/// raw JSON, so that invalid jobs can still be told apart.
+/// The idempotency key of a body by the contract's one key rule
+/// ([`contract::peek_key_text`]), read in one pass without validating the job, so that
+/// invalid jobs can still be told apart: a valid key in the key space the inbox knows
+/// it by (its producer's, when keys have one), any other as published.
 fn key_of(body: &[u8], rules: &ParseRules<'_>) -> Option<String> {
-    if let Ok(job) = EmailJob::parse(body, rules) {
-        // The key the inbox knows: in its producer's namespace, when keys have one.
-        return Some(rules.namespaced(&job.key).unwrap_or(job.key).to_string());
-    }
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let text = |name: &str| value.get(name)?.as_str().filter(|s| !s.trim().is_empty());
-    match (text("key"), text("order_id"), text("type")) {
-        (Some(key), _, _) => Some(key.to_owned()),
-        (None, Some(order), Some(kind)) => Some(format!("{order}:{kind}")),
-        _ => None,
+    let text = contract::peek_key_text(body)?;
+    match IdempotencyKey::parse(&text) {
+        Ok(key) => Some(rules.namespaced(&key).unwrap_or(key).to_string()),
+        Err(_) => Some(text),
     }
 }
 
@@ -282,6 +281,20 @@ mod tests {
         assert_eq!(key_of(derived, &RULES).as_deref(), Some("42:shipped"));
         assert_eq!(key_of(b"{\"key\": \"k-3\", ", &RULES), None);
         assert_eq!(key_of(br#"{"key": 7}"#, &RULES), None);
+    }
+
+    #[test]
+    fn pc_the_letter_shows_the_key_by_the_contracts_one_rule() {
+        // A blank key is the job's key (refused as empty), not a reason to show
+        // order_id:type; the table shows it as `-`.
+        let blank = br#"{"key": " ", "order_id": "42", "type": "shipped"}"#;
+        assert_eq!(key_of(blank, &RULES).as_deref(), Some(" "));
+        assert_eq!(summarize(blank, None, &RULES).key, "-");
+        // `null` is absent.
+        let null = br#"{"key": null, "order_id": "42", "type": "shipped"}"#;
+        assert_eq!(key_of(null, &RULES).as_deref(), Some("42:shipped"));
+        // A cancel request names no job.
+        assert_eq!(key_of(br#"{"cancel": "k"}"#, &RULES), None);
     }
 
     #[test]

@@ -80,12 +80,12 @@ pub async fn peek(
     let result = async {
         // A channel of its own: closing it is what hands the messages back.
         let channel = conn.create_channel().await?;
-        let depth = depth(&channel, &queue).await?;
+        let depth = depth(&channel, queue).await?;
         let mut letters = Vec::new();
         // Never more than the snapshot: messages held unacked are not handed out
         // again, but one dead-lettered meanwhile would be.
         while letters.len() < limit.min(depth as usize) {
-            let Some(delivery) = get(&channel, &queue).await? else {
+            let Some(delivery) = get(&channel, queue).await? else {
                 break;
             };
             letters.push(summarize(
@@ -121,15 +121,15 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
         let consume = conn.create_channel().await?;
         let publish = broker::confirm_channel(&conn).await?;
         // Fails early, with a clear message, if the work queue is missing.
-        depth(&publish, &send).await?;
-        let snapshot = depth(&consume, &dead).await?;
+        depth(&publish, send).await?;
+        let snapshot = depth(&consume, dead).await?;
         let limit = filter.limit.unwrap_or(usize::MAX);
         // Non-matching deliveries stay unacked on `consume` until it is closed; they
         // are not nacked with requeue one by one, since basic.get would hand the same
         // ones out again and again.
         let mut examined = 0;
         while report.moved < limit && examined < snapshot {
-            let Some(delivery) = get(&consume, &dead).await? else {
+            let Some(delivery) = get(&consume, dead).await? else {
                 break;
             };
             examined += 1;
@@ -150,7 +150,7 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
             // missing binding is an error, not a silent drop.
             broker::publish_confirmed(
                 &publish,
-                &work,
+                work,
                 ROUTING_KEY,
                 true,
                 &delivery.data,

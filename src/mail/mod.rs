@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use lettre::address::Envelope;
 use lettre::Message;
 use secrecy::ExposeSecret;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -85,6 +86,35 @@ impl Clearance {
     }
 }
 
+/// An email ready to be handed over: its envelope and its RFC 5322 text, formatted
+/// once when it is built. Transports borrow it: nothing of the message is copied on
+/// the way to the relay or the file.
+#[derive(Debug, Clone)]
+pub struct Email {
+    envelope: Envelope,
+    formatted: Vec<u8>,
+}
+
+impl Email {
+    /// `message`, formatted.
+    pub fn new(message: &Message) -> Self {
+        Self {
+            envelope: message.envelope().clone(),
+            formatted: message.formatted(),
+        }
+    }
+
+    /// MAIL FROM and RCPT TO.
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
+    }
+
+    /// The message as sent after `DATA`.
+    pub fn formatted(&self) -> &[u8] {
+        &self.formatted
+    }
+}
+
 /// Somewhere an email can be handed to: an SMTP relay, a directory of `.eml` files.
 pub trait Transport: Send + Sync {
     /// Hands one email over; every failure classed as a [`SendError`]. A transport
@@ -94,7 +124,7 @@ pub trait Transport: Send + Sync {
     /// starts handing the body over.
     fn send<'a>(
         &'a self,
-        email: &'a Message,
+        email: &'a Email,
         clearance: &'a Clearance,
     ) -> BoxFuture<'a, Result<(), SendError>>;
     /// Whether the far end answers now (the circuit breaker's prober asks this),
@@ -157,9 +187,10 @@ impl Mailer {
         job.key.message_id(&self.message_id_domain)
     }
 
-    /// Builds the email; an error here is permanent (the job can never be sent).
-    pub fn build(&self, job: &EmailJob) -> Result<Message, SendError> {
-        message::build(job, self.message_id(job))
+    /// Builds and formats the email; an error here is permanent (the job can never
+    /// be sent).
+    pub fn build(&self, job: &EmailJob) -> Result<Email, SendError> {
+        message::build(job, self.message_id(job)).map(|message| Email::new(&message))
     }
 
     /// The most one send may take: [`SmtpSettings::send_deadline`]. A claim must have
@@ -178,10 +209,10 @@ impl Mailer {
     pub async fn send(
         &self,
         _slot: &Slot,
-        message: &Message,
+        email: &Email,
         clearance: &Clearance,
     ) -> Result<(), SendError> {
-        let send = self.transport.send(message, clearance);
+        let send = self.transport.send(email, clearance);
         tokio::time::timeout(self.deadline, send)
             .await
             .unwrap_or_else(|_| {

@@ -35,10 +35,9 @@ use lettre::transport::smtp::commands::{Data, Mail, Rcpt};
 use lettre::transport::smtp::extension::{
     ClientId, Extension, MailBodyParameter, MailParameter, ServerInfo,
 };
-use lettre::Message;
 use secrecy::ExposeSecret;
 
-use super::{Clearance, SendError, Transport};
+use super::{Clearance, Email, SendError, Transport};
 use crate::config::{SmtpEndpoint, SmtpSecurity, SmtpSettings};
 use crate::endpoint::is_loopback_host;
 
@@ -240,12 +239,11 @@ impl SmtpRelay {
     async fn transaction(
         &self,
         connection: &mut AsyncSmtpConnection,
-        email: &Message,
+        email: &Email,
         clearance: &Clearance,
     ) -> Result<(), SendError> {
-        let envelope = email.envelope();
-        let body = email.formatted();
-        let options = mail_options(connection.server_info(), envelope, &body)?;
+        let (envelope, body) = (email.envelope(), email.formatted());
+        let options = mail_options(connection.server_info(), envelope, body)?;
         clearance.check()?;
         let mail = connection.command(Mail::new(envelope.from().cloned(), options));
         self.bounded("MAIL FROM", self.step, mail).await?;
@@ -256,7 +254,7 @@ impl SmtpRelay {
         clearance.check()?;
         self.bounded("DATA", self.step, connection.command(Data))
             .await?;
-        self.bounded("the end of data", self.step, connection.message(&body))
+        self.bounded("the end of data", self.step, connection.message(body))
             .await?;
         Ok(())
     }
@@ -299,7 +297,7 @@ fn mail_options(
 impl Transport for SmtpRelay {
     fn send<'a>(
         &'a self,
-        email: &'a Message,
+        email: &'a Email,
         clearance: &'a Clearance,
     ) -> BoxFuture<'a, Result<(), SendError>> {
         async move {

@@ -331,7 +331,7 @@ fn wait_until(
     headers::set_int(&mut headers, HEADER_DUE_AT, due_ms);
     headers::set_int(&mut headers, HEADER_X_DELAY, left_ms);
     Target {
-        exchange: topology.delayed_exchange(),
+        exchange: topology.delayed_exchange().to_owned(),
         routing_key: ROUTING_KEY.to_string(),
         headers,
     }
@@ -340,8 +340,8 @@ fn wait_until(
 /// To retry queue `step`.
 fn retry(topology: &Topology, step: usize, headers: FieldTable) -> Target {
     Target {
-        exchange: topology.retry_exchange(),
-        routing_key: topology.retry_queue(step),
+        exchange: topology.retry_exchange().to_owned(),
+        routing_key: topology.retry_queue(step).to_owned(),
         headers,
     }
 }
@@ -381,7 +381,7 @@ pub fn dead_letter(
         i64::from(attempts),
     );
     Target {
-        exchange: topology.dead_exchange(),
+        exchange: topology.dead_exchange().to_owned(),
         routing_key: ROUTING_KEY.to_string(),
         headers,
     }

@@ -208,7 +208,7 @@ impl TestEnv {
         let amqp = self.amqp().await;
         broker::publish_confirmed(
             &amqp.1,
-            &self.topology.delayed_exchange(),
+            self.topology.delayed_exchange(),
             ROUTING_KEY,
             true,
             body,
@@ -235,7 +235,7 @@ impl TestEnv {
             let confirm = amqp
                 .1
                 .basic_publish(
-                    self.topology.delayed_exchange().as_str().into(),
+                    self.topology.delayed_exchange().into(),
                     ROUTING_KEY.into(),
                     lapin::options::BasicPublishOptions {
                         mandatory: true,
@@ -354,7 +354,7 @@ impl TestEnv {
         let mut out = Vec::new();
         while let Some(msg) = channel
             .basic_get(
-                self.topology.dead_queue().as_str().into(),
+                self.topology.dead_queue().into(),
                 BasicGetOptions::default(),
             )
             .await

@@ -98,7 +98,7 @@ fn ladder_mode_adds_the_intake_and_one_level_per_bit() {
     assert!(t.queues().contains(&"p.intake".to_string()));
     assert!(t.queues().contains(&"p.delay.2".to_string()));
     assert!(!t.queues().contains(&"p.delay.3".to_string()));
-    assert_eq!(t.ladder_entry().as_deref(), Some("p.delay.2"));
+    assert_eq!(t.ladder_entry(), Some("p.delay.2"));
     assert_eq!(t.mode_name(), "ladder");
 }
 
@@ -109,4 +109,29 @@ fn names_follow_the_prefix() {
     assert_eq!(t.retry_queue(1), "p.retry.1");
     assert_eq!(t.queues(), ["p.send", "p.dead", "p.retry.0", "p.retry.1"]);
     assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.retry", "p.dlx"]);
+}
+
+#[test]
+fn pc_the_routing_names_are_spelled_once_and_lent() {
+    let t = topology(&[5, 30]);
+    // The same text every time: no name is formatted per call.
+    for name in [
+        Topology::work_exchange,
+        Topology::send_queue,
+        Topology::delayed_exchange,
+        Topology::retry_exchange,
+        Topology::dead_exchange,
+        Topology::dead_queue,
+        Topology::intake_queue,
+    ] {
+        assert!(std::ptr::eq(name(&t), name(&t)));
+    }
+    assert!(std::ptr::eq(t.retry_queue(0), t.retry_queue(0)));
+    assert_eq!(
+        [t.intake_queue(), t.dead_exchange(), t.retry_exchange()],
+        ["p.intake", "p.dlx", "p.retry"]
+    );
+    assert_eq!(t.ladder_entry(), None);
+    // delay_level is still spelled for any level (declarations and tests ask).
+    assert_eq!(t.delay_level(9), "p.delay.9");
 }

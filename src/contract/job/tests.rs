@@ -324,3 +324,103 @@ proptest! {
         let _ = EmailJob::parse(&body, &RULES);
     }
 }
+
+#[test]
+fn pc_one_key_rule_for_the_job_the_peek_and_the_dead_letter() {
+    use crate::contract::key::key_text;
+    // `key` wins; else `order_id:type`; else none.
+    assert_eq!(
+        key_text(Some("k".into()), Some("o"), Some("t")).as_deref(),
+        Some("k")
+    );
+    assert_eq!(key_text(None, Some("o"), Some("t")).as_deref(), Some("o:t"));
+    assert_eq!(key_text(None, Some("o"), None), None);
+    // A blank key is there: it is the key (and refused), never passed over.
+    assert_eq!(
+        key_text(Some(" ".into()), Some("o"), Some("t")).as_deref(),
+        Some(" ")
+    );
+    let mut blank = base();
+    blank["key"] = " ".into();
+    let reason = parse(blank.clone()).unwrap_err().0;
+    assert!(reason.contains("\"key\" is empty"), "{reason}");
+    assert_eq!(peek_key(blank.to_string().as_bytes()), None);
+    assert_eq!(
+        peek_key_text(blank.to_string().as_bytes()).as_deref(),
+        Some(" ")
+    );
+    // `null` is absent, as the schema says: order_id:type then.
+    let mut null = base();
+    null["key"] = serde_json::Value::Null;
+    assert_eq!(
+        parse(null.clone()).unwrap().key.as_str(),
+        "42:order_confirmation"
+    );
+    let (key, _) = peek_key(null.to_string().as_bytes()).unwrap();
+    assert_eq!(key.as_str(), "42:order_confirmation");
+    // A key that is no string is there too: no fallback to order_id:type.
+    let mut number = base();
+    number["key"] = 7.into();
+    assert!(parse(number.clone()).is_err());
+    assert_eq!(peek_key_text(number.to_string().as_bytes()), None);
+    // The peek reads only the key members: a bad other member does not hide the key.
+    let odd = br#"{"key": "k", "order_id": 5, "to": {}}"#;
+    assert_eq!(peek_key_text(odd).as_deref(), Some("k"));
+}
+
+#[test]
+fn pc_a_body_read_in_one_pass_keeps_its_reasons() {
+    let reason = |body: &str| Request::parse(body.as_bytes(), &RULES).unwrap_err().0;
+    // A cancel request's reasons are a cancel request's, whatever member comes first.
+    for body in [
+        r#"{"cancel": "k", "to": []}"#,
+        r#"{"subject": 5, "cancel": "k"}"#,
+        r#"{"cancel": "k", "subject": "s", "to": ["a@b.example"], "text": "t"}"#,
+    ] {
+        assert!(
+            reason(body).starts_with("not a valid cancel request: "),
+            "{body}"
+        );
+    }
+    assert!(reason(r#"{"cancel": null}"#).contains("invalid type: null"));
+    // A job's: a null subject is a wrong type, a missing one a missing field.
+    let mut null_subject = base();
+    null_subject["subject"] = serde_json::Value::Null;
+    let null_subject = parse(null_subject).unwrap_err().0;
+    assert!(
+        null_subject.contains("invalid type: null, expected a string"),
+        "{null_subject}"
+    );
+    let mut no_subject = base();
+    no_subject.as_object_mut().unwrap().remove("subject");
+    let no_subject = parse(no_subject).unwrap_err().0;
+    assert_eq!(
+        no_subject,
+        "body is not a valid job: missing field `subject`"
+    );
+    // A duplicate member is refused, as before.
+    let twice = br#"{"key": "k", "key": "k", "to": ["a@b.example"], "subject": "s", "text": "t"}"#;
+    assert!(reason(std::str::from_utf8(twice).unwrap()).contains("duplicate field `key`"));
+    // A cancel request is no job for EmailJob::parse.
+    let as_job = EmailJob::parse(br#"{"cancel": "k"}"#, &RULES)
+        .unwrap_err()
+        .0;
+    assert!(
+        as_job.starts_with("body is not a valid job: unknown field `cancel`"),
+        "{as_job}"
+    );
+    // And a cancel member, even null, keeps a body from the relay's peek.
+    assert_eq!(peek_key(br#"{"cancel": null, "key": "k"}"#), None);
+}
+
+#[test]
+fn pc_the_message_id_digest_is_computed_once_and_cloned_with_the_key() {
+    let key = IdempotencyKey::parse("order-1:x").unwrap();
+    let first = key.message_id("d.example");
+    let clone = key.clone();
+    assert_eq!(clone.message_id("d.example"), first);
+    assert_eq!(key.message_id("d.example"), first);
+    // Equality and hashing are the text's, not the cache's.
+    assert_eq!(IdempotencyKey::parse("order-1:x").unwrap(), key);
+    assert_eq!(format!("{key:?}"), "IdempotencyKey(\"order-1:x\")");
+}

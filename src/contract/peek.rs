@@ -1,0 +1,93 @@
+//! Reading a body's key without validating it: the relay's scheduled record, the send
+//! path's arrival marks, the DLQ's table.
+
+use std::borrow::Cow;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+
+use super::job::present;
+use super::key::key_text;
+use super::IdempotencyKey;
+
+/// The members [`peek_key`] reads, the key fields borrowed from the body where they
+/// hold no escapes; every other member is skipped without being built.
+#[derive(Deserialize)]
+struct Peek<'a> {
+    #[serde(default, borrow)]
+    key: Option<KeyMember<'a>>,
+    #[serde(default, borrow)]
+    order_id: Option<KeyMember<'a>>,
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<KeyMember<'a>>,
+    /// Any JSON value; only an integer counts (small, and the body's size is
+    /// checked before any parse).
+    #[serde(default)]
+    revision: Option<serde_json::Value>,
+    #[serde(default, deserialize_with = "present")]
+    cancel: Option<IgnoredAny>,
+}
+
+/// A key member as the peek reads it: text, or any other value, which is there (so
+/// the key rule does not pass it over) but names no key.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum KeyMember<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Other(IgnoredAny),
+}
+
+impl<'a> KeyMember<'a> {
+    fn text(member: Option<&Self>) -> Option<&str> {
+        match member? {
+            Self::Text(text) => Some(text),
+            Self::Other(_) => None,
+        }
+    }
+}
+
+impl<'a> Peek<'a> {
+    /// Reads a body's key members, or `None` for a cancel request or a body that is
+    /// no JSON object.
+    fn read(body: &'a [u8]) -> Option<Self> {
+        // serde reads a struct from an array too, by position: only an object is a job.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return None;
+        }
+        let peek: Self = serde_json::from_slice(body).ok()?;
+        peek.cancel.is_none().then_some(peek)
+    }
+
+    /// The key text by [`key_text`]; `None` when the member it picks is no string.
+    fn key(&self) -> Option<Cow<'_, str>> {
+        let key = match &self.key {
+            Some(KeyMember::Text(key)) => Some(Cow::Borrowed(&**key)),
+            Some(KeyMember::Other(_)) => return None,
+            None => None,
+        };
+        let (order_id, kind) = (self.order_id.as_ref(), self.kind.as_ref());
+        key_text(key, KeyMember::text(order_id), KeyMember::text(kind))
+    }
+}
+
+/// The key and revision of a job body, without validating the rest (the relay
+/// records scheduled jobs; the worker validates). `None` for cancels and bodies
+/// with no usable key. No tree of the body is built: the key fields are borrowed
+/// and the others skipped.
+pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
+    let peek = Peek::read(body)?;
+    let key = IdempotencyKey::parse(&peek.key()?).ok()?;
+    let revision = peek
+        .revision
+        .and_then(|r| r.as_i64())
+        .unwrap_or(0)
+        .clamp(0, i32::MAX as i64) as i32;
+    Some((key, revision))
+}
+
+/// The key a body names by the contract's rule, as published and unvalidated (so that
+/// an operator can tell invalid jobs apart): `None` for cancels, bodies that are no
+/// JSON object, and bodies whose key members name none.
+pub fn peek_key_text(body: &[u8]) -> Option<String> {
+    Some(Peek::read(body)?.key()?.into_owned())
+}
