@@ -389,7 +389,7 @@ async fn mx_an_early_arrival_counts_as_early_not_deferred() {
     );
     let body = job("mx-early", "x@example.com").to_string();
     env.publish_to_queue(
-        &env.topology.send_queue(),
+        env.topology.send_queue(),
         body.as_bytes(),
         broker::job_properties().with_headers(headers),
     )
