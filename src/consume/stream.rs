@@ -67,8 +67,8 @@ pub(super) struct Lane {
 impl Service {
     /// Each lane's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
     pub(super) fn prefetch(&self) -> Prefetch {
-        let ladder = matches!(self.topology.delay(), DelayLayout::Ladder(_));
-        self.settings.prefetch(ladder)
+        let ladder = matches!(self.cx.topology.delay(), DelayLayout::Ladder(_));
+        self.cx.settings.prefetch(ladder)
     }
 
     /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
@@ -87,7 +87,7 @@ impl Service {
             concurrency,
         } = lane;
         let (channel, mut deliveries) = within(
-            self.settings.amqp.connect_timeout,
+            self.cx.settings.amqp.connect_timeout,
             "starting a consumer",
             async {
                 let channel = conn.create_channel().await?;
@@ -97,7 +97,7 @@ impl Service {
                 let deliveries = channel
                     .basic_consume(
                         queue.as_str().into(),
-                        format!("postie-{}-{role:?}", self.owner).into(),
+                        format!("postie-{}-{role:?}", self.cx.owner).into(),
                         BasicConsumeOptions::default(),
                         FieldTable::default(),
                     )
@@ -106,12 +106,12 @@ impl Service {
             },
         )
         .await?;
-        let health = self.worker.health().clone();
+        let health = self.cx.health.clone();
         let (acks, ack_task) = Acks::start(channel.clone());
         let slots = Arc::new(Semaphore::new(concurrency));
         let tracker = TaskTracker::new();
 
-        let rules = ParseRules::from_settings(&self.settings);
+        let rules = ParseRules::from_settings(&self.cx.settings);
         // The relay's prefetched deliveries wait here, taken earliest due first.
         let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
         // The send role's, in delivery order; the first `marked` are marked as arrived.
@@ -132,7 +132,7 @@ impl Service {
                     next = deliveries.next() => match next {
                         None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
                         Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                        Some(Ok(delivery)) => waiting.arrive(&self.topology, &rules, delivery, now_ms()),
+                        Some(Ok(delivery)) => waiting.arrive(&self.cx.topology, &rules, delivery, now_ms()),
                     },
                 }
                 continue;
@@ -186,10 +186,10 @@ impl Service {
             // ones too) go back on close.
             bounded(channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default())).await;
             tracker.close();
-            let drain = self.settings.worker.drain_timeout;
+            let drain = self.cx.settings.worker.drain_timeout;
             if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
                 tracing::warn!("drain timeout: abandoning in-flight deliveries to redelivery");
-                self.hard_stop.cancel();
+                self.cx.hard_stop.cancel();
                 tracker.wait().await;
             }
         } else {
@@ -198,7 +198,7 @@ impl Service {
             // suppressed. Give them a moment to finish, but never let one that hangs
             // on the dead connection hold up the next session.
             tracker.close();
-            let drain = self.settings.worker.drain_timeout;
+            let drain = self.cx.settings.worker.drain_timeout;
             if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
                 tracing::warn!(
                     "in-flight deliveries still running after the broker session ended; \

@@ -18,7 +18,7 @@ impl Worker {
         let Some(rule) = job
             .kind
             .as_ref()
-            .and_then(|kind| self.settings.throttle.get(kind))
+            .and_then(|kind| self.cx.settings.throttle.get(kind))
         else {
             return Ok(None);
         };
@@ -26,7 +26,8 @@ impl Worker {
         let recipient = job.throttle_recipient();
         let verdict = self
             .db("throttle", || {
-                self.inbox
+                self.cx
+                    .inbox
                     .throttle(kind, &recipient, rule.limit, rule.window)
             })
             .await?;
@@ -37,7 +38,7 @@ impl Worker {
         Ok(Some(match rule.policy {
             ThrottlePolicy::Drop => {
                 self.db("record throttled", || {
-                    self.inbox.mark_throttled(key.as_str(), fence)
+                    self.cx.inbox.mark_throttled(key.as_str(), fence)
                 })
                 .await?;
                 Outcome::Throttled {
@@ -47,7 +48,8 @@ impl Worker {
             }
             ThrottlePolicy::Defer => {
                 self.db("defer", || {
-                    self.inbox
+                    self.cx
+                        .inbox
                         .unclaim(key.as_str(), fence, "throttled (defer policy)")
                 })
                 .await?;
