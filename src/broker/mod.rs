@@ -11,8 +11,8 @@ pub mod topology;
 
 pub use acks::Acks;
 pub use amqp::{
-    confirm_channel, connect, connect_to, job_properties, may_impersonate, open, publish_confirmed,
-    queue_exists, queue_state, without_user_id, Connected, PublishError, QueueState,
+    confirm_channel, connect, job_properties, may_impersonate, publish_confirmed, queue_exists,
+    queue_state, without_user_id, Connected, PublishError, QueueState,
 };
 pub use ladder::Ladder;
 pub use probe::{

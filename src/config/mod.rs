@@ -15,19 +15,21 @@ use secrecy::ExposeSecret;
 use secrecy::SecretString;
 use serde::Deserialize;
 
+mod amqp;
 mod database;
 mod memory;
 mod rate;
 mod sections;
 mod smtp;
 
+pub use amqp::{AmqpAddress, AmqpAddresses};
 pub use database::{database_plan, DbPlan, DbTls};
 pub use memory::Prefetch;
 pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 
-use crate::endpoint::{passwords, redact_url, split_urls};
+use crate::endpoint::{passwords, redact_url};
 
 /// Everything postie can be told.
 #[derive(Debug, Default, Deserialize)]
@@ -179,20 +181,7 @@ impl Settings {
             ));
         }
         // amqp.url: one address or a comma-separated list, each a URL of its own.
-        let amqp = split_urls(self.amqp.url.expose_secret());
-        if amqp.is_empty() {
-            return fail(
-                "amqp.url is empty: give one or more amqp:// or amqps:// addresses".into(),
-            );
-        }
-        for address in amqp {
-            if let Err(e) = url::Url::parse(address) {
-                return fail(format!(
-                    "amqp.url {} is not a URL: {e}",
-                    redact_url(address)
-                ));
-            }
-        }
+        AmqpAddresses::parse(&self.amqp.url)?;
         if let Err(e) = url::Url::parse(self.smtp.url.expose_secret()) {
             return fail(format!(
                 "smtp.url {} is not a URL: {e}",

@@ -146,8 +146,9 @@ impl Service {
             return Some(conn);
         }
         let name = format!("{}-maintenance", self.cx.owner);
-        match broker::open(&self.cx.settings.amqp, &name).await {
-            Ok(conn) => Some(conn),
+        let timeout = self.cx.settings.amqp.connect_timeout;
+        match broker::connect(&self.cx.amqp, &name, timeout).await {
+            Ok(connected) => Some(connected.connection),
             Err(error) => {
                 tracing::debug!(%error, "{what}");
                 None

@@ -77,14 +77,15 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     let mailer = Mailer::new(&settings.smtp)?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
-    let connection =
-        broker::connect_to(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
+    let amqp = settings.amqp.addresses()?;
+    let connection = broker::connect(&amqp, &owner, settings.amqp.connect_timeout).await?;
     session::declare(&topology, &connection.connection).await?;
 
     let cx = Arc::new(Context {
         settings,
         topology,
         owner,
+        amqp,
         inbox,
         mailer,
         health,

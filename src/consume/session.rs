@@ -38,8 +38,8 @@ impl Service {
                 address,
             } = match connection.take() {
                 Some(first) => first,
-                None => match broker::connect_to(
-                    &self.cx.settings.amqp.url,
+                None => match broker::connect(
+                    &self.cx.amqp,
                     &self.cx.owner,
                     self.cx.settings.amqp.connect_timeout,
                 )

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::Topology;
-use crate::config::Settings;
+use crate::config::{AmqpAddresses, Settings};
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
@@ -28,6 +28,8 @@ pub struct Context {
     pub topology: Topology,
     /// This instance's name (connection names, the inbox `owner` column).
     pub owner: String,
+    /// The broker's addresses (`amqp.url`), parsed at start-up.
+    pub amqp: AmqpAddresses,
     /// The inbox database.
     pub inbox: Inbox,
     /// The mail transport and its connection slots.
