@@ -58,7 +58,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     if let Some(addr) = settings.http.listen {
         crate::ops::http::start(addr, health.clone(), http_stop.clone()).await?;
     }
-    let inbox = Inbox::new(&settings.database)?;
+    let parsed = settings.validate()?;
+    let inbox = Inbox::new(&parsed.database, &settings.database)?;
     inbox.check(&settings.database.url).await?;
     if settings.database.migrate_on_start {
         for applied in inbox.migrate().await? {
@@ -74,10 +75,10 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         let (inbox, stop) = (inbox.clone(), stop.child_token());
         async move { inbox.discipline_clock(clock_warned, stop).await }
     });
-    let mailer = Mailer::new(&settings.smtp)?;
+    let mailer = Mailer::new(&parsed.smtp, &settings.smtp)?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
-    let amqp = settings.amqp.addresses()?;
+    let amqp = parsed.amqp;
     let connection = broker::connect(&amqp, &owner, settings.amqp.connect_timeout).await?;
     session::declare(&topology, &connection.connection).await?;
 
