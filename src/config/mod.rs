@@ -17,7 +17,9 @@ use serde::Deserialize;
 
 mod amqp;
 mod database;
+mod de;
 mod memory;
+mod observe;
 mod rate;
 mod sections;
 mod smtp;
@@ -26,6 +28,7 @@ mod validate;
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub use database::{database_plan, DbPlan, DbTls};
 pub use memory::Prefetch;
+pub use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};

@@ -45,31 +45,7 @@ impl Worker {
                     _ = self.cx.health.wait_dependencies_up() => Followed::TryAgain,
                 }
             }
-            Next::Pause { tried } => {
-                // Throttled, or the relay hung or unreachable before the breaker
-                // opened: give the claim back without charging the job (the inbox
-                // records an SMTP attempt that may have reached the relay), wait a
-                // jittered moment (the limiter has cut the rate; the breaker may open
-                // meanwhile), and take a turn again once the transport is up.
-                match fence {
-                    Some(_) if tried => self.give_back("release", key, fence, error).await?,
-                    Some(fence) => {
-                        self.db("release", || {
-                            self.cx.inbox.unclaim(key.as_str(), fence, error)
-                        })
-                        .await?;
-                    }
-                    None => {}
-                }
-                let jitter = uuid::Uuid::new_v4().as_u128() % 750;
-                tokio::select! {
-                    _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                    _ = async {
-                        tokio::time::sleep(Duration::from_millis(250 + jitter as u64)).await;
-                        self.cx.health.wait_dependencies_up().await;
-                    } => Followed::TryAgain,
-                }
-            }
+            Next::Pause { tried } => self.pause(key, fence, tried, error).await?,
             Next::Dead { kind, attempts } => {
                 if let Some(fence) = fence {
                     self.db("record dead", || {
@@ -92,6 +68,38 @@ impl Worker {
                 })
             }
         })
+    }
+
+    /// Throttled, or the relay hung or unreachable before the breaker opened: gives
+    /// the claim back without charging the job (the inbox records an SMTP attempt that
+    /// may have reached the relay, `tried`), waits a jittered moment (the limiter has
+    /// cut the rate; the breaker may open meanwhile), and asks for another turn once
+    /// the transport is up.
+    async fn pause(
+        &self,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        tried: bool,
+        error: &str,
+    ) -> Result<Followed, Stop> {
+        match fence {
+            Some(_) if tried => self.give_back("release", key, fence, error).await?,
+            Some(fence) => {
+                self.db("release", || {
+                    self.cx.inbox.unclaim(key.as_str(), fence, error)
+                })
+                .await?;
+            }
+            None => {}
+        }
+        let jitter = uuid::Uuid::new_v4().as_u128() % 750;
+        tokio::select! {
+            _ = self.cx.hard_stop.cancelled() => Err(Stop::Interrupted),
+            _ = async {
+                tokio::time::sleep(Duration::from_millis(250 + jitter as u64)).await;
+                self.cx.health.wait_dependencies_up().await;
+            } => Ok(Followed::TryAgain),
+        }
     }
 
     /// Gives the claim `fence` (if this instance holds one) back, recording the
