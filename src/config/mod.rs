@@ -2,7 +2,7 @@
 //! (`--config` / `POSTIE_CONFIG`), then `POSTIE__SECTION__KEY` environment variables.
 //!
 //! Connection URLs may carry passwords, so they are kept as [`SecretString`] and only
-//! ever shown through [`redact_url`].
+//! ever shown through [`redact_url`](crate::endpoint::redact_url).
 
 use std::path::Path;
 #[cfg(test)]

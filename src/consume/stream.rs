@@ -133,10 +133,15 @@ impl Service {
             Role::Send => self.send_loop(&mut consumer).await,
         };
         self.drain(&end, &channel, &consumer).await;
-        // The acks of everything finished go before the channel closes.
-        drop(consumer);
+        // The acks of everything finished go before the channel closes; the consumer
+        // itself is dropped last, as before the split.
+        let Consumer {
+            deliveries, acks, ..
+        } = consumer;
+        drop(acks);
         ack_task.finish(GOODBYE_TIMEOUT).await;
         bounded(channel.close(200, "done".into())).await;
+        drop(deliveries);
         Ok(end)
     }
 
