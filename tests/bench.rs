@@ -404,7 +404,7 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
     let env = TestEnv::new("benchdb").await;
     let mut settings = env.settings();
     settings.database.pool_size = DATABASE_LEG_CONNECTIONS;
-    let inbox = Inbox::new(&settings.database).unwrap();
+    let inbox = Inbox::new(&settings.database.plan().unwrap(), &settings.database).unwrap();
     inbox.migrate().await.unwrap();
     let lease = settings.worker.lease;
     let before = CpuSnapshot::take();
@@ -439,7 +439,7 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
 async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
     let env = TestEnv::new("benchsmtp").await;
     let settings = Arc::new(env.settings());
-    let mailer = Mailer::new(&settings.smtp).unwrap();
+    let mailer = Mailer::new(&settings.smtp.transport().unwrap(), &settings.smtp).unwrap();
     let before = CpuSnapshot::take();
     run_concurrently(n, concurrency, move |i| {
         let (mailer, settings) = (mailer.clone(), settings.clone());
@@ -486,7 +486,7 @@ async fn expect_reply(reader: &mut BufReader<OwnedReadHalf>, code: &str) {
 async fn sink_leg(n: usize, concurrency: usize) -> Measured {
     let env = TestEnv::new("benchsink").await;
     let settings = env.settings();
-    let mailer = Mailer::new(&settings.smtp).unwrap();
+    let mailer = Mailer::new(&settings.smtp.transport().unwrap(), &settings.smtp).unwrap();
     let body = job("sink-0", "bench@example.com").to_string();
     let email = mailer
         .build(&parse_job(body.as_bytes(), &settings))

@@ -267,7 +267,8 @@ async fn reschedule_earlier_and_later_by_revision() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_lists_what_it_counts_while_jobs_are_recorded() {
     let env = TestEnv::new("pendingsnap").await;
-    let inbox = postie::inbox::Inbox::new(&env.settings().database).unwrap();
+    let database = env.settings().database;
+    let inbox = postie::inbox::Inbox::new(&database.plan().unwrap(), &database).unwrap();
     inbox.migrate().await.unwrap();
     let writer = inbox.clone();
     let recording = tokio::spawn(async move {

@@ -150,8 +150,13 @@ async fn publish_all(
         {
             channel = None;
             for _ in 0..40 {
-                if let Ok(conn) =
-                    broker::connect(&url, "chaos-publisher", Duration::from_secs(5)).await
+                if let Ok(conn) = broker::connect(
+                    &postie::config::AmqpAddresses::parse(&url).unwrap(),
+                    "chaos-publisher",
+                    Duration::from_secs(5),
+                )
+                .await
+                .map(|c| c.connection)
                 {
                     if let Ok(ch) = broker::confirm_channel(&conn).await {
                         channel = Some((conn, ch));
@@ -221,11 +226,12 @@ fn sink_rules(fault: Option<serde_json::Value>) -> serde_json::Value {
 /// Ready messages across every queue of the topology, on a fresh connection.
 async fn total_depth(env: &TestEnv) -> Option<u64> {
     let conn = broker::connect(
-        &SecretString::from(amqp_url()),
+        &postie::config::AmqpAddresses::parse(&SecretString::from(amqp_url())).unwrap(),
         "chaos-depth",
         Duration::from_secs(5),
     )
     .await
+    .map(|c| c.connection)
     .ok()?;
     let mut total = 0u64;
     for queue in env.topology.queues() {

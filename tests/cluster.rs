@@ -591,11 +591,13 @@ async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
     // topology.quorum_initial_group_size: set on new queues; an existing queue
     // declared without it refuses the change (406), named by postie.
     let conn = broker::connect(
-        &secrecy::SecretString::from(cluster.url(0)),
+        &postie::config::AmqpAddresses::parse(&secrecy::SecretString::from(cluster.url(0)))
+            .unwrap(),
         "t",
         Duration::from_secs(10),
     )
     .await
+    .map(|c| c.connection)
     .unwrap();
     let mut settings = env.settings();
     settings.topology.quorum_initial_group_size = Some(1);
@@ -715,9 +717,14 @@ async fn broker_sizing_figures() {
             &settings.delay,
             postie::config::DelayMode::Ladder,
         );
-        let conn = broker::connect(&settings.amqp.url, "sizing", Duration::from_secs(10))
-            .await
-            .unwrap();
+        let conn = broker::connect(
+            &postie::config::AmqpAddresses::parse(&settings.amqp.url).unwrap(),
+            "sizing",
+            Duration::from_secs(10),
+        )
+        .await
+        .map(|c| c.connection)
+        .unwrap();
         topology
             .declare(&conn.create_channel().await.unwrap())
             .await

@@ -284,11 +284,12 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
     let prefix = format!("{}.mm", env.prefix);
     // Someone declared the entry exchange with another type (as plugin mode would).
     let conn = broker::connect(
-        &SecretString::from(amqp_url()),
+        &postie::config::AmqpAddresses::parse(&SecretString::from(amqp_url())).unwrap(),
         "test",
         Duration::from_secs(10),
     )
     .await
+    .map(|c| c.connection)
     .unwrap();
     let channel = conn.create_channel().await.unwrap();
     let durable = lapin::options::ExchangeDeclareOptions {

@@ -134,11 +134,13 @@ async fn gd_a_read_only_database_holds_jobs_and_dead_letters_none() {
 /// A channel of the test's own on the test's broker.
 async fn test_channel(env: &TestEnv) -> (lapin::Connection, lapin::Channel) {
     let conn = postie::broker::connect(
-        &secrecy::SecretString::from(env.amqp_url.clone()),
+        &postie::config::AmqpAddresses::parse(&secrecy::SecretString::from(env.amqp_url.clone()))
+            .unwrap(),
         "postie-test-gd",
         Duration::from_secs(10),
     )
     .await
+    .map(|c| c.connection)
     .unwrap();
     let channel = conn.create_channel().await.unwrap();
     (conn, channel)

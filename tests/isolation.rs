@@ -96,11 +96,12 @@ struct Producer {
 impl Producer {
     async fn connect(user: &ManagedUser, mailbox: &str) -> Self {
         let connection = broker::connect(
-            &SecretString::from(user.url()),
+            &postie::config::AmqpAddresses::parse(&SecretString::from(user.url())).unwrap(),
             "postie-test-producer",
             Duration::from_secs(10),
         )
         .await
+        .map(|c| c.connection)
         .expect("producer connects");
         let channel = broker::confirm_channel(&connection).await.unwrap();
         Self {

@@ -221,7 +221,8 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
     use postie::inbox::{Claim, Completion, Inbox, Scheduled};
 
     let env = TestEnv::new("claimstates").await;
-    let inbox = Inbox::new(&env.settings().database).unwrap();
+    let database = env.settings().database;
+    let inbox = Inbox::new(&database.plan().unwrap(), &database).unwrap();
     inbox.migrate().await.unwrap();
     let lease = Duration::from_secs(60);
     let scheduled = |key: &str, revision: i32| Scheduled {

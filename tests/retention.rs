@@ -371,7 +371,7 @@ async fn database_leg_with_a_prefilled_inbox() {
         .collect();
     let env = TestEnv::new("prefill").await;
     let settings = env.settings();
-    let inbox = Inbox::new(&settings.database).unwrap();
+    let inbox = Inbox::new(&settings.database.plan().unwrap(), &settings.database).unwrap();
     inbox.migrate().await.unwrap();
     let lease = settings.worker.lease;
     let mut filled = 0i64;

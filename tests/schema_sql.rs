@@ -73,7 +73,8 @@ impl Drop for ScratchDb {
 }
 
 async fn migrated(env: &TestEnv) -> Inbox {
-    let inbox = Inbox::new(&env.settings().database).unwrap();
+    let database = env.settings().database;
+    let inbox = Inbox::new(&database.plan().unwrap(), &database).unwrap();
     inbox.migrate().await.unwrap();
     inbox
 }

@@ -136,7 +136,11 @@ async fn connect_inbox(url: &str, ca_file: Option<&Path>) -> Result<Inbox, Strin
         pool_size: 2,
         ..Default::default()
     };
-    let inbox = Inbox::new(&settings).map_err(|e| postie::describe_error(&e))?;
+    let inbox = settings
+        .plan()
+        .map_err(anyhow::Error::from)
+        .and_then(|plan| Inbox::new(&plan, &settings))
+        .map_err(|e| postie::describe_error(&e))?;
     inbox
         .check(&settings.url)
         .await
@@ -254,12 +258,16 @@ fn message(to: &str) -> lettre::Message {
 
 /// Sends one email to `to` through a mailer built for `url`.
 async fn send_to(url: &str, to: &str) -> Result<(), SendError> {
-    let mailer = Mailer::new(&SmtpSettings {
+    let settings = SmtpSettings {
         url: SecretString::from(url.to_string()),
         timeout: Duration::from_secs(5),
         ..Default::default()
-    })
-    .unwrap_or_else(|e| panic!("{url}: {e}"));
+    };
+    let mailer = settings
+        .transport()
+        .map_err(anyhow::Error::from)
+        .and_then(|transport| Mailer::new(&transport, &settings))
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
     let slot = mailer.slot().await;
     mailer
         .send(&slot, &Email::new(&message(to)), &Clearance::new())

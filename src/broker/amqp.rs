@@ -1,17 +1,15 @@
 //! RabbitMQ connections and confirmed publishes (a returned or nacked publish is a
 //! failure, never a silent drop).
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use secrecy::{ExposeSecret, SecretString};
 
-use crate::config::AmqpSettings;
-use crate::endpoint::{is_loopback_host, passwords, redact_url, scrub, split_urls};
+use crate::config::{AmqpAddress, AmqpAddresses};
+use crate::endpoint::scrub;
 
 /// A publish that did not reach a queue durably.
 #[derive(Debug, thiserror::Error)]
@@ -26,9 +24,6 @@ pub enum PublishError {
     #[error("publish to {0} was returned unroutable")]
     Unroutable(String),
 }
-
-/// Heartbeat interval asked of the broker when `amqp.url` does not set `heartbeat`.
-const HEARTBEAT_SECS: u16 = 10;
 
 /// A connection and the (redacted) address of the node it reached.
 pub struct Connected {
@@ -59,33 +54,31 @@ pub fn rotation(start: usize, count: usize) -> impl Iterator<Item = usize> {
     (0..count).map(move |i| (start.wrapping_add(i)) % count.max(1))
 }
 
-/// Connects to the first address of `urls` (a comma-separated list, see
-/// [`split_urls`]) that answers, trying them in turn from where the last connection
-/// of this process left off; each attempt has `timeout`. The errors name the
-/// redacted addresses, never a password.
+/// The one way postie connects to RabbitMQ: to the first of `addresses` (`amqp.url`,
+/// parsed once by [`AmqpAddresses::parse`]) that answers, trying them in turn from
+/// where the last connection of this process left off; each attempt has `timeout`,
+/// and the connection is named `name`. The errors name the redacted addresses,
+/// never a password.
 ///
 /// `amqps://` is TLS with the broker's certificate verified against the system's
 /// roots. `amqp://` to a host other than this machine works, with one warning per
 /// process: brokers often run plaintext inside a private network, and the producers'
 /// side of the broker is not postie's to secure (README, "Security").
-pub async fn connect_to(
-    urls: &SecretString,
+pub async fn connect(
+    addresses: &AmqpAddresses,
     name: &str,
     timeout: Duration,
 ) -> anyhow::Result<Connected> {
-    let addresses = split_urls(urls.expose_secret());
-    if addresses.is_empty() {
-        anyhow::bail!("amqp.url is empty: give one or more amqp:// or amqps:// addresses");
-    }
+    let addresses = addresses.all();
     let start = next_address().load(Ordering::Relaxed);
     let mut failures = Vec::new();
     for i in rotation(start, addresses.len()) {
-        match connect_one(addresses[i], name, timeout).await {
+        match connect_one(&addresses[i], name, timeout).await {
             Ok(connection) => {
                 next_address().store(i.wrapping_add(1), Ordering::Relaxed);
                 return Ok(Connected {
                     connection,
-                    address: redact_url(addresses[i]),
+                    address: addresses[i].shown.clone(),
                 });
             }
             Err(error) => {
@@ -111,60 +104,36 @@ pub async fn connect_to(
     })
 }
 
-/// [`connect_to`], without the address.
-pub async fn connect(
-    urls: &SecretString,
+/// One address, with a timeout.
+async fn connect_one(
+    address: &AmqpAddress,
     name: &str,
     timeout: Duration,
 ) -> anyhow::Result<Connection> {
-    Ok(connect_to(urls, name, timeout).await?.connection)
-}
-
-/// One address, with a timeout.
-async fn connect_one(url: &str, name: &str, timeout: Duration) -> anyhow::Result<Connection> {
     static PLAINTEXT_WARNED: std::sync::Once = std::sync::Once::new();
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    let redacted = redact_url(url);
-    if let Ok(parsed) = url::Url::parse(url) {
-        let host = parsed.host_str().unwrap_or("");
-        if parsed.scheme() == "amqp" && !host.is_empty() && !is_loopback_host(host) {
-            PLAINTEXT_WARNED.call_once(|| {
-                tracing::warn!(
-                    "amqp.url points at {host} without TLS: the broker password and every \
-                     job cross the network unencrypted; use amqps:// unless this network \
-                     is trusted"
-                );
-            });
-        }
+    let redacted = &address.shown;
+    if let Some(host) = &address.plaintext_to {
+        PLAINTEXT_WARNED.call_once(|| {
+            tracing::warn!(
+                "amqp.url points at {host} without TLS: the broker password and every \
+                 job cross the network unencrypted; use amqps:// unless this network \
+                 is trusted"
+            );
+        });
     }
-    // A short heartbeat unless the URL sets one: a broker that vanishes without closing
-    // the connection is noticed in seconds, not after the broker's default 60 s × 2.
-    // (lapin's parse error may quote the whole URL: it is shown redacted.)
-    let mut uri = lapin::uri::AMQPUri::from_str(url).map_err(|e| {
-        anyhow::anyhow!(
-            "amqp.url {redacted} is not valid: {}",
-            scrub(&e.replace(url, &redacted), &passwords(url))
-        )
-    })?;
-    if uri.query.heartbeat.is_none() {
-        uri.query.heartbeat = Some(HEARTBEAT_SECS);
-    }
+    let uri = address.uri.clone();
     match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: {}",
-            scrub(&e.to_string(), &passwords(url))
+            scrub(&e.to_string(), &address.passwords)
         )),
         Err(_) => Err(anyhow::anyhow!(
             "cannot connect to RabbitMQ at {redacted}: no answer within {}",
             humantime::format_duration(timeout)
         )),
     }
-}
-
-/// [`connect`] with `amqp.url` and `amqp.connect_timeout`, under connection name `name`.
-pub async fn open(settings: &AmqpSettings, name: &str) -> anyhow::Result<Connection> {
-    connect(&settings.url, name, settings.connect_timeout).await
 }
 
 /// Whether the connection's RabbitMQ user may publish a message whose `user_id` is
@@ -324,6 +293,8 @@ pub fn copy_properties(properties: &BasicProperties, keep_user_id: bool) -> Basi
 
 #[cfg(test)]
 mod tests {
+    use secrecy::SecretString;
+
     use super::*;
     use lapin::types::AMQPValue;
 
@@ -381,8 +352,8 @@ mod tests {
             closed[0], closed[1], closed[2]
         );
         let before = next_address().load(Ordering::Relaxed);
-        let Err(error) = connect(&SecretString::from(list), "t", Duration::from_secs(2)).await
-        else {
+        let addresses = AmqpAddresses::parse(&SecretString::from(list)).unwrap();
+        let Err(error) = connect(&addresses, "t", Duration::from_secs(2)).await else {
             panic!("nothing listens");
         };
         let error = error.to_string();
@@ -393,13 +364,10 @@ mod tests {
             next_address().load(Ordering::Relaxed),
             before.wrapping_add(1)
         );
-        let Err(error) = connect(
-            &SecretString::from("amqp://u:SECRETPW9@127.0.0.1:notaport/%2f"),
-            "t",
-            Duration::from_secs(2),
-        )
-        .await
-        else {
+        // A bad address is refused when amqp.url is parsed, before any connection.
+        let Err(error) = AmqpAddresses::parse(&SecretString::from(
+            "amqp://u:SECRETPW9@127.0.0.1:notaport/%2f",
+        )) else {
             panic!("not a valid URL");
         };
         let error = error.to_string();

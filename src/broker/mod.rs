@@ -11,8 +11,8 @@ pub mod topology;
 
 pub use acks::Acks;
 pub use amqp::{
-    confirm_channel, connect, connect_to, copy_properties, job_properties, may_impersonate, open,
-    publish_confirmed, queue_exists, queue_state, Connected, PublishError, QueueState,
+    confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
+    queue_exists, queue_state, Connected, PublishError, QueueState,
 };
 pub use ladder::Ladder;
 pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};

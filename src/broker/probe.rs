@@ -8,7 +8,7 @@ use lapin::types::FieldTable;
 use lapin::ExchangeKind;
 
 use super::topology::{classify, insert, string, Topology, TopologyError};
-use crate::config::{DelayMode, Settings, TopologySettings};
+use crate::config::{AmqpAddresses, DelayMode, Settings, TopologySettings};
 use crate::ops::telemetry::ExpectedRefusals;
 
 /// Resolves `delay.mode` (probing the broker for `auto`), logs the choice and why in
@@ -79,7 +79,10 @@ pub async fn probe_mode(
     let _quiet = ExpectedRefusals::begin();
     let delayed = format!("{}.delayed", settings.prefix);
     // Does it exist? (passive declare; a 404 closes only the channel)
-    let conn = super::amqp::connect(amqp_url, "postie-probe", timeout).await?;
+    let addresses = AmqpAddresses::parse(amqp_url)?;
+    let conn = super::amqp::connect(&addresses, "postie-probe", timeout)
+        .await?
+        .connection;
     let channel = conn.create_channel().await?;
     let passive = ExchangeDeclareOptions {
         passive: true,
@@ -153,7 +156,10 @@ async fn plugin_refusal(
     amqp_url: &secrecy::SecretString,
     timeout: Duration,
 ) -> anyhow::Result<Option<String>> {
-    let conn = super::amqp::connect(amqp_url, "postie-probe", timeout).await?;
+    let addresses = AmqpAddresses::parse(amqp_url)?;
+    let conn = super::amqp::connect(&addresses, "postie-probe", timeout)
+        .await?
+        .connection;
     let channel = conn.create_channel().await?;
     let name = format!("postie.probe.{}", uuid::Uuid::new_v4().simple());
     let mut args = FieldTable::default();

@@ -85,8 +85,8 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
         .map_err(|e| anyhow::anyhow!("refusing to publish: {e}"))?;
     // Only the entry exchange's name is needed, and it is the same in every mode.
     let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
-    let connected = broker::connect_to(
-        &settings.amqp.url,
+    let connected = broker::connect(
+        &settings.amqp.addresses()?,
         "postie-publish",
         settings.amqp.connect_timeout,
     )

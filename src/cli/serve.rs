@@ -19,7 +19,14 @@ pub(super) async fn run(settings: Settings) -> anyhow::Result<()> {
 /// A broker that cannot be reached now is not a reason to stop (serve waits for it):
 /// the check is then skipped, with a warning.
 async fn check_impersonation(settings: &Settings) -> anyhow::Result<()> {
-    let conn = match broker::open(&settings.amqp, "postie-impersonation-check").await {
+    let conn = match broker::connect(
+        &settings.amqp.addresses()?,
+        "postie-impersonation-check",
+        settings.amqp.connect_timeout,
+    )
+    .await
+    .map(|c| c.connection)
+    {
         Ok(conn) => conn,
         Err(error) => {
             tracing::warn!(%error, "cannot check that postie's RabbitMQ user may re-publish producers' user_id; going on");

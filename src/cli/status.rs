@@ -29,7 +29,13 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
 
     let topology = broker::resolve_topology(settings).await?;
     out!("delay mode: {}", topology.mode_name());
-    let conn = broker::open(&settings.amqp, "postie-status").await?;
+    let conn = broker::connect(
+        &settings.amqp.addresses()?,
+        "postie-status",
+        settings.amqp.connect_timeout,
+    )
+    .await
+    .map(|c| c.connection)?;
     out!("queues (ready messages, consumers):");
     let mut channel = conn.create_channel().await?;
     for queue in topology.queues() {

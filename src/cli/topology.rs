@@ -14,7 +14,13 @@ pub struct TopologyArgs {
 /// Declares the topology (or deletes it) and prints the mode and the names.
 pub(super) async fn run(settings: &Settings, args: &TopologyArgs) -> anyhow::Result<()> {
     let topology = broker::resolve_topology(settings).await?;
-    let conn = broker::open(&settings.amqp, "postie-topology").await?;
+    let conn = broker::connect(
+        &settings.amqp.addresses()?,
+        "postie-topology",
+        settings.amqp.connect_timeout,
+    )
+    .await
+    .map(|c| c.connection)?;
     let channel = conn.create_channel().await?;
     if args.delete {
         topology.delete(&channel).await?;

@@ -2,7 +2,7 @@
 //! (`--config` / `POSTIE_CONFIG`), then `POSTIE__SECTION__KEY` environment variables.
 //!
 //! Connection URLs may carry passwords, so they are kept as [`SecretString`] and only
-//! ever shown through [`redact_url`].
+//! ever shown through [`redact_url`](crate::endpoint::redact_url).
 
 use std::path::Path;
 #[cfg(test)]
@@ -15,19 +15,26 @@ use secrecy::ExposeSecret;
 use secrecy::SecretString;
 use serde::Deserialize;
 
+mod amqp;
 mod database;
+mod de;
 mod memory;
+mod observe;
 mod rate;
 mod sections;
 mod smtp;
+mod validate;
 
+pub use amqp::{AmqpAddress, AmqpAddresses};
 pub use database::{database_plan, DbPlan, DbTls};
 pub use memory::Prefetch;
+pub use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub use rate::SendRate;
 pub use sections::*;
 pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
+pub use validate::{Parsed, SmtpTransport};
 
-use crate::endpoint::{passwords, redact_url, split_urls};
+use crate::endpoint::passwords;
 
 /// Everything postie can be told.
 #[derive(Debug, Default, Deserialize)]
@@ -100,130 +107,6 @@ impl Settings {
             .map_err(|e| ConfigError(e.to_string()))?;
         settings.validate()?;
         Ok(settings)
-    }
-
-    /// Cross-field checks the types cannot express.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let fail = |m: String| Err(ConfigError(m));
-        if self.topology.prefix.is_empty()
-            || !self
-                .topology
-                .prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        {
-            return fail(format!(
-                "topology.prefix {:?} must be non-empty ASCII letters, digits, '.', '_' or '-'",
-                self.topology.prefix
-            ));
-        }
-        for old in &self.topology.drain_prefixes {
-            if old.is_empty() || old == &self.topology.prefix {
-                return fail(format!(
-                    "topology.drain_prefixes: {old:?} must be another prefix than topology.prefix {:?}",
-                    self.topology.prefix
-                ));
-            }
-        }
-        if self.topology.quorum_initial_group_size == Some(0) {
-            return fail("topology.quorum_initial_group_size must be at least 1".into());
-        }
-        if self.topology.retry_steps.iter().any(|d| d.is_zero()) {
-            return fail("topology.retry_steps must all be above zero".into());
-        }
-        if self.delay.resolution.is_zero() || self.delay.max < self.delay.resolution {
-            return fail("delay.resolution must be above zero and below delay.max".into());
-        }
-        for (kind, rule) in &self.throttle {
-            if rule.limit == 0 || rule.window.is_zero() {
-                return fail(format!(
-                    "throttle.{kind}: limit and window must be above zero"
-                ));
-            }
-        }
-        if self.inbox.retention.is_zero()
-            || self.inbox.tombstone_retention().is_zero()
-            || self.inbox.prune_interval.is_zero()
-            || self.inbox.prune_batch == 0
-        {
-            return fail(
-                "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
-                    .into(),
-            );
-        }
-        if self.smtp.rate_burst == Some(0) {
-            return fail("smtp.rate_burst must be at least 1".into());
-        }
-        if self.delay.relay_concurrency == 0 {
-            return fail("delay.relay_concurrency must be at least 1".into());
-        }
-        self.check_budget()?;
-        if self.delay.reconcile_grace < std::time::Duration::from_secs(1) {
-            return fail("delay.reconcile_grace must be at least 1s".into());
-        }
-        if self.smtp.pool_size == 0 {
-            return fail("smtp.pool_size must be at least 1".into());
-        }
-        if self.worker.threads == Some(0) {
-            return fail("worker.threads must be at least 1 (or unset: one per core)".into());
-        }
-        if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
-            return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
-        }
-        if self.worker.lease < self.smtp.send_deadline() {
-            return fail(format!(
-                "worker.lease ({}) is shorter than a send may take ({}, twice smtp.timeout): \
-                 raise worker.lease or lower smtp.timeout",
-                humantime::format_duration(self.worker.lease),
-                humantime::format_duration(self.smtp.send_deadline())
-            ));
-        }
-        // amqp.url: one address or a comma-separated list, each a URL of its own.
-        let amqp = split_urls(self.amqp.url.expose_secret());
-        if amqp.is_empty() {
-            return fail(
-                "amqp.url is empty: give one or more amqp:// or amqps:// addresses".into(),
-            );
-        }
-        for address in amqp {
-            if let Err(e) = url::Url::parse(address) {
-                return fail(format!(
-                    "amqp.url {} is not a URL: {e}",
-                    redact_url(address)
-                ));
-            }
-        }
-        if let Err(e) = url::Url::parse(self.smtp.url.expose_secret()) {
-            return fail(format!(
-                "smtp.url {} is not a URL: {e}",
-                redact_url(self.smtp.url.expose_secret())
-            ));
-        }
-        if let Some(endpoint) = &self.otel.endpoint {
-            let endpoint = endpoint.expose_secret();
-            if let Err(e) = url::Url::parse(endpoint) {
-                return fail(format!(
-                    "otel.endpoint {} is not a URL: {e}",
-                    redact_url(endpoint)
-                ));
-            }
-        }
-        // The transport rules, checked here so that a refusal comes before any connection.
-        smtp_endpoint(self.smtp.url.expose_secret())?;
-        if let Some(path) = self.database.ca_file() {
-            if !path.is_file() {
-                return fail(format!(
-                    "database.ca_file {} is not a readable file",
-                    path.display()
-                ));
-            }
-        }
-        database_plan(
-            self.database.url.expose_secret(),
-            self.database.allow_plaintext,
-            self.database.ca_file(),
-        )?;
-        Ok(())
     }
 
     /// Every password in the connection addresses (`amqp.url`, `database.url`,

@@ -1,12 +1,13 @@
 //! The sections of [`Settings`](super::Settings), each with its defaults and the
 //! meaning of every field. Unknown fields are refused.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use secrecy::SecretString;
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
+
+use super::de::{duration, durations, optional_duration};
 
 /// How delays are honoured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -385,113 +386,4 @@ impl InboxSettings {
     pub fn tombstone_retention(&self) -> Duration {
         self.tombstone_retention.unwrap_or(self.retention)
     }
-}
-
-/// HTTP endpoint settings.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HttpSettings {
-    /// Where `/metrics`, `/healthz` and `/readyz` listen; empty to disable.
-    #[serde(deserialize_with = "optional_addr")]
-    pub listen: Option<SocketAddr>,
-}
-
-impl Default for HttpSettings {
-    fn default() -> Self {
-        Self {
-            listen: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
-        }
-    }
-}
-
-/// Log output.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LogSettings {
-    /// `human` for development, `json` for production.
-    pub format: LogFormat,
-    /// A `tracing` filter, e.g. `info` or `postie=debug,lapin=warn`. `RUST_LOG` wins.
-    /// lapin is off by default: it logs the probe's expected 503 and every
-    /// connection loss as errors, which postie already reports in its own words.
-    pub filter: String,
-}
-
-impl Default for LogSettings {
-    fn default() -> Self {
-        Self {
-            format: LogFormat::Human,
-            filter: "info,lapin=off,tokio_postgres=warn".into(),
-        }
-    }
-}
-
-/// OpenTelemetry: spans per delivery exported over OTLP/HTTP.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OtelSettings {
-    /// OTLP/HTTP traces endpoint, e.g. `http://127.0.0.1:4318/v1/traces`; unset = off.
-    /// It may carry credentials (`https://user:password@collector/v1/traces`, or a
-    /// `?api_key=`): kept secret, shown only redacted.
-    pub endpoint: Option<SecretString>,
-    /// `service.name` of the exported spans.
-    pub service_name: String,
-}
-
-impl Default for OtelSettings {
-    fn default() -> Self {
-        Self {
-            endpoint: None,
-            service_name: "postie".into(),
-        }
-    }
-}
-
-/// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Coloured, one line per event.
-    Human,
-    /// One JSON object per line.
-    Json,
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let text = String::deserialize(d)?;
-    humantime::parse_duration(&text)
-        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}")))
-}
-
-fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    match Option::<String>::deserialize(d)?.filter(|t| !t.trim().is_empty()) {
-        None => Ok(None),
-        Some(text) => humantime::parse_duration(text.trim())
-            .map(Some)
-            .map_err(|e| {
-                serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
-            }),
-    }
-}
-
-fn optional_addr<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
-    let text = Option::<String>::deserialize(d)?.unwrap_or_default();
-    if text.trim().is_empty() {
-        return Ok(None);
-    }
-    text.trim().parse().map(Some).map_err(|e| {
-        serde::de::Error::custom(format!(
-            "{text:?} is not an address like 127.0.0.1:9090: {e}"
-        ))
-    })
-}
-
-fn durations<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
-    Vec::<String>::deserialize(d)?
-        .iter()
-        .map(|text| {
-            humantime::parse_duration(text).map_err(|e| {
-                serde::de::Error::custom(format!("{text:?} is not a duration like 5s: {e}"))
-            })
-        })
-        .collect()
 }

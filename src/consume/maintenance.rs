@@ -35,7 +35,7 @@ impl Service {
         let service = self.clone();
         tokio::spawn(async move {
             let mut standby: Option<tokio_postgres::Client> = None;
-            let max = service.settings.worker.outage_backoff_max.max(TRY_EVERY);
+            let max = service.cx.settings.worker.outage_backoff_max.max(TRY_EVERY);
             let mut backoff = Backoff::new(TRY_EVERY, max);
             while !stop.is_cancelled() {
                 let mut wait = TRY_EVERY;
@@ -69,7 +69,7 @@ impl Service {
     ) -> Result<Option<tokio_postgres::Client>, crate::inbox::DbError> {
         let client = match standby.take() {
             Some(client) if !client.is_closed() => client,
-            _ => self.worker.inbox().dedicated().await?,
+            _ => self.cx.inbox.dedicated().await?,
         };
         let granted: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&MAINTENANCE_LOCK])
@@ -84,17 +84,17 @@ impl Service {
 
     /// Leads until `stop` or until the lock connection is lost; why it ended.
     async fn lead(&self, lock: &tokio_postgres::Client, stop: &CancellationToken) -> String {
-        let metrics = self.worker.health().metrics().clone();
+        let metrics = self.cx.metrics().clone();
         metrics.maintenance_leader.set(1);
-        tracing::info!(instance = %self.owner, "running maintenance (pruning, the reconciler, queue depths)");
-        if let Ok(false) = self.worker.inbox().autovacuum_on().await {
+        tracing::info!(instance = %self.cx.owner, "running maintenance (pruning, the reconciler, queue depths)");
+        if let Ok(false) = self.cx.inbox.autovacuum_on().await {
             tracing::warn!(
                 "PostgreSQL's autovacuum is off: pruned rows leave dead space that nothing \
                  reclaims, and postie_inbox grows without bound; turn autovacuum on, or run \
                  VACUUM postie_inbox regularly"
             );
         }
-        let interval = self.settings.inbox.prune_interval;
+        let interval = self.cx.settings.inbox.prune_interval;
         let (mut next_prune, mut next_poll) = (Instant::now(), Instant::now());
         let mut next_reconcile = Instant::now();
         let mut amqp: Option<Connection> = None;
@@ -127,7 +127,7 @@ impl Service {
 
     /// Clears what only the leader reports, so that a sum over instances stays right.
     fn step_down(&self, why: String) {
-        let metrics = self.worker.health().metrics();
+        let metrics = self.cx.metrics();
         metrics.maintenance_leader.set(0);
         metrics.queue_depth.clear();
         metrics.pending.set(0);
@@ -145,9 +145,10 @@ impl Service {
         if let Some(conn) = conn.filter(|c| c.status().connected()) {
             return Some(conn);
         }
-        let name = format!("{}-maintenance", self.owner);
-        match broker::open(&self.settings.amqp, &name).await {
-            Ok(conn) => Some(conn),
+        let name = format!("{}-maintenance", self.cx.owner);
+        let timeout = self.cx.settings.amqp.connect_timeout;
+        match broker::connect(&self.cx.amqp, &name, timeout).await {
+            Ok(connected) => Some(connected.connection),
             Err(error) => {
                 tracing::debug!(%error, "{what}");
                 None
@@ -169,7 +170,7 @@ impl Service {
             }
             result
         };
-        match tokio::time::timeout(self.settings.amqp.connect_timeout, polled).await {
+        match tokio::time::timeout(self.cx.settings.amqp.connect_timeout, polled).await {
             Ok(Ok(())) => Some(conn),
             Ok(Err(error)) => {
                 // A missing queue closes the channel, not the connection.
@@ -185,9 +186,9 @@ impl Service {
 
     /// One prune pass, counted and timed.
     async fn prune_pass(&self) {
-        let metrics = self.worker.health().metrics();
-        let inbox = self.worker.inbox();
-        let plan = PrunePlan::from_settings(&self.settings, false);
+        let metrics = self.cx.metrics();
+        let inbox = &self.cx.inbox;
+        let plan = PrunePlan::from_settings(&self.cx.settings, false);
         match inbox.prune(&plan).await {
             Ok(pruned) => {
                 for (kind, n) in [

@@ -36,13 +36,13 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{self, Topology};
+use crate::broker;
 use crate::config::Settings;
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
-use crate::work::Worker;
+use crate::work::{Context, SharedContext, Worker};
 
 /// The longest a goodbye (channel or connection close, consumer cancel, ack) may take
 /// before the session moves on: a dead socket must not hold up recovery.
@@ -58,7 +58,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     if let Some(addr) = settings.http.listen {
         crate::ops::http::start(addr, health.clone(), http_stop.clone()).await?;
     }
-    let inbox = Inbox::new(&settings.database)?;
+    let parsed = settings.validate()?;
+    let inbox = Inbox::new(&parsed.database, &settings.database)?;
     inbox.check(&settings.database.url).await?;
     if settings.database.migrate_on_start {
         for applied in inbox.migrate().await? {
@@ -76,49 +77,25 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         let (inbox, stop) = (inbox.clone(), stop.child_token());
         async move { inbox.discipline_clock(clock_warned, stop).await }
     });
-    let mailer = Mailer::new(&settings.smtp)?;
+    let mailer = Mailer::new(&parsed.smtp, &settings.smtp)?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
-    let connection =
-        broker::connect_to(&settings.amqp.url, &owner, settings.amqp.connect_timeout).await?;
+    let amqp = parsed.amqp;
+    let connection = broker::connect(&amqp, &owner, settings.amqp.connect_timeout).await?;
     session::declare(&topology, &connection.connection).await?;
 
-    let hard_stop = CancellationToken::new();
-    let settings = Arc::new(settings);
-    let worker = Worker::new(
-        settings.clone(),
-        (inbox, mailer, topology.clone()),
-        owner.clone(),
-        health.clone(),
-        hard_stop.clone(),
-    );
-    let marks = settings.delay.track_pending
-        && settings.delay.reconcile
-        && matches!(topology.delay(), broker::DelayLayout::Ladder(_));
-    let service = Service {
-        arrivals: arrivals::Arrivals::start(worker.inbox().clone(), marks),
-        scheduler: scheduler::Scheduler::start(worker.clone()),
-        worker,
-        topology,
+    let cx = Arc::new(Context {
         settings,
+        topology,
         owner,
-        hard_stop,
-    };
-    tracing::info!(
-        instance = %service.owner,
-        delay_mode = service.topology.mode_name(),
-        queue = %service.topology.send_queue(),
-        broker = %connection.address,
-        "postie serving"
-    );
-    let prefetch = service.prefetch();
-    tracing::info!(
-        send_prefetch = prefetch.send,
-        relay_prefetch = prefetch.relay,
-        inflight_bytes = service.settings.worker.inflight_bytes,
-        max_body_bytes = service.settings.worker.max_body_bytes,
-        "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
-    );
+        amqp,
+        inbox,
+        mailer,
+        health,
+        hard_stop: CancellationToken::new(),
+    });
+    let service = Service::new(cx);
+    service.announce(&connection.address);
     let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
     // `stop` is cancelled by now: maintenance ends and releases its lock.
@@ -148,19 +125,48 @@ enum Role {
 /// What every consume loop of this instance shares; cheap to clone.
 #[derive(Clone)]
 struct Service {
-    /// The unit of work (and, through it, health and metrics).
+    /// The instance's context: settings, topology, owner, inbox, mailer, health,
+    /// hard stop.
+    cx: SharedContext,
+    /// The unit of work.
     worker: Worker,
     /// Ladder mode: records scheduled jobs in batches.
     scheduler: scheduler::Scheduler,
     /// Ladder mode: marks waiting send deliveries as arrived, in batches.
     arrivals: arrivals::Arrivals,
-    /// The broker objects' names.
-    topology: Topology,
-    /// Everything configured.
-    settings: Arc<Settings>,
-    /// This instance's name (connection name, inbox `owner`).
-    owner: String,
-    /// Cancelled when the drain timeout runs out: ends every wait for a dependency,
-    /// so in-flight work gives up and its deliveries return to the queue unacked.
-    hard_stop: CancellationToken,
+}
+
+impl Service {
+    /// The consume side over `cx`: the worker, and ladder mode's batch writers.
+    fn new(cx: SharedContext) -> Self {
+        let worker = Worker::new(cx.clone());
+        let marks = cx.settings.delay.track_pending
+            && cx.settings.delay.reconcile
+            && matches!(cx.topology.delay(), broker::DelayLayout::Ladder(_));
+        Self {
+            arrivals: arrivals::Arrivals::start(cx.inbox.clone(), marks),
+            scheduler: scheduler::Scheduler::start(worker.clone()),
+            worker,
+            cx,
+        }
+    }
+
+    /// Says what this instance serves, and the in-flight bound it keeps.
+    fn announce(&self, broker: &str) {
+        tracing::info!(
+            instance = %self.cx.owner,
+            delay_mode = self.cx.topology.mode_name(),
+            queue = %self.cx.topology.send_queue(),
+            broker = %broker,
+            "postie serving"
+        );
+        let prefetch = self.prefetch();
+        tracing::info!(
+            send_prefetch = prefetch.send,
+            relay_prefetch = prefetch.relay,
+            inflight_bytes = self.cx.settings.worker.inflight_bytes,
+            max_body_bytes = self.cx.settings.worker.max_body_bytes,
+            "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
+        );
+    }
 }

@@ -17,15 +17,15 @@ impl Service {
     /// Polls the pending gauge (ladder mode) and the depth of every queue once. An
     /// error means the channel is gone (a missing queue closes it).
     pub(super) async fn poll_depths(&self, channel: &Channel) -> anyhow::Result<()> {
-        let metrics = self.worker.health().metrics();
-        let track_pending = self.settings.delay.track_pending
-            && matches!(self.topology.delay(), DelayLayout::Ladder(_));
+        let metrics = self.cx.metrics();
+        let track_pending = self.cx.settings.delay.track_pending
+            && matches!(self.cx.topology.delay(), DelayLayout::Ladder(_));
         if track_pending {
-            if let Ok((_, total)) = self.worker.inbox().pending(None, None, 0).await {
+            if let Ok((_, total)) = self.cx.inbox.pending(None, None, 0).await {
                 metrics.pending.set(total);
             }
         }
-        for queue in self.topology.queues() {
+        for queue in self.cx.topology.queues() {
             let passive = lapin::options::QueueDeclareOptions {
                 passive: true,
                 ..Default::default()

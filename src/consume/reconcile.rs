@@ -50,15 +50,15 @@ const SETTLE: Duration = Duration::from_millis(ARRIVAL_AFTER.as_millis() as u64 
 impl Service {
     /// How often the maintenance instance runs a pass.
     pub(super) fn reconcile_every(&self) -> Duration {
-        (self.settings.delay.reconcile_grace / 2)
+        (self.cx.settings.delay.reconcile_grace / 2)
             .clamp(Duration::from_secs(1), Duration::from_secs(30))
     }
 
     /// Whether the reconciler runs: ladder mode, pending jobs tracked, bodies kept.
     fn reconciling(&self) -> bool {
-        self.settings.delay.reconcile
-            && self.settings.delay.track_pending
-            && matches!(self.topology.delay(), DelayLayout::Ladder(_))
+        self.cx.settings.delay.reconcile
+            && self.cx.settings.delay.track_pending
+            && matches!(self.cx.topology.delay(), DelayLayout::Ladder(_))
     }
 
     /// A pass on the maintenance connection (opened if needed); the connection, if it
@@ -82,7 +82,7 @@ impl Service {
             passive: true,
             ..Default::default()
         };
-        let queue = self.topology.send_queue();
+        let queue = self.cx.topology.send_queue();
         let declared = channel
             .queue_declare(queue.into(), passive, FieldTable::default())
             .await?;
@@ -95,11 +95,11 @@ impl Service {
     /// With ready messages but nothing waiting, the queue is flowing: a job in it
     /// reaches a worker within moments, so the grace alone decides.
     async fn lost_before(&self, channel: &Channel) -> anyhow::Result<(i64, u32)> {
-        let grace_ms = self.settings.delay.reconcile_grace.as_millis() as i64;
+        let grace_ms = self.cx.settings.delay.reconcile_grace.as_millis() as i64;
         let ready = self.send_ready(channel).await?;
         let mut due_before = now_ms() - grace_ms;
         if ready > 0 {
-            if let Some(frontier) = self.worker.inbox().arrived_frontier().await? {
+            if let Some(frontier) = self.cx.inbox.arrived_frontier().await? {
                 due_before = due_before.min(frontier - grace_ms);
             }
         }
@@ -108,8 +108,8 @@ impl Service {
 
     /// One reconciler pass on `conn`; the number of jobs re-published.
     async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
-        let inbox = self.worker.inbox();
-        let grace = self.settings.delay.reconcile_grace;
+        let inbox = &self.cx.inbox;
+        let grace = self.cx.settings.delay.reconcile_grace;
         let channel = broker::confirm_channel(conn).await?;
         let (due_before, _) = self.lost_before(&channel).await?;
         let overdue = inbox.overdue(due_before, grace, PASS_LIMIT).await?;
@@ -130,7 +130,7 @@ impl Service {
         // publish fails, the rest stay marked and are tried again a grace later.
         // Bodies are read a chunk at a time, so a pass holds at most
         // `delay.relay_concurrency` of them.
-        let chunk = usize::from(self.settings.delay.relay_concurrency).max(1);
+        let chunk = usize::from(self.cx.settings.delay.relay_concurrency).max(1);
         let mut published = 0;
         let mut oldest_due_ms = None;
         for keys in overdue.chunks(chunk) {
@@ -141,7 +141,7 @@ impl Service {
                 Ok(n) => *n,
                 Err(partial) => partial.published,
             };
-            count(self.worker.health().metrics(), n);
+            count(self.cx.metrics(), n);
             published += n;
             if let Err(partial) = sent {
                 let _ = channel.close(200, "reconciled".into()).await;
@@ -163,13 +163,13 @@ impl Service {
     /// Publishes `jobs` to the work exchange, confirmed, stamped with their due time;
     /// how many went out (an error after some: those are counted by the caller).
     async fn republish(&self, channel: &Channel, jobs: &[Overdue]) -> Result<usize, Partial> {
-        let exchange = self.topology.work_exchange();
+        let exchange = self.cx.topology.work_exchange();
         for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
             let mut properties = broker::job_properties().with_headers(table);
             // Per-producer keys: the job goes back under the user_id it came with.
-            if self.settings.worker.key_namespace == KeyNamespace::UserId {
+            if self.cx.settings.worker.key_namespace == KeyNamespace::UserId {
                 if let Some(owner) = contract::key_owner(&job.key) {
                     properties = properties.with_user_id(owner.as_str().into());
                 }
@@ -204,7 +204,7 @@ impl Service {
         let Some((key, revision)) = scheduled() else {
             return;
         };
-        let inbox = self.worker.inbox();
+        let inbox = &self.cx.inbox;
         if let Err(error) = inbox.finish_unclaimed(key.as_str(), revision, status).await {
             tracing::warn!(%error, key = %key, "could not finish the scheduled row of a job that ended unclaimed");
         }

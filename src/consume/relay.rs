@@ -181,10 +181,10 @@ impl Service {
             }
         }
         let headers = delivery.properties.headers().as_ref();
-        let metrics = self.worker.health().metrics();
+        let metrics = self.cx.metrics();
         let disposition = match decision {
             Decision::Forward { due_ms } => {
-                let (exchange, routing_key) = route(&self.topology, due_ms, now_ms());
+                let (exchange, routing_key) = route(&self.cx.topology, due_ms, now_ms());
                 let route = if routing_key == ROUTING_KEY {
                     RelayRoute::Now
                 } else {
@@ -203,7 +203,7 @@ impl Service {
                 tracing::warn!(reason = %readable(&reason, 1_000), "dead-lettered at intake");
                 metrics.dead(DeadReason::Invalid);
                 Disposition::DeadLetter(dead_letter(
-                    &self.topology,
+                    &self.cx.topology,
                     headers,
                     DeadKind::Invalid,
                     &reason,
@@ -221,7 +221,7 @@ impl Service {
     /// (`worker.key_namespace`); `None` for a job the worker will refuse.
     pub(super) fn scheduled_key(&self, delivery: &Delivery) -> Option<(IdempotencyKey, i32)> {
         let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
-        let rules = contract::ParseRules::from_settings(&self.settings).for_user(user_id);
+        let rules = contract::ParseRules::from_settings(&self.cx.settings).for_user(user_id);
         let (key, revision) = contract::peek_key(&delivery.data)?;
         Some((rules.namespaced(&key).ok()?, revision))
     }
@@ -231,13 +231,14 @@ impl Service {
         delivery: &mut Delivery,
         due_ms: i64,
     ) -> Result<(), Interrupted> {
-        if !self.settings.delay.track_pending {
+        if !self.cx.settings.delay.track_pending {
             return Ok(());
         }
         let Some((key, revision)) = self.scheduled_key(delivery) else {
             return Ok(());
         };
         let body = self
+            .cx
             .settings
             .delay
             .reconcile

@@ -37,7 +37,7 @@ impl Service {
         // Continue the producer's trace, if the job carries one.
         let parent = crate::ops::telemetry::parent_context(headers);
         let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
-        let metrics = self.worker.health().metrics().clone();
+        let metrics = self.cx.metrics().clone();
         metrics.jobs_received.inc();
         metrics.in_flight.inc();
         let started = std::time::Instant::now();
@@ -55,7 +55,7 @@ impl Service {
             let disposition = match processed {
                 Ok(outcome) => {
                     self.finish_unclaimed(&outcome, scheduled).await;
-                    outcome.settle(&metrics, &self.topology, headers)
+                    outcome.settle(&metrics, &self.cx.topology, headers)
                 }
                 Err(interrupted) => {
                     tracing::warn!(%interrupted, "leaving the delivery unacked for redelivery");
@@ -110,17 +110,17 @@ impl Service {
             headers,
         } = target;
         let headers = headers::without_broker_death(headers);
-        let keep_user_id = self.settings.worker.key_namespace == KeyNamespace::UserId;
+        let keep_user_id = self.cx.settings.worker.key_namespace == KeyNamespace::UserId;
         let properties: BasicProperties =
             broker::copy_properties(&delivery.properties, keep_user_id)
                 .with_delivery_mode(2)
                 .with_headers(headers);
         // Plugin mode: the plugin returns a mandatory publish at once and still delivers it later.
-        let mandatory = !(exchange == self.topology.delayed_exchange()
-            && self.topology.delay() == DelayLayout::Plugin);
+        let mandatory = !(exchange == self.cx.topology.delayed_exchange()
+            && self.cx.topology.delay() == DelayLayout::Plugin);
         let mut backoff = Backoff::new(
             Duration::from_millis(100),
-            self.settings.worker.outage_backoff_max,
+            self.cx.settings.worker.outage_backoff_max,
         );
         loop {
             match publish
@@ -140,7 +140,7 @@ impl Service {
                 // next try): retry with backoff.
                 Err(error) => {
                     tracing::warn!(%error, "republish refused; retrying");
-                    if !backoff.wait(&self.hard_stop).await {
+                    if !backoff.wait(&self.cx.hard_stop).await {
                         return Err(error);
                     }
                 }

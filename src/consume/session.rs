@@ -29,7 +29,7 @@ impl Service {
         // but refuses the declaration is redialled ever more slowly, not 5 times a second).
         let mut backoff = Backoff::new(
             Duration::from_millis(200),
-            self.settings.worker.outage_backoff_max,
+            self.cx.settings.worker.outage_backoff_max,
         );
         while !stop.is_cancelled() {
             // Each attempt tries every address in turn, starting past the last one used.
@@ -38,19 +38,16 @@ impl Service {
                 address,
             } = match connection.take() {
                 Some(first) => first,
-                None => match broker::connect_to(
-                    &self.settings.amqp.url,
-                    &self.owner,
-                    self.settings.amqp.connect_timeout,
+                None => match broker::connect(
+                    &self.cx.amqp,
+                    &self.cx.owner,
+                    self.cx.settings.amqp.connect_timeout,
                 )
                 .await
                 {
                     Ok(connected) => {
                         tracing::info!(broker = %connected.address, "reconnected to RabbitMQ");
-                        self.worker
-                            .health()
-                            .metrics()
-                            .reconnected(Dependency::Rabbitmq);
+                        self.cx.metrics().reconnected(Dependency::Rabbitmq);
                         connected
                     }
                     Err(error) => {
@@ -61,13 +58,13 @@ impl Service {
                     }
                 },
             };
-            self.worker.health().set_broker_address(&address);
+            self.cx.health.set_broker_address(&address);
             let conn = Arc::new(conn);
             let mut up_since = None;
             let ended = self.session(&conn, &stop, &mut up_since).await;
             backoff.ran_for(up_since.map_or(Duration::ZERO, |t: std::time::Instant| t.elapsed()));
             let wait = backoff.failed();
-            self.worker.health().set_broker_up(false);
+            self.cx.health.set_broker_up(false);
             match ended {
                 Ok(SessionEnd::Stopped) => {
                     bounded(conn.close(200, "postie shutting down".into())).await;
@@ -94,11 +91,11 @@ impl Service {
         stop: &CancellationToken,
         up_since: &mut Option<std::time::Instant>,
     ) -> anyhow::Result<SessionEnd> {
-        let setup = self.settings.amqp.connect_timeout;
+        let setup = self.cx.settings.amqp.connect_timeout;
         within(
             setup,
             "declaring the topology",
-            declare(&self.topology, conn),
+            declare(&self.cx.topology, conn),
         )
         .await?;
         let publish = within(setup, "opening the publishing channel", async {
@@ -109,19 +106,19 @@ impl Service {
         let session_stop = stop.child_token();
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
-        self.worker.health().set_broker_up(true);
+        self.cx.health.set_broker_up(true);
         let mut lanes = vec![Lane {
             role: Role::Send,
-            queue: self.topology.send_queue().to_owned(),
+            queue: self.cx.topology.send_queue().to_owned(),
             prefetch: self.prefetch().send,
-            concurrency: self.settings.worker.concurrency,
+            concurrency: self.cx.settings.worker.concurrency,
         }];
-        if let DelayLayout::Ladder(_) = self.topology.delay() {
+        if let DelayLayout::Ladder(_) = self.cx.topology.delay() {
             lanes.push(Lane {
                 role: Role::Relay,
-                queue: self.topology.intake_queue().to_owned(),
+                queue: self.cx.topology.intake_queue().to_owned(),
                 prefetch: self.prefetch().relay,
-                concurrency: self.settings.delay.relay_concurrency as usize,
+                concurrency: self.cx.settings.delay.relay_concurrency as usize,
             });
         }
         for queue in self.drained_queues(conn).await? {
@@ -129,7 +126,7 @@ impl Service {
                 role: Role::Send,
                 queue,
                 prefetch: self.prefetch().send,
-                concurrency: self.settings.worker.concurrency,
+                concurrency: self.cx.settings.worker.concurrency,
             });
         }
         let loops = lanes
@@ -158,10 +155,10 @@ impl Service {
     /// said so once per session.
     async fn drained_queues(&self, conn: &Connection) -> anyhow::Result<Vec<String>> {
         let mut queues = Vec::new();
-        for old in &self.settings.topology.drain_prefixes {
+        for old in &self.cx.settings.topology.drain_prefixes {
             let queue = format!("{old}.send");
             let exists = within(
-                self.settings.amqp.connect_timeout,
+                self.cx.settings.amqp.connect_timeout,
                 "checking a drained queue",
                 broker::queue_exists(conn, &queue),
             )

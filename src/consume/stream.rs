@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::Connection;
+use lapin::{Channel, Connection};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -64,11 +64,46 @@ pub(super) struct Lane {
     pub(super) concurrency: usize,
 }
 
+/// One running consume loop: its consumer, its slots and in-flight work, and where
+/// its dispositions go.
+struct Consumer<'a> {
+    deliveries: lapin::Consumer,
+    queue: String,
+    prefetch: u16,
+    /// `concurrency` slots: deliveries handled at the same time.
+    slots: Arc<Semaphore>,
+    /// The deliveries being handled.
+    tracker: TaskTracker,
+    publish: &'a Publisher,
+    acks: Acks,
+    /// Ends the loop with a drain.
+    stop: &'a CancellationToken,
+    /// Ends the loop with in-flight work abandoned to redelivery.
+    lost: &'a CancellationToken,
+}
+
+impl Consumer<'_> {
+    /// The next delivery off the consumer, or how the loop ends if there is none.
+    fn received(
+        &self,
+        next: Option<Result<Delivery, lapin::Error>>,
+    ) -> Result<Delivery, SessionEnd> {
+        match next {
+            Some(Ok(delivery)) => Ok(delivery),
+            Some(Err(error)) => Err(SessionEnd::Lost(error.to_string())),
+            None => Err(SessionEnd::Lost(format!(
+                "the broker cancelled the consumer on {}",
+                self.queue
+            ))),
+        }
+    }
+}
+
 impl Service {
     /// Each lane's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
     pub(super) fn prefetch(&self) -> Prefetch {
-        let ladder = matches!(self.topology.delay(), DelayLayout::Ladder(_));
-        self.settings.prefetch(ladder)
+        let ladder = matches!(self.cx.topology.delay(), DelayLayout::Ladder(_));
+        self.cx.settings.prefetch(ladder)
     }
 
     /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
@@ -80,66 +115,98 @@ impl Service {
         publish: &Publisher,
         (stop, lost): (&CancellationToken, &CancellationToken),
     ) -> anyhow::Result<SessionEnd> {
-        let Lane {
-            role,
-            queue,
-            prefetch,
-            concurrency,
-        } = lane;
-        let (channel, mut deliveries) = within(
-            self.settings.amqp.connect_timeout,
-            "starting a consumer",
-            async {
-                let channel = conn.create_channel().await?;
-                channel
-                    .basic_qos(prefetch, BasicQosOptions::default())
-                    .await?;
-                let deliveries = channel
-                    .basic_consume(
-                        queue.as_str().into(),
-                        format!("postie-{}-{role:?}", self.owner).into(),
-                        BasicConsumeOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?;
-                Ok((channel, deliveries))
-            },
-        )
-        .await?;
-        let health = self.worker.health().clone();
+        let (channel, deliveries) = self.start_consumer(conn, &lane).await?;
         let (acks, ack_task) = Acks::start(channel.clone());
-        let slots = Arc::new(Semaphore::new(concurrency));
-        let tracker = TaskTracker::new();
+        let mut consumer = Consumer {
+            deliveries,
+            queue: lane.queue,
+            prefetch: lane.prefetch,
+            slots: Arc::new(Semaphore::new(lane.concurrency)),
+            tracker: TaskTracker::new(),
+            publish,
+            acks,
+            stop,
+            lost,
+        };
+        let end = match lane.role {
+            Role::Relay => self.relay_loop(&mut consumer).await,
+            Role::Send => self.send_loop(&mut consumer).await,
+        };
+        self.drain(&end, &channel, &consumer).await;
+        // The acks of everything finished go before the channel closes; the consumer
+        // itself is dropped last, as before the split.
+        let Consumer {
+            deliveries, acks, ..
+        } = consumer;
+        drop(acks);
+        ack_task.finish(GOODBYE_TIMEOUT).await;
+        bounded(channel.close(200, "done".into())).await;
+        drop(deliveries);
+        Ok(end)
+    }
 
-        let rules = ParseRules::from_settings(&self.settings);
-        // The relay's prefetched deliveries wait here, taken earliest due first.
+    /// A channel with the lane's prefetch, and its consumer on the lane's queue.
+    async fn start_consumer(
+        &self,
+        conn: &Connection,
+        lane: &Lane,
+    ) -> anyhow::Result<(Channel, lapin::Consumer)> {
+        let step = async {
+            let channel = conn.create_channel().await?;
+            channel
+                .basic_qos(lane.prefetch, BasicQosOptions::default())
+                .await?;
+            let deliveries = channel
+                .basic_consume(
+                    lane.queue.as_str().into(),
+                    format!("postie-{}-{:?}", self.cx.owner, lane.role).into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok((channel, deliveries))
+        };
+        within(
+            self.cx.settings.amqp.connect_timeout,
+            "starting a consumer",
+            step,
+        )
+        .await
+    }
+
+    /// The relay's loop: its prefetched deliveries wait in a window and are taken
+    /// earliest due first (`relay::DueOrder`).
+    async fn relay_loop(&self, c: &mut Consumer<'_>) -> SessionEnd {
+        let rules = ParseRules::from_settings(&self.cx.settings);
         let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
-        // The send role's, in delivery order; the first `marked` are marked as arrived.
+        loop {
+            tokio::select! {
+                biased;
+                _ = c.stop.cancelled() => return SessionEnd::Stopped,
+                _ = c.lost.cancelled() => return SessionEnd::Lost("the broker session ended".into()),
+                permit = c.slots.clone().acquire_owned(), if !waiting.is_empty() => {
+                    let permit = permit.expect("semaphore is never closed");
+                    let (delivery, decision) = waiting.pop().expect("not empty");
+                    self.dispatch(c, permit, Work::Relay(delivery, decision));
+                }
+                next = c.deliveries.next() => match c.received(next) {
+                    Ok(delivery) => waiting.arrive(&self.cx.topology, &rules, delivery, now_ms()),
+                    Err(end) => return end,
+                },
+            }
+        }
+    }
+
+    /// The send role's loop: deliveries are read as the broker pushes them (at most
+    /// the prefetch) and wait here for a slot, in delivery order, so that one held too
+    /// long without a claim can be marked as arrived (`arrivals.rs`); no slot is given
+    /// while a dependency is down.
+    async fn send_loop(&self, c: &mut Consumer<'_>) -> SessionEnd {
+        let health = self.cx.health.clone();
+        // The first `marked` are marked as arrived.
         let mut held: VecDeque<Held> = VecDeque::new();
         let mut marked = 0usize;
-
-        let end = loop {
-            if let Role::Relay = role {
-                tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => break SessionEnd::Stopped,
-                    _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
-                    permit = slots.clone().acquire_owned(), if !waiting.is_empty() => {
-                        let permit = permit.expect("semaphore is never closed");
-                        let (delivery, decision) = waiting.pop().expect("not empty");
-                        self.dispatch(&tracker, permit, Work::Relay(delivery, decision), publish, &acks);
-                    }
-                    next = deliveries.next() => match next {
-                        None => break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}")),
-                        Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                        Some(Ok(delivery)) => waiting.arrive(&self.topology, &rules, delivery, now_ms()),
-                    },
-                }
-                continue;
-            }
-            // Send role: deliveries are read as the broker pushes them (at most the
-            // prefetch) and wait here for a slot, so that one held too long without a
-            // claim can be marked as arrived (`arrivals.rs`).
+        loop {
             let paused = health.paused();
             let mark_at = held
                 .get(marked)
@@ -147,17 +214,17 @@ impl Service {
                 .map(|h| h.received + ARRIVAL_AFTER);
             tokio::select! {
                 biased;
-                _ = stop.cancelled() => break SessionEnd::Stopped,
-                _ = lost.cancelled() => break SessionEnd::Lost("the broker session ended".into()),
+                _ = c.stop.cancelled() => return SessionEnd::Stopped,
+                _ = c.lost.cancelled() => return SessionEnd::Lost("the broker session ended".into()),
                 _ = health.wait_dependencies_up(), if paused => {
                     tracing::info!("dependencies answer again; resuming")
                 }
-                permit = slots.clone().acquire_owned(), if !paused && !held.is_empty() => {
+                permit = c.slots.clone().acquire_owned(), if !paused && !held.is_empty() => {
                     let permit = permit.expect("semaphore is never closed");
                     let next = held.pop_front().expect("not empty");
                     let mark_at = (marked == 0).then_some(next.received + ARRIVAL_AFTER);
                     marked = marked.saturating_sub(1);
-                    self.dispatch(&tracker, permit, Work::Send(next.delivery, mark_at), publish, &acks);
+                    self.dispatch(c, permit, Work::Send(next.delivery, mark_at));
                 }
                 _ = sleep_until_some(mark_at) => {
                     let now = Instant::now();
@@ -167,63 +234,50 @@ impl Service {
                         marked += 1;
                     }
                 }
-                next = deliveries.next(), if held.len() < usize::from(prefetch) => match next {
-                    None => {
-                        break SessionEnd::Lost(format!("the broker cancelled the consumer on {queue}"))
+                next = c.deliveries.next(), if held.len() < usize::from(c.prefetch) => {
+                    match c.received(next) {
+                        Ok(delivery) => held.push_back(Held { delivery, received: Instant::now() }),
+                        Err(end) => return end,
                     }
-                    Some(Err(error)) => break SessionEnd::Lost(error.to_string()),
-                    Some(Ok(delivery)) => held.push_back(Held {
-                        delivery,
-                        received: Instant::now(),
-                    }),
-                },
+                }
             }
-        };
+        }
+    }
 
+    /// After a loop ends: on a stop, the consumer is cancelled and in-flight work gets
+    /// the drain timeout (then the hard stop); on a lost session, in-flight work gets
+    /// a moment and is otherwise left to redelivery.
+    async fn drain(&self, end: &SessionEnd, channel: &Channel, c: &Consumer<'_>) {
+        let drain = self.cx.settings.worker.drain_timeout;
+        c.tracker.close();
         if let SessionEnd::Stopped = end {
-            health.set_draining();
+            self.cx.health.set_draining();
             // Stop taking work; prefetched but unstarted deliveries (the relay's waiting
             // ones too) go back on close.
-            bounded(channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default())).await;
-            tracker.close();
-            let drain = self.settings.worker.drain_timeout;
-            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+            bounded(channel.basic_cancel(c.deliveries.tag(), BasicCancelOptions::default())).await;
+            if tokio::time::timeout(drain, c.tracker.wait()).await.is_err() {
                 tracing::warn!("drain timeout: abandoning in-flight deliveries to redelivery");
-                self.hard_stop.cancel();
-                tracker.wait().await;
+                self.cx.hard_stop.cancel();
+                c.tracker.wait().await;
             }
         } else {
             // The channel is gone, so in-flight deliveries cannot be acked any more;
             // their outcomes are in the inbox, and the broker redelivers them to be
             // suppressed. Give them a moment to finish, but never let one that hangs
             // on the dead connection hold up the next session.
-            tracker.close();
-            let drain = self.settings.worker.drain_timeout;
-            if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+            if tokio::time::timeout(drain, c.tracker.wait()).await.is_err() {
                 tracing::warn!(
                     "in-flight deliveries still running after the broker session ended; \
                      reconnecting without them (the broker redelivers them)"
                 );
             }
         }
-        // The acks of everything finished go before the channel closes.
-        drop(acks);
-        ack_task.finish(GOODBYE_TIMEOUT).await;
-        bounded(channel.close(200, "done".into())).await;
-        Ok(end)
     }
 
-    /// Runs `work` on the tracker, holding its slot until it is done.
-    fn dispatch(
-        &self,
-        tracker: &TaskTracker,
-        slot: OwnedSemaphorePermit,
-        work: Work,
-        publish: &Publisher,
-        acks: &Acks,
-    ) {
-        let (this, publish, acks) = (self.clone(), publish.clone(), acks.clone());
-        tracker.spawn(async move {
+    /// Runs `work` on the loop's tracker, holding its slot until it is done.
+    fn dispatch(&self, c: &Consumer<'_>, slot: OwnedSemaphorePermit, work: Work) {
+        let (this, publish, acks) = (self.clone(), c.publish.clone(), c.acks.clone());
+        c.tracker.spawn(async move {
             match work {
                 Work::Send(delivery, mark_at) => {
                     this.handle_send(delivery, mark_at, &publish, &acks).await

@@ -184,12 +184,11 @@ pub fn names(settings: &Settings) -> Topology {
 }
 
 async fn connect(settings: &Settings) -> anyhow::Result<Connection> {
-    broker::connect(
-        &settings.amqp.url,
-        "postie-dlq",
-        settings.amqp.connect_timeout,
-    )
-    .await
+    let addresses = settings.amqp.addresses()?;
+    let timeout = settings.amqp.connect_timeout;
+    Ok(broker::connect(&addresses, "postie-dlq", timeout)
+        .await?
+        .connection)
 }
 
 /// Ready messages in `queue` (a passive declare); a missing queue is an error naming it.

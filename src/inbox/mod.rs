@@ -28,7 +28,7 @@ pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
 pub use reconcile::Overdue;
 pub use status::Status;
 
-use crate::config::{database_plan, DatabaseSettings, DbTls};
+use crate::config::{DatabaseSettings, DbPlan, DbTls};
 use crate::endpoint::redact_url;
 use tls::tls_config;
 
@@ -41,16 +41,13 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// Builds the pool (lazily connected). TLS follows `sslmode` in the URL (see
-    /// [`database_plan`]): refused without TLS to a host that is not this machine unless
-    /// `allow_plaintext`; with TLS, the server's certificate is always verified.
-    pub fn new(settings: &DatabaseSettings) -> anyhow::Result<Self> {
-        let plan = database_plan(
-            settings.url.expose_secret(),
-            settings.allow_plaintext,
-            settings.ca_file(),
-        )?;
-        let mut pg = plan.config;
+    /// Builds the pool (lazily connected) from `database.url` as validation parsed it
+    /// ([`DatabaseSettings::plan`]). TLS follows `sslmode` in the URL (see
+    /// [`database_plan`](crate::config::database_plan)): refused without TLS to a host
+    /// that is not this machine unless `allow_plaintext`; with TLS, the server's
+    /// certificate is always verified.
+    pub fn new(plan: &DbPlan, settings: &DatabaseSettings) -> anyhow::Result<Self> {
+        let mut pg = plan.config.clone();
         pg.connect_timeout(settings.connect_timeout);
         pg.application_name("postie");
         let manager_config = ManagerConfig {
@@ -96,9 +93,10 @@ impl Inbox {
         Ok(client)
     }
 
-    /// [`Inbox::new`] then [`Inbox::check`]: a pool known to reach the database.
+    /// `database.url` parsed, then [`Inbox::new`] and [`Inbox::check`]: a pool known
+    /// to reach the database (for the one-shot commands).
     pub async fn connect(settings: &DatabaseSettings) -> anyhow::Result<Self> {
-        let inbox = Self::new(settings)?;
+        let inbox = Self::new(&settings.plan()?, settings)?;
         inbox.check(&settings.url).await?;
         Ok(inbox)
     }

@@ -57,7 +57,7 @@ mod tests {
             url: format!("file://{}", dir.display()).into(),
             ..SmtpSettings::default()
         };
-        let mailer = Mailer::new(&settings).unwrap();
+        let mailer = Mailer::new(&settings.transport().unwrap(), &settings).unwrap();
         let rules = ParseRules {
             max_body_bytes: 1 << 16,
             default_from: Some("Shop <noreply@shop.example>"),

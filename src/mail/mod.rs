@@ -13,14 +13,13 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use lettre::address::Envelope;
 use lettre::Message;
-use secrecy::ExposeSecret;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod file;
 mod message;
 mod smtp;
 
-use crate::config::{smtp_endpoint, SmtpSettings};
+use crate::config::{SmtpSettings, SmtpTransport};
 use crate::contract::EmailJob;
 
 /// Why a send failed, and whether trying again can help.
@@ -152,14 +151,16 @@ pub struct Slot {
 }
 
 impl Mailer {
-    /// Builds the transport named by `smtp.url` (no connection is made yet):
-    /// `file:///dir` writes `.eml` files, anything else is an SMTP relay (see
-    /// [`smtp_endpoint`] for its TLS rules).
-    pub fn new(settings: &SmtpSettings) -> anyhow::Result<Self> {
-        let raw = settings.url.expose_secret();
-        let transport: Arc<dyn Transport> = match smtp_endpoint(raw)? {
-            None => Arc::new(file::EmlFiles::new(raw.trim_start_matches("file://"))?),
-            Some(endpoint) => Arc::new(smtp::SmtpRelay::new(endpoint, settings)?),
+    /// Builds the transport `smtp.url` names, as validation parsed it
+    /// ([`SmtpSettings::transport`]; no connection is made yet): `file:///dir` writes
+    /// `.eml` files, anything else is an SMTP relay (see
+    /// [`smtp_endpoint`](crate::config::smtp_endpoint) for its TLS rules).
+    pub fn new(transport: &SmtpTransport, settings: &SmtpSettings) -> anyhow::Result<Self> {
+        let transport: Arc<dyn Transport> = match transport {
+            SmtpTransport::Files(dir) => Arc::new(file::EmlFiles::new(dir)?),
+            SmtpTransport::Relay(endpoint) => {
+                Arc::new(smtp::SmtpRelay::new(endpoint.clone(), settings)?)
+            }
         };
         Ok(Self::with_transport(transport, settings))
     }

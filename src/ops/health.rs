@@ -174,12 +174,6 @@ impl Health {
         }
     }
 
-    /// Resolves once the SMTP circuit is closed.
-    pub async fn wait_transport_up(&self) {
-        let mut smtp = self.inner.smtp_up.subscribe();
-        let _ = smtp.wait_for(|up| *up).await;
-    }
-
     /// True while the send consumer must not take new work.
     pub fn paused(&self) -> bool {
         !self.database_up() || !self.transport_up()

@@ -1,5 +1,7 @@
 //! The unit of work: claim → send → record, one delivery at a time.
 //!
+//! - [`context`]: the [`Context`] an instance shares (settings, topology, owner,
+//!   inbox, mailer, health, hard stop), built once at start-up.
 //! - [`worker`]: the state machine, one delivery's body and headers in, one
 //!   [`Outcome`] out; it never touches the broker.
 //! - [`policy`]: the [`RetryPolicy`], what each failure becomes.
@@ -8,11 +10,13 @@
 //! - [`outcome`]: the [`Outcome`]s, and for each its log line, counter and
 //!   [`Disposition`] (what the consume loop does with the delivery).
 
+pub mod context;
 pub mod limiter;
 pub mod outcome;
 pub mod policy;
 pub mod worker;
 
+pub use context::{Context, SharedContext};
 pub use limiter::{Limiter, Turn};
 pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
 pub use policy::{Failure, Next, RetryPolicy};

@@ -70,11 +70,12 @@ pub async fn broker_memory() -> u64 {
 /// A connection of the benchmark's own to the test broker.
 pub async fn broker_connection(name: &str) -> Connection {
     broker::connect(
-        &SecretString::from(amqp_url()),
+        &postie::config::AmqpAddresses::parse(&SecretString::from(amqp_url())).unwrap(),
         name,
         Duration::from_secs(10),
     )
     .await
+    .map(|c| c.connection)
     .expect("RabbitMQ for benchmarks")
 }
 

@@ -504,11 +504,13 @@ impl Drop for TestEnv {
             rt.block_on(async move {
                 let connected = if delete_topology {
                     broker::connect(
-                        &SecretString::from(amqp_url),
+                        &postie::config::AmqpAddresses::parse(&SecretString::from(amqp_url))
+                            .unwrap(),
                         "postie-test-cleanup",
                         Duration::from_secs(10),
                     )
                     .await
+                    .map(|c| c.connection)
                     .ok()
                 } else {
                     None
@@ -639,11 +641,12 @@ pub struct InboxRow {
 /// A connection for the test itself, with a confirm channel.
 async fn test_connection(amqp_url: &str) -> (Connection, Channel) {
     let conn = broker::connect(
-        &SecretString::from(amqp_url.to_string()),
+        &postie::config::AmqpAddresses::parse(&SecretString::from(amqp_url.to_string())).unwrap(),
         "postie-test",
         Duration::from_secs(10),
     )
     .await
+    .map(|c| c.connection)
     .expect("RabbitMQ for tests");
     let channel = broker::confirm_channel(&conn).await.unwrap();
     (conn, channel)

@@ -23,8 +23,8 @@ impl Worker {
         timestamp_s: Option<u64>,
     ) -> Result<i64, InvalidJob> {
         let now = now_ms();
-        let max = self.topology.max_delay();
-        match self.topology.delay() {
+        let max = self.cx.topology.max_delay();
+        match self.cx.topology.delay() {
             DelayLayout::Ladder(_) => contract::due_at(headers, timestamp_s, now, max),
             DelayLayout::Plugin => {
                 contract::x_delay(headers, max)?; // refuse a bad x-delay in this mode too
@@ -41,7 +41,7 @@ impl Worker {
     }
 
     pub(super) fn hold_limit(&self) -> Duration {
-        match self.topology.delay() {
+        match self.cx.topology.delay() {
             DelayLayout::Ladder(ladder) => ladder.resolution() + HOLD_SLACK,
             DelayLayout::Plugin => HOLD_SLACK,
         }

@@ -46,13 +46,15 @@ impl Worker {
     /// claim is gone (and the clearance withdrawn).
     pub(super) async fn lease_for_send(&self, key: &str, held: &mut Held) -> Result<bool, Stop> {
         let left = held.expires.saturating_duration_since(Instant::now());
-        if left >= self.mailer.deadline() {
+        if left >= self.cx.mailer.deadline() {
             return Ok(true);
         }
-        let lease = self.settings.worker.lease;
+        let lease = self.cx.settings.worker.lease;
         let asked = Instant::now();
         let kept = self
-            .db("renew lease", || self.inbox.renew(key, held.fence, lease))
+            .db("renew lease", || {
+                self.cx.inbox.renew(key, held.fence, lease)
+            })
             .await?;
         if kept {
             held.expires = asked + lease;
@@ -78,12 +80,12 @@ impl Worker {
     /// Renews the claim every third of the lease, forever; withdraws its clearance
     /// once a renewal finds it gone.
     async fn keep_lease(&self, key: &str, held: &Held) -> Infallible {
-        let lease = self.settings.worker.lease;
+        let lease = self.cx.settings.worker.lease;
         let mut wait = lease / 3;
         loop {
             tokio::time::sleep(wait).await;
             wait = lease / 3;
-            match self.inbox.renew(key, held.fence, lease).await {
+            match self.cx.inbox.renew(key, held.fence, lease).await {
                 Ok(true) => {}
                 Ok(false) => {
                     tracing::warn!(

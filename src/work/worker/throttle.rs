@@ -18,7 +18,7 @@ impl Worker {
         let Some(rule) = job
             .kind
             .as_ref()
-            .and_then(|kind| self.settings.throttle.get(kind))
+            .and_then(|kind| self.cx.settings.throttle.get(kind))
         else {
             return Ok(None);
         };
@@ -26,7 +26,8 @@ impl Worker {
         let recipient = job.throttle_recipient();
         let verdict = self
             .db("throttle", || {
-                self.inbox
+                self.cx
+                    .inbox
                     .throttle(kind, &recipient, rule.limit, rule.window)
             })
             .await?;
@@ -37,7 +38,8 @@ impl Worker {
         Ok(Some(match rule.policy {
             ThrottlePolicy::Drop => {
                 self.db("record throttled", || {
-                    self.inbox
+                    self.cx
+                        .inbox
                         .complete(key.as_str(), fence, Completion::Throttled)
                 })
                 .await?;
@@ -49,7 +51,8 @@ impl Worker {
             ThrottlePolicy::Defer => {
                 self.db("defer", || {
                     let why = "throttled (defer policy)";
-                    self.inbox
+                    self.cx
+                        .inbox
                         .complete(key.as_str(), fence, Completion::Unclaimed { why })
                 })
                 .await?;

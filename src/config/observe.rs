@@ -1,0 +1,77 @@
+//! The sections about observing postie: the HTTP endpoint, logging, trace export.
+
+use std::net::SocketAddr;
+
+use secrecy::SecretString;
+use serde::Deserialize;
+
+use super::de::optional_addr;
+
+/// HTTP endpoint settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSettings {
+    /// Where `/metrics`, `/healthz` and `/readyz` listen; empty to disable.
+    #[serde(deserialize_with = "optional_addr")]
+    pub listen: Option<SocketAddr>,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
+        }
+    }
+}
+
+/// Log output.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSettings {
+    /// `human` for development, `json` for production.
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `postie=debug,lapin=warn`. `RUST_LOG` wins.
+    /// lapin is off by default: it logs the probe's expected 503 and every
+    /// connection loss as errors, which postie already reports in its own words.
+    pub filter: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Human,
+            filter: "info,lapin=off,tokio_postgres=warn".into(),
+        }
+    }
+}
+
+/// OpenTelemetry: spans per delivery exported over OTLP/HTTP.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OtelSettings {
+    /// OTLP/HTTP traces endpoint, e.g. `http://127.0.0.1:4318/v1/traces`; unset = off.
+    /// It may carry credentials (`https://user:password@collector/v1/traces`, or a
+    /// `?api_key=`): kept secret, shown only redacted.
+    pub endpoint: Option<SecretString>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for OtelSettings {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            service_name: "postie".into(),
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Coloured, one line per event.
+    Human,
+    /// One JSON object per line.
+    Json,
+}

@@ -1,0 +1,201 @@
+//! Settings checked once, section by section, and the connection addresses parsed
+//! into the typed values the rest of postie uses ([`Parsed`]): no module takes a
+//! settings string apart again where it is used.
+
+use secrecy::ExposeSecret;
+
+use super::{
+    database_plan, smtp_endpoint, AmqpAddresses, ConfigError, DbPlan, Settings, SmtpEndpoint,
+};
+use crate::endpoint::redact_url;
+
+/// What validation parsed: the typed connection settings. `Debug` shows no secret.
+pub struct Parsed {
+    /// `amqp.url`, each address parsed.
+    pub amqp: AmqpAddresses,
+    /// `smtp.url`: the transport and its TLS rules.
+    pub smtp: SmtpTransport,
+    /// `database.url`: the connection settings and the TLS decision.
+    pub database: DbPlan,
+}
+
+impl std::fmt::Debug for Parsed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parsed")
+            .field("amqp", &self.amqp)
+            .field("smtp", &self.smtp)
+            .field("database_tls", &self.database.tls)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The mail transport `smtp.url` names.
+#[derive(Debug, Clone)]
+pub enum SmtpTransport {
+    /// `file:///dir`: `.eml` files in that folder.
+    Files(String),
+    /// An SMTP relay.
+    Relay(SmtpEndpoint),
+}
+
+impl SmtpTransport {
+    /// Parses `raw` (`smtp.url`) and applies the transport rules ([`smtp_endpoint`]).
+    pub fn parse(raw: &str) -> Result<Self, ConfigError> {
+        Ok(match smtp_endpoint(raw)? {
+            None => Self::Files(raw.trim_start_matches("file://").to_string()),
+            Some(endpoint) => Self::Relay(endpoint),
+        })
+    }
+}
+
+fn fail<T>(message: String) -> Result<T, ConfigError> {
+    Err(ConfigError(message))
+}
+
+impl Settings {
+    /// Cross-field checks the types cannot express, then the connection addresses
+    /// parsed (each refusal comes before any connection is made).
+    pub fn validate(&self) -> Result<Parsed, ConfigError> {
+        self.check_topology()?;
+        self.check_delay_and_throttles()?;
+        self.check_inbox()?;
+        self.check_worker_and_smtp()?;
+        self.check_budget()?;
+        self.parse_addresses()
+    }
+
+    fn check_topology(&self) -> Result<(), ConfigError> {
+        let topology = &self.topology;
+        let allowed = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
+        if topology.prefix.is_empty() || !topology.prefix.chars().all(allowed) {
+            return fail(format!(
+                "topology.prefix {:?} must be non-empty ASCII letters, digits, '.', '_' or '-'",
+                topology.prefix
+            ));
+        }
+        for old in &topology.drain_prefixes {
+            if old.is_empty() || old == &topology.prefix {
+                return fail(format!(
+                    "topology.drain_prefixes: {old:?} must be another prefix than topology.prefix {:?}",
+                    topology.prefix
+                ));
+            }
+        }
+        if topology.quorum_initial_group_size == Some(0) {
+            return fail("topology.quorum_initial_group_size must be at least 1".into());
+        }
+        if topology.retry_steps.iter().any(|d| d.is_zero()) {
+            return fail("topology.retry_steps must all be above zero".into());
+        }
+        Ok(())
+    }
+
+    fn check_delay_and_throttles(&self) -> Result<(), ConfigError> {
+        let delay = &self.delay;
+        if delay.resolution.is_zero() || delay.max < delay.resolution {
+            return fail("delay.resolution must be above zero and below delay.max".into());
+        }
+        if delay.relay_concurrency == 0 {
+            return fail("delay.relay_concurrency must be at least 1".into());
+        }
+        if delay.reconcile_grace < std::time::Duration::from_secs(1) {
+            return fail("delay.reconcile_grace must be at least 1s".into());
+        }
+        for (kind, rule) in &self.throttle {
+            if rule.limit == 0 || rule.window.is_zero() {
+                return fail(format!(
+                    "throttle.{kind}: limit and window must be above zero"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_inbox(&self) -> Result<(), ConfigError> {
+        let inbox = &self.inbox;
+        if inbox.retention.is_zero()
+            || inbox.tombstone_retention().is_zero()
+            || inbox.prune_interval.is_zero()
+            || inbox.prune_batch == 0
+        {
+            return fail(
+                "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn check_worker_and_smtp(&self) -> Result<(), ConfigError> {
+        if self.smtp.rate_burst == Some(0) {
+            return fail("smtp.rate_burst must be at least 1".into());
+        }
+        if self.smtp.pool_size == 0 {
+            return fail("smtp.pool_size must be at least 1".into());
+        }
+        if self.worker.threads == Some(0) {
+            return fail("worker.threads must be at least 1 (or unset: one per core)".into());
+        }
+        if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
+            return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
+        }
+        if self.worker.lease < self.smtp.send_deadline() {
+            return fail(format!(
+                "worker.lease ({}) is shorter than a send may take ({}, twice smtp.timeout): \
+                 raise worker.lease or lower smtp.timeout",
+                humantime::format_duration(self.worker.lease),
+                humantime::format_duration(self.smtp.send_deadline())
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every connection address, parsed, with the transport rules applied.
+    fn parse_addresses(&self) -> Result<Parsed, ConfigError> {
+        // amqp.url: one address or a comma-separated list, each a URL of its own.
+        let amqp = AmqpAddresses::parse(&self.amqp.url)?;
+        let smtp = SmtpTransport::parse(self.smtp.url.expose_secret())?;
+        if let Some(endpoint) = &self.otel.endpoint {
+            let endpoint = endpoint.expose_secret();
+            if let Err(e) = url::Url::parse(endpoint) {
+                return fail(format!(
+                    "otel.endpoint {} is not a URL: {e}",
+                    redact_url(endpoint)
+                ));
+            }
+        }
+        let database = self.database.plan()?;
+        Ok(Parsed {
+            amqp,
+            smtp,
+            database,
+        })
+    }
+}
+
+impl super::DatabaseSettings {
+    /// `url` parsed with the TLS decision ([`database_plan`]); `ca_file`, if set, must
+    /// be a readable file.
+    pub fn plan(&self) -> Result<DbPlan, ConfigError> {
+        if let Some(path) = self.ca_file() {
+            if !path.is_file() {
+                return fail(format!(
+                    "database.ca_file {} is not a readable file",
+                    path.display()
+                ));
+            }
+        }
+        database_plan(
+            self.url.expose_secret(),
+            self.allow_plaintext,
+            self.ca_file(),
+        )
+    }
+}
+
+impl super::SmtpSettings {
+    /// `url` parsed ([`SmtpTransport::parse`]).
+    pub fn transport(&self) -> Result<SmtpTransport, ConfigError> {
+        SmtpTransport::parse(self.url.expose_secret())
+    }
+}

@@ -1,0 +1,131 @@
+//! What a failure leads to: the [`RetryPolicy`](crate::work::RetryPolicy)'s
+//! [`Next`] carried out under the claim (recorded, given back, waited out) and the
+//! delivery's outcome named, or another try asked for.
+
+use std::time::Duration;
+
+use super::{Followed, Stop, Worker};
+use crate::contract::IdempotencyKey;
+use crate::inbox::Completion;
+use crate::work::{DeadKind, Next, Outcome};
+
+impl Worker {
+    /// Carries out what the retry policy decided after `error`: records it under the
+    /// claim `fence` (if this instance holds one) and names the outcome, or waits for
+    /// the dependency to answer and asks for another try.
+    pub(super) async fn follow(
+        &self,
+        next: Next,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        error: &str,
+    ) -> Result<Followed, Stop> {
+        Ok(match next {
+            Next::Retry { step, attempt } => {
+                self.give_back("record retry", key, fence, error).await?;
+                Followed::Outcome(Outcome::Retry {
+                    key: key.clone(),
+                    step,
+                    attempt,
+                    error: error.to_string(),
+                })
+            }
+            Next::Defer { step } => {
+                self.give_back("defer", key, fence, error).await?;
+                Followed::Outcome(Outcome::Deferred {
+                    key: key.clone(),
+                    step,
+                })
+            }
+            Next::Hold => {
+                // Not the job's fault: give the claim back, hold the delivery, and
+                // start over when the dependency answers.
+                self.give_back("release", key, fence, error).await?;
+                tokio::select! {
+                    _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                    _ = self.cx.health.wait_dependencies_up() => Followed::TryAgain,
+                }
+            }
+            Next::Pause { tried } => self.pause(key, fence, tried, error).await?,
+            Next::Dead { kind, attempts } => {
+                if let Some(fence) = fence {
+                    self.db("record dead", || {
+                        self.cx
+                            .inbox
+                            .complete(key.as_str(), fence, Completion::Dead { error })
+                    })
+                    .await?;
+                }
+                let reason = match kind {
+                    DeadKind::Permanent => format!("SMTP refused the email: {error}"),
+                    DeadKind::Exhausted => {
+                        format!("gave up after {attempts} attempts; last error: {error}")
+                    }
+                    DeadKind::Invalid => error.to_string(),
+                };
+                Followed::Outcome(Outcome::DeadLetter {
+                    key: Some(key.clone()),
+                    kind,
+                    reason,
+                    attempts,
+                })
+            }
+        })
+    }
+
+    /// Throttled, or the relay hung or unreachable before the breaker opened: gives
+    /// the claim back without charging the job (the inbox records an SMTP attempt that
+    /// may have reached the relay, `tried`), waits a jittered moment (the limiter has
+    /// cut the rate; the breaker may open meanwhile), and asks for another turn once
+    /// the transport is up.
+    async fn pause(
+        &self,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        tried: bool,
+        error: &str,
+    ) -> Result<Followed, Stop> {
+        match fence {
+            Some(_) if tried => self.give_back("release", key, fence, error).await?,
+            Some(fence) => {
+                self.db("release", || {
+                    self.cx.inbox.complete(
+                        key.as_str(),
+                        fence,
+                        Completion::Unclaimed { why: error },
+                    )
+                })
+                .await?;
+            }
+            None => {}
+        }
+        let jitter = uuid::Uuid::new_v4().as_u128() % 750;
+        tokio::select! {
+            _ = self.cx.hard_stop.cancelled() => Err(Stop::Interrupted),
+            _ = async {
+                tokio::time::sleep(Duration::from_millis(250 + jitter as u64)).await;
+                self.cx.health.wait_dependencies_up().await;
+            } => Ok(Followed::TryAgain),
+        }
+    }
+
+    /// Gives the claim `fence` (if this instance holds one) back, recording the
+    /// attempt and its error.
+    pub(super) async fn give_back(
+        &self,
+        what: &str,
+        key: &IdempotencyKey,
+        fence: Option<i64>,
+        error: &str,
+    ) -> Result<(), Stop> {
+        if let Some(fence) = fence {
+            self.db(what, || {
+                self.cx
+                    .inbox
+                    .complete(key.as_str(), fence, Completion::Retrying { error })
+            })
+            .await?;
+        }
+        Ok(())
+    }
+}
