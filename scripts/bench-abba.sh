@@ -20,7 +20,8 @@
 # target/abba/ (runs-*.json, abba.md).
 #
 # Environment: POSTIE_BENCH_N (jobs per run, default 20,000; 500 checks the script),
-# POSTIE_BENCH_POSTIE_ENV (settings for both sides' processes), CARGO.
+# POSTIE_BENCH_POSTIE_ENV (settings for both sides' processes), CARGO, POSTIE_ABBA_REUSE
+# (set: a side whose binary was built for the same commit before is not built again).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 
@@ -39,6 +40,10 @@ mkdir -p "$work/A" "$work/B"
 
 build() { # side commit
     local side=$1 commit=$2 src="$work/src-$2"
+    if [ -n "${POSTIE_ABBA_REUSE:-}" ] && [ -x "$work/$side/postie" ] && [ "$(cat "$work/$side/commit" 2>/dev/null)" = "$commit" ]; then
+        say "reusing $side = ${commit:0:12} (POSTIE_ABBA_REUSE)"
+        return
+    fi
     if [ ! -f "$src/Cargo.toml" ]; then
         mkdir -p "$src"
         git archive "$commit" | tar -x -C "$src"
@@ -46,10 +51,12 @@ build() { # side commit
     say "building $side = ${commit:0:12} ($(git log -1 --format=%s "$commit" | cut -c1-60))"
     (cd "$src" && CARGO_TARGET_DIR="$target" "$cargo" build --release --locked --bin postie)
     cp "$target/release/postie" "$work/$side/postie"
+    echo "$commit" > "$work/$side/commit"
 }
 build A "$base"
 if [ "$head" = "$base" ]; then
     cp "$work/A/postie" "$work/B/postie"
+    echo "$head" > "$work/B/commit"
 else
     build B "$head"
 fi
