@@ -12,7 +12,7 @@ use std::ops::Range;
 /// is taken apart by hand, a port that is not a number in an address without user
 /// info is shown as `***` (it may be half of a password), and what cannot be read at
 /// all is `***`.
-pub fn redact_url(raw: &str) -> String {
+pub(crate) fn redact_url(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len());
     let mut copied = 0;
     for span in secret_spans(raw) {
@@ -28,7 +28,7 @@ pub fn redact_url(raw: &str) -> String {
 /// written and percent-decoded (or unquoted), for scrubbing text a library may have
 /// quoted them in (see [`scrub`]). Values shorter than 3 characters are left out:
 /// replacing them everywhere would mangle the text and hide little.
-pub fn passwords(raw: &str) -> Vec<String> {
+pub(crate) fn passwords(raw: &str) -> Vec<String> {
     let mut found = Vec::new();
     for piece in std::iter::once(raw).chain(split_urls(raw)) {
         for span in secret_spans(piece) {
@@ -56,22 +56,11 @@ pub fn scrub(text: &str, secrets: &[String]) -> String {
 /// The addresses of a comma-separated list of URLs (`amqp.url` may name every node
 /// of a cluster), trimmed, empty entries dropped. A comma inside a password must be
 /// written `%2C`.
-pub fn split_urls(raw: &str) -> Vec<&str> {
+pub(crate) fn split_urls(raw: &str) -> Vec<&str> {
     raw.split(',')
         .map(str::trim)
         .filter(|u| !u.is_empty())
         .collect()
-}
-
-/// A comma-separated list of URLs, each redacted on its own ([`redact_url`]), joined
-/// by `", "`. Safe for one URL too, and for a password that held a raw comma: neither
-/// half shows.
-pub fn redact_url_list(raw: &str) -> String {
-    split_urls(raw)
-        .into_iter()
-        .map(redact_url)
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// A part of an address to hide.
@@ -224,19 +213,19 @@ fn is_secret_key(key: &str) -> bool {
 }
 
 /// One `key = value` pair of a libpq key=value string.
-pub struct KeyValue {
+pub(crate) struct KeyValue {
     /// The key, as a byte range of the string.
-    pub key: Range<usize>,
+    pub(crate) key: Range<usize>,
     /// The value as written (quotes included), as a byte range of the string.
-    pub value: Range<usize>,
+    pub(crate) value: Range<usize>,
     /// The value unquoted and unescaped.
-    pub text: String,
+    pub(crate) text: String,
 }
 
 /// The pairs of a libpq key=value string (`key = value` or `key = 'quoted \' value'`,
 /// separated by whitespace), and the offset of the first pair that is malformed (a key
 /// without `=`), if any: nothing after it is read.
-pub fn key_values(raw: &str) -> (Vec<KeyValue>, Option<usize>) {
+pub(crate) fn key_values(raw: &str) -> (Vec<KeyValue>, Option<usize>) {
     let mut pairs = Vec::new();
     let skip_space = |at: usize| {
         raw[at..]
@@ -305,7 +294,7 @@ pub fn is_loopback_host(host: &str) -> bool {
 }
 
 /// `%XX` escapes decoded (and nothing else: `+` stays `+`).
-pub fn percent_decode(text: &str) -> String {
+pub(crate) fn percent_decode(text: &str) -> String {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -509,6 +498,10 @@ mod tests {
 
     #[test]
     fn url_lists_are_split_and_each_address_redacted_on_its_own() {
+        let redact_url_list = |raw: &str| {
+            let shown: Vec<String> = split_urls(raw).into_iter().map(redact_url).collect();
+            shown.join(", ")
+        };
         let list = "amqp://u:SECRETPW1@10.0.0.1:5672/%2f, amqp://u:SECRETPW2@10.0.0.2/%2f,,\
                     amqps://v:SECRETPW3@rmq-3.example:5671/prod?heartbeat=5";
         assert_eq!(split_urls(list).len(), 3);

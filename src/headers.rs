@@ -8,22 +8,22 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 /// over the AMQP `timestamp` property, which only has seconds.
 pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
 /// Header postie sets when it first sees a job: the due time in Unix milliseconds.
-pub const HEADER_DUE_AT: &str = "postie-due-at";
+pub(crate) const HEADER_DUE_AT: &str = "postie-due-at";
 /// The producers' delay header (milliseconds).
-pub const HEADER_X_DELAY: &str = "x-delay";
+pub(crate) const HEADER_X_DELAY: &str = "x-delay";
 /// Header: failed attempts so far in the current retry cycle (postie's own; RabbitMQ
 /// 3.13+ drops client-set `x-*` headers, so none of ours start with `x-`).
 pub const HEADER_ATTEMPT: &str = "postie-attempt";
 /// Header: the error of the last failed attempt.
-pub const HEADER_LAST_ERROR: &str = "postie-last-error";
+pub(crate) const HEADER_LAST_ERROR: &str = "postie-last-error";
 /// Header on dead letters: why the job was dead-lettered, for a person.
 pub const HEADER_DEAD_REASON: &str = "postie-dead-reason";
 /// Header on dead letters: a short machine-readable reason class.
 pub const HEADER_DEAD_KIND: &str = "postie-dead-kind";
 /// Header on dead letters: when (RFC 3339).
-pub const HEADER_DEAD_AT: &str = "postie-dead-at";
+pub(crate) const HEADER_DEAD_AT: &str = "postie-dead-at";
 /// Header on dead letters: attempts made before dead-lettering.
-pub const HEADER_DEAD_ATTEMPTS: &str = "postie-dead-attempts";
+pub(crate) const HEADER_DEAD_ATTEMPTS: &str = "postie-dead-attempts";
 
 /// A header value as text, if it is a string or a number.
 pub fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
@@ -35,7 +35,7 @@ pub fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
 }
 
 /// A header value as an integer, if it is an integer, or a string holding one.
-pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+pub(crate) fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
     let value = headers?.inner().get(name)?;
     header_i64(value).or_else(|| match value {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok(),
@@ -58,7 +58,7 @@ fn header_i64(value: &AMQPValue) -> Option<i64> {
 }
 
 /// Sets a string header.
-pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
+pub(crate) fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
     headers.insert(
         ShortString::from(name),
         AMQPValue::LongString(LongString::from(value)),
@@ -66,7 +66,7 @@ pub fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
 }
 
 /// Sets an integer header.
-pub fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
+pub(crate) fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
     headers.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
 }
 
@@ -75,7 +75,7 @@ pub fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
 /// dead-letter cycle detection, and a job that passes the same TTL queue twice
 /// (deferred twice, a second ladder pass, a replay) would be taken for a cycle and
 /// dropped or, with at-least-once dead-lettering, stuck in that queue for good.
-pub const BROKER_DEATH_HEADERS: &[&str] = &[
+pub(crate) const BROKER_DEATH_HEADERS: &[&str] = &[
     "x-death",
     "x-first-death-exchange",
     "x-first-death-queue",
@@ -88,7 +88,7 @@ pub const BROKER_DEATH_HEADERS: &[&str] = &[
 
 /// `headers` without the [`BROKER_DEATH_HEADERS`], copied only if it has one of them:
 /// a republished copy's headers, which its publisher built and owns.
-pub fn without_broker_death(headers: FieldTable) -> FieldTable {
+pub(crate) fn without_broker_death(headers: FieldTable) -> FieldTable {
     let has_any = BROKER_DEATH_HEADERS
         .iter()
         .any(|name| headers.contains_key(name));
@@ -100,7 +100,7 @@ pub fn without_broker_death(headers: FieldTable) -> FieldTable {
 }
 
 /// A copy of `headers` without `names`.
-pub fn without(headers: Option<&FieldTable>, names: &[&str]) -> FieldTable {
+pub(crate) fn without(headers: Option<&FieldTable>, names: &[&str]) -> FieldTable {
     let mut out = FieldTable::default();
     if let Some(headers) = headers {
         for (k, v) in headers.inner() {

@@ -50,7 +50,7 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 }
 
 /// An error and its causes on one line, each said once.
-pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// How long a finished tag may wait for the acks before it to finish.
-pub const LINGER: Duration = Duration::from_millis(25);
+pub(crate) const LINGER: Duration = Duration::from_millis(25);
 /// How long a run of finished tags may wait to grow before it is acked.
 const BATCH_WAIT: Duration = Duration::from_millis(2);
 /// A run this long is acked at once.
@@ -35,25 +35,25 @@ const BATCH_MAX: usize = 64;
 
 /// Reports finished deliveries to the channel's ack task.
 #[derive(Clone)]
-pub struct Acks {
+pub(crate) struct Acks {
     done: mpsc::UnboundedSender<u64>,
 }
 
 /// The ack task of one channel; [`AckTask::finish`] acks what is left and ends it.
-pub struct AckTask {
+pub(crate) struct AckTask {
     handle: JoinHandle<()>,
 }
 
 impl Acks {
     /// Starts the ack task for `channel`.
-    pub fn start(channel: Channel) -> (Self, AckTask) {
+    pub(crate) fn start(channel: Channel) -> (Self, AckTask) {
         let (done, rx) = mpsc::unbounded_channel();
         let handle = tokio::spawn(run(channel, rx));
         (Self { done }, AckTask { handle })
     }
 
     /// Delivery `tag` is finished and may be acked.
-    pub fn done(&self, tag: u64) {
+    pub(crate) fn done(&self, tag: u64) {
         // The task ends only after every sender is gone.
         let _ = self.done.send(tag);
     }
@@ -62,7 +62,7 @@ impl Acks {
 impl AckTask {
     /// Waits (at most `limit`) for the acks of every finished delivery to be sent.
     /// Every [`Acks`] handle must have been dropped first.
-    pub async fn finish(self, limit: Duration) {
+    pub(crate) async fn finish(self, limit: Duration) {
         let mut handle = self.handle;
         if tokio::time::timeout(limit, &mut handle).await.is_err() {
             handle.abort();

@@ -50,7 +50,7 @@ fn next_address() -> &'static AtomicUsize {
 }
 
 /// The order in which to try `count` addresses, starting at `start` (mod `count`).
-pub fn rotation(start: usize, count: usize) -> impl Iterator<Item = usize> {
+pub(crate) fn rotation(start: usize, count: usize) -> impl Iterator<Item = usize> {
     (0..count).map(move |i| (start.wrapping_add(i)) % count.max(1))
 }
 

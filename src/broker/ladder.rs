@@ -23,7 +23,7 @@ use crate::contract::PLUGIN_MAX_DELAY;
 
 /// Where the relay sends a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
+pub(crate) enum Route {
     /// Due within one unit: straight to the work exchange.
     Now,
     /// Into the ladder: `units` whole units, spelled as `routing_key`.
@@ -45,7 +45,7 @@ pub struct Ladder {
 impl Ladder {
     /// Enough levels to spell `max` in units of `resolution` in one pass, but no
     /// level whose TTL RabbitMQ cannot hold (longer delays take several passes).
-    pub fn new(resolution: Duration, max: Duration) -> Self {
+    pub(crate) fn new(resolution: Duration, max: Duration) -> Self {
         let resolution_ms = resolution.as_millis().max(1) as u64;
         let max_units = (max.as_millis() as u64).div_ceil(resolution_ms).max(1);
         let needed = 64 - max_units.leading_zeros();
@@ -79,7 +79,7 @@ impl Ladder {
 
     /// The route for a job due in `remaining_ms` (rounded down to whole units; the
     /// worker waits out the rest).
-    pub fn route(&self, remaining_ms: i64) -> Route {
+    pub(crate) fn route(&self, remaining_ms: i64) -> Route {
         let units =
             (remaining_ms.max(0) as u64 / self.resolution_ms).min((1u64 << self.levels) - 1);
         if units == 0 {
@@ -92,7 +92,7 @@ impl Ladder {
     }
 
     /// `units` in binary over all levels, MSB first, dot-separated, then `.email`.
-    pub fn routing_key(&self, units: u64) -> String {
+    pub(crate) fn routing_key(&self, units: u64) -> String {
         let mut key = String::with_capacity(self.levels as usize * 2 + 6);
         for k in (0..self.levels).rev() {
             key.push(if units >> k & 1 == 1 { '1' } else { '0' });

@@ -11,17 +11,17 @@ use crate::endpoint::redact_url;
 
 /// An exchange as the management API describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExchangeInfo {
+pub(crate) struct ExchangeInfo {
     /// Its type (`direct`, `x-delayed-message`, …).
-    pub kind: String,
+    pub(crate) kind: String,
     /// Messages the delayed-message plugin holds for it (only that plugin's exchanges
     /// report it).
-    pub messages_delayed: Option<u64>,
+    pub(crate) messages_delayed: Option<u64>,
 }
 
 impl ExchangeInfo {
     /// Reads the API's JSON description of an exchange.
-    pub fn from_json(value: &serde_json::Value) -> Option<Self> {
+    pub(crate) fn from_json(value: &serde_json::Value) -> Option<Self> {
         Some(Self {
             kind: value.get("type")?.as_str()?.to_string(),
             messages_delayed: value.get("messages_delayed").and_then(|v| v.as_u64()),
@@ -32,7 +32,7 @@ impl ExchangeInfo {
 /// `GET /api/exchanges/<vhost>/<exchange>` on `base` (`http://user:pass@host:15672`),
 /// within `timeout`: `None` if there is no such exchange. The vhost is given as it
 /// stands in an AMQP URL's path (percent-encoded, `%2f` for `/`).
-pub async fn exchange_info(
+pub(crate) async fn exchange_info(
     base: &SecretString,
     vhost: &str,
     exchange: &str,
@@ -79,7 +79,7 @@ pub async fn exchange_info(
 
 /// The vhost part of an AMQP URL, as it stands (percent-encoded); empty for the
 /// default vhost.
-pub fn vhost_of(amqp_url: &str) -> String {
+pub(crate) fn vhost_of(amqp_url: &str) -> String {
     url::Url::parse(amqp_url)
         .map(|u| u.path().trim_start_matches('/').to_string())
         .unwrap_or_default()

@@ -9,7 +9,7 @@ pub mod management;
 pub mod probe;
 pub mod topology;
 
-pub use acks::Acks;
+pub(crate) use acks::Acks;
 pub use amqp::{
     confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
     queue_exists, queue_state, Connected, PublishError, QueueState,

@@ -123,7 +123,7 @@ impl Topology {
     }
 
     /// The resolved mode's name.
-    pub fn mode_name(&self) -> &'static str {
+    pub(crate) fn mode_name(&self) -> &'static str {
         match self.delay {
             DelayLayout::Plugin => "plugin",
             DelayLayout::Ladder(_) => "ladder",
@@ -131,7 +131,7 @@ impl Topology {
     }
 
     /// The longest accepted `x-delay`.
-    pub fn max_delay(&self) -> Duration {
+    pub(crate) fn max_delay(&self) -> Duration {
         self.max_delay
     }
 
@@ -147,7 +147,7 @@ impl Topology {
     }
 
     /// Ladder mode: where the relay enters the cascade (the top level's exchange).
-    pub fn ladder_entry(&self) -> Option<&str> {
+    pub(crate) fn ladder_entry(&self) -> Option<&str> {
         self.names.ladder_entry.as_deref()
     }
 
@@ -236,7 +236,7 @@ impl Topology {
     /// (whose dead-letter hops are at-least-once, which needs `reject-publish`
     /// overflow), on `topology.quorum_initial_group_size` nodes if set (the broker's
     /// default otherwise: every cluster node).
-    pub fn quorum_args(&self) -> FieldTable {
+    pub(crate) fn quorum_args(&self) -> FieldTable {
         let mut args = FieldTable::default();
         insert(&mut args, "x-queue-type", string("quorum"));
         if let Some(size) = self.quorum_group {

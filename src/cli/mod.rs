@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand};
 
 use crate::config::Settings;
 
-pub use publish::PublishArgs;
+pub(crate) use publish::PublishArgs;
 
 /// `postie [--config FILE] COMMAND`.
 #[derive(Parser)]

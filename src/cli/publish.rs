@@ -48,7 +48,7 @@ pub struct PublishArgs {
 
 impl PublishArgs {
     /// The JSON body these arguments describe.
-    pub fn body(&self) -> anyhow::Result<Vec<u8>> {
+    pub(crate) fn body(&self) -> anyhow::Result<Vec<u8>> {
         if let Some(path) = &self.file {
             return Ok(if path.as_os_str() == "-" {
                 let mut buf = Vec::new();

@@ -56,7 +56,7 @@ impl AmqpAddresses {
     }
 
     /// The addresses, in the order given.
-    pub fn all(&self) -> &[AmqpAddress] {
+    pub(crate) fn all(&self) -> &[AmqpAddress] {
         &self.0
     }
 }
@@ -88,7 +88,7 @@ fn parse_one(url: &str) -> Result<AmqpAddress, ConfigError> {
 
 impl super::AmqpSettings {
     /// `url` parsed ([`AmqpAddresses::parse`]).
-    pub fn addresses(&self) -> Result<AmqpAddresses, ConfigError> {
+    pub(crate) fn addresses(&self) -> Result<AmqpAddresses, ConfigError> {
         AmqpAddresses::parse(&self.url)
     }
 }

@@ -36,7 +36,7 @@ pub struct DbPlan {
 /// `verify-ca` nor `verify-full`. Without TLS (`sslmode` absent, `disable` or
 /// `prefer`) every host must be this machine (see [`is_loopback_host`]) unless
 /// `allow_plaintext`; otherwise this returns the one-line refusal. It never connects.
-pub fn database_plan(
+pub(crate) fn database_plan(
     url: &str,
     allow_plaintext: bool,
     ca_file: Option<&Path>,

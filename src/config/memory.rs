@@ -11,11 +11,11 @@ use super::{ConfigError, Settings};
 
 /// Each lane's effective prefetch, as the budget allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefetch {
+pub(crate) struct Prefetch {
     /// Unacked deliveries on `<p>.send`.
-    pub send: u16,
+    pub(crate) send: u16,
     /// Unacked deliveries on `<p>.intake` (ladder mode; 0 otherwise).
-    pub relay: u16,
+    pub(crate) relay: u16,
 }
 
 impl Settings {
@@ -28,7 +28,7 @@ impl Settings {
     /// Each lane's prefetch within the byte budget; `ladder` when the relay runs.
     /// [`Settings::check_budget`] has made sure each lane gets at least its
     /// concurrency.
-    pub fn prefetch(&self, ladder: bool) -> Prefetch {
+    pub(crate) fn prefetch(&self, ladder: bool) -> Prefetch {
         let slots = self.budget_slots();
         let relay_min = if ladder {
             u64::from(self.delay.relay_concurrency)

@@ -26,13 +26,13 @@ mod smtp;
 mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
-pub use database::{database_plan, DbPlan, DbTls};
-pub use memory::Prefetch;
-pub use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
+pub(crate) use database::{database_plan, DbPlan, DbTls};
+pub(crate) use memory::Prefetch;
+pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub use rate::SendRate;
 pub use sections::*;
-pub use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
-pub use validate::{Parsed, SmtpTransport};
+pub(crate) use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
+pub(crate) use validate::SmtpTransport;
 
 use crate::endpoint::passwords;
 
@@ -131,7 +131,7 @@ impl Settings {
     }
 
     /// This instance's name in the inbox `owner` column.
-    pub fn instance_id(&self) -> String {
+    pub(crate) fn instance_id(&self) -> String {
         self.worker.instance_id.clone().unwrap_or_else(|| {
             let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "postie".into());
             let random = uuid::Uuid::new_v4().simple().to_string();

@@ -15,7 +15,7 @@ pub struct SendRate {
 
 impl SendRate {
     /// Emails per second.
-    pub fn per_second(self) -> f64 {
+    pub(crate) fn per_second(self) -> f64 {
         f64::from(self.count) / f64::from(self.per_seconds)
     }
 

@@ -24,7 +24,7 @@ pub enum DelayMode {
 
 impl DelayMode {
     /// The name used in config and logs.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Auto => "auto",
             Self::Plugin => "plugin",
@@ -122,7 +122,7 @@ impl Default for DatabaseSettings {
 
 impl DatabaseSettings {
     /// `ca_file`, unless unset or empty.
-    pub fn ca_file(&self) -> Option<&Path> {
+    pub(crate) fn ca_file(&self) -> Option<&Path> {
         self.ca_file
             .as_deref()
             .filter(|path| !path.as_os_str().is_empty())
@@ -173,7 +173,7 @@ impl SmtpSettings {
     /// a healthy relay answers each in milliseconds, so the whole send gets room for
     /// one step that almost times out plus the rest. A claim must have this much lease
     /// left when its send starts, so `worker.lease` may not be shorter.
-    pub fn send_deadline(&self) -> Duration {
+    pub(crate) fn send_deadline(&self) -> Duration {
         self.timeout * 2
     }
 }
@@ -383,7 +383,7 @@ impl Default for InboxSettings {
 
 impl InboxSettings {
     /// `tombstone_retention`, defaulting to `retention`.
-    pub fn tombstone_retention(&self) -> Duration {
+    pub(crate) fn tombstone_retention(&self) -> Duration {
         self.tombstone_retention.unwrap_or(self.retention)
     }
 }

@@ -41,7 +41,7 @@ pub struct SmtpEndpoint {
 /// `smtp://` without `tls=` means STARTTLS required, except to this machine (see
 /// [`is_loopback_host`]), where local relays such as Mailpit speak plaintext. Plaintext
 /// to another host needs an explicit `tls=none`. `smtps://` is implicit TLS.
-pub fn smtp_endpoint(raw: &str) -> Result<Option<SmtpEndpoint>, ConfigError> {
+pub(crate) fn smtp_endpoint(raw: &str) -> Result<Option<SmtpEndpoint>, ConfigError> {
     if raw.starts_with("file://") {
         return Ok(None);
     }

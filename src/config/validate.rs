@@ -10,13 +10,13 @@ use super::{
 use crate::endpoint::redact_url;
 
 /// What validation parsed: the typed connection settings. `Debug` shows no secret.
-pub struct Parsed {
+pub(crate) struct Parsed {
     /// `amqp.url`, each address parsed.
-    pub amqp: AmqpAddresses,
+    pub(crate) amqp: AmqpAddresses,
     /// `smtp.url`: the transport and its TLS rules.
-    pub smtp: SmtpTransport,
+    pub(crate) smtp: SmtpTransport,
     /// `database.url`: the connection settings and the TLS decision.
-    pub database: DbPlan,
+    pub(crate) database: DbPlan,
 }
 
 impl std::fmt::Debug for Parsed {
@@ -40,7 +40,7 @@ pub enum SmtpTransport {
 
 impl SmtpTransport {
     /// Parses `raw` (`smtp.url`) and applies the transport rules ([`smtp_endpoint`]).
-    pub fn parse(raw: &str) -> Result<Self, ConfigError> {
+    pub(crate) fn parse(raw: &str) -> Result<Self, ConfigError> {
         Ok(match smtp_endpoint(raw)? {
             None => Self::Files(raw.trim_start_matches("file://").to_string()),
             Some(endpoint) => Self::Relay(endpoint),
@@ -55,7 +55,7 @@ fn fail<T>(message: String) -> Result<T, ConfigError> {
 impl Settings {
     /// Cross-field checks the types cannot express, then the connection addresses
     /// parsed (each refusal comes before any connection is made).
-    pub fn validate(&self) -> Result<Parsed, ConfigError> {
+    pub(crate) fn validate(&self) -> Result<Parsed, ConfigError> {
         self.check_topology()?;
         self.check_delay_and_throttles()?;
         self.check_inbox()?;

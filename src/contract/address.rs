@@ -22,7 +22,7 @@ pub struct Address {
 impl Address {
     /// Parses the job's field `field`: one mailbox, no control characters, and a
     /// domain name (not an address literal, not a dotless host).
-    pub fn parse(field: &str, raw: &str) -> Result<Self, InvalidJob> {
+    pub(crate) fn parse(field: &str, raw: &str) -> Result<Self, InvalidJob> {
         check_header_value(field, raw)?;
         let mailbox = Mailbox::from_str(raw).map_err(|e| {
             InvalidJob(format!(
@@ -44,7 +44,7 @@ impl Address {
     }
 
     /// Parses each of a list field.
-    pub fn parse_all(field: &str, raw: &[String]) -> Result<Vec<Self>, InvalidJob> {
+    pub(crate) fn parse_all(field: &str, raw: &[String]) -> Result<Vec<Self>, InvalidJob> {
         raw.iter().map(|r| Self::parse(field, r)).collect()
     }
 }

@@ -11,12 +11,12 @@ use crate::headers::{header_int, HEADER_DUE_AT, HEADER_PUBLISHED_AT, HEADER_X_DE
 
 /// The plugin's limit on `x-delay`: 2^32 - 1 ms (about 49.7 days). Also the longest
 /// TTL RabbitMQ can hold, so the longest ladder level.
-pub const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
+pub(crate) const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
 /// Reads `x-delay` in milliseconds: an integer or a numeric string; missing, zero or
 /// negative means now. Floats, garbage and values over `max` are refused, never
 /// truncated.
-pub fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
+pub(crate) fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
     let Some(value) = headers.and_then(|h| h.inner().get(HEADER_X_DELAY)) else {
         return Ok(0);
     };
@@ -63,7 +63,7 @@ fn describe(value: &AMQPValue) -> String {
 /// When the job was handed over, in Unix ms, as best known without ever placing it
 /// later than the truth: `postie-published-at` if given; else the AMQP `timestamp`
 /// (seconds, so the latest millisecond of that second); never after `received_ms`.
-pub fn published_at(
+pub(crate) fn published_at(
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     received_ms: i64,
@@ -89,7 +89,7 @@ const PLAUSIBLE_PAST_MS: i64 = 3_650 * 86_400_000;
 
 /// The due time in Unix ms: the `postie-due-at` postie stamped earlier, else
 /// published-at + `x-delay`. Times that cannot be true are refused, not clamped.
-pub fn due_at(
+pub(crate) fn due_at(
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     received_ms: i64,

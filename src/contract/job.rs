@@ -51,7 +51,7 @@ pub struct EmailJob {
 impl EmailJob {
     /// The recipient the throttle counts against: `user_id`, else the first
     /// recipient's address, lower-cased.
-    pub fn throttle_recipient(&self) -> String {
+    pub(crate) fn throttle_recipient(&self) -> String {
         match &self.user_id {
             Some(user) => format!("user:{user}"),
             None => self
@@ -116,7 +116,7 @@ fn text_if_present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<String
 
 impl Request {
     /// Parses a job or a cancel request, its key in the namespace `rules` give.
-    pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+    pub(crate) fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         match Self::parse_as_published(body, rules)? {
             Self::Job(mut job) => {
                 job.key = rules.namespaced(&job.key)?;

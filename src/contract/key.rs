@@ -52,7 +52,7 @@ impl IdempotencyKey {
     }
 
     /// The key as text.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.text
     }
 

@@ -13,11 +13,11 @@ mod key;
 mod peek;
 mod rules;
 
-pub use address::Address;
-pub use delay::{due_at, published_at, x_delay, PLUGIN_MAX_DELAY};
+pub(crate) use address::Address;
+pub(crate) use delay::{due_at, x_delay, PLUGIN_MAX_DELAY};
 pub use job::{CancelRequest, EmailJob, Request};
 pub use key::{key_owner, IdempotencyKey};
-pub use peek::{peek_key, peek_key_text};
+pub(crate) use peek::{peek_key, peek_key_text};
 pub use rules::ParseRules;
 
 /// Longest accepted key, order id or type.
@@ -75,7 +75,7 @@ fn check_header_value(field: &str, value: &str) -> Result<(), InvalidJob> {
 }
 /// `text` made safe for a log line and an AMQP header: control characters and line
 /// separators escaped, and at most `max` bytes (cut on a character boundary).
-pub fn readable(text: &str, max: usize) -> String {
+pub(crate) fn readable(text: &str, max: usize) -> String {
     let mut out = String::with_capacity(text.len().min(max));
     for c in text.chars() {
         let piece = if is_line_breaking(c) || c == '\u{85}' {

@@ -74,7 +74,7 @@ impl<'a> Peek<'a> {
 /// records scheduled jobs; the worker validates). `None` for cancels and bodies
 /// with no usable key. No tree of the body is built: the key fields are borrowed
 /// and the others skipped.
-pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
+pub(crate) fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
     let peek = Peek::read(body)?;
     let key = IdempotencyKey::parse(&peek.key()?).ok()?;
     let revision = peek
@@ -88,6 +88,6 @@ pub fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
 /// The key a body names by the contract's rule, as published and unvalidated (so that
 /// an operator can tell invalid jobs apart): `None` for cancels, bodies that are no
 /// JSON object, and bodies whose key members name none.
-pub fn peek_key_text(body: &[u8]) -> Option<String> {
+pub(crate) fn peek_key_text(body: &[u8]) -> Option<String> {
     Some(Peek::read(body)?.key()?.into_owned())
 }

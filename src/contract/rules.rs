@@ -18,7 +18,7 @@ pub struct ParseRules<'a> {
 
 impl<'a> ParseRules<'a> {
     /// The rules `settings` set: `worker.max_body_bytes` and `smtp.default_from`.
-    pub fn from_settings(settings: &'a Settings) -> Self {
+    pub(crate) fn from_settings(settings: &'a Settings) -> Self {
         Self {
             max_body_bytes: settings.worker.max_body_bytes,
             default_from: settings.smtp.default_from.as_deref(),
@@ -28,13 +28,13 @@ impl<'a> ParseRules<'a> {
     }
 
     /// The same rules for a message published with AMQP `user_id` `user_id`.
-    pub fn for_user(self, user_id: Option<&'a str>) -> Self {
+    pub(crate) fn for_user(self, user_id: Option<&'a str>) -> Self {
         Self { user_id, ..self }
     }
 
     /// `key` in the key space these rules name: as published, or (`worker.key_namespace
     /// = "user_id"`) in the namespace of the message's `user_id`, refused without one.
-    pub fn namespaced(&self, key: &IdempotencyKey) -> Result<IdempotencyKey, InvalidJob> {
+    pub(crate) fn namespaced(&self, key: &IdempotencyKey) -> Result<IdempotencyKey, InvalidJob> {
         match (self.key_namespace, self.user_id) {
             (KeyNamespace::Off, _) => Ok(key.clone()),
             (KeyNamespace::UserId, Some(user)) if !user.is_empty() => Ok(key.in_namespace(user)),
@@ -48,7 +48,7 @@ impl<'a> ParseRules<'a> {
 
     /// Refuses a body over `max_body_bytes`, by its length alone: checked before any
     /// parse, so an oversized body never costs more memory than itself.
-    pub fn check_size(&self, body: &[u8]) -> Result<(), InvalidJob> {
+    pub(crate) fn check_size(&self, body: &[u8]) -> Result<(), InvalidJob> {
         if body.len() > self.max_body_bytes {
             return invalid(format!(
                 "body is {} bytes, over the limit of {}",

@@ -43,7 +43,7 @@ pub struct ReplayFilter {
 
 impl ReplayFilter {
     /// True if the dead letter should be moved.
-    pub fn matches(&self, letter: &DeadLetterSummary) -> bool {
+    pub(crate) fn matches(&self, letter: &DeadLetterSummary) -> bool {
         let reason_ok = self.reason_contains.as_deref().is_none_or(|wanted| {
             let wanted = wanted.to_lowercase();
             letter.reason.to_lowercase().contains(&wanted)
@@ -69,7 +69,7 @@ pub async fn list(settings: &Settings, limit: usize) -> anyhow::Result<Vec<DeadL
 }
 
 /// Like [`list`], and also the number of dead letters in the queue.
-pub async fn peek(
+pub(crate) async fn peek(
     settings: &Settings,
     limit: usize,
 ) -> anyhow::Result<(u32, Vec<DeadLetterSummary>)> {
@@ -179,7 +179,7 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
     }
 }
 /// The queue names; they do not depend on the delay mode, so no probe is needed.
-pub fn names(settings: &Settings) -> Topology {
+pub(crate) fn names(settings: &Settings) -> Topology {
     Topology::new(&settings.topology, &settings.delay, settings.delay.mode)
 }
 

@@ -84,7 +84,8 @@ struct CompletionRow<'a> {
 
 impl<'a> Completion<'a> {
     /// The status the row takes.
-    pub fn status(&self) -> Status {
+    #[cfg(test)]
+    pub(crate) fn status(&self) -> Status {
         self.row().status
     }
 
@@ -180,7 +181,12 @@ impl Inbox {
     /// Renews the claim `fence` on `key` for `lease` from now (the database's clock,
     /// as the claim's). `false`: the claim is gone (taken over, or finished), so its
     /// holder must not go on to hand the email over.
-    pub async fn renew(&self, key: &str, fence: i64, lease: Duration) -> Result<bool, DbError> {
+    pub(crate) async fn renew(
+        &self,
+        key: &str,
+        fence: i64,
+        lease: Duration,
+    ) -> Result<bool, DbError> {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(

@@ -18,9 +18,9 @@ use tokio_util::sync::CancellationToken;
 use super::{DbError, Inbox};
 
 /// How often the offset is measured again (a clock stepped by NTP, or drifting).
-pub const RESYNC_EVERY: Duration = Duration::from_secs(30);
+pub(crate) const RESYNC_EVERY: Duration = Duration::from_secs(30);
 /// A clock off by more than this from PostgreSQL's is logged as a warning.
-pub const WARN_OFF_BY: Duration = Duration::from_secs(1);
+pub(crate) const WARN_OFF_BY: Duration = Duration::from_secs(1);
 /// Queries per measurement; the one with the shortest round trip is kept.
 const SAMPLES: usize = 3;
 /// A measurement whose best round trip is longer than this is not trusted.
@@ -31,13 +31,8 @@ static OFFSET_MS: AtomicI64 = AtomicI64::new(0);
 
 /// Now on the fleet's clock, in Unix milliseconds: this machine's wall clock plus
 /// its measured offset from PostgreSQL's.
-pub fn fleet_now_ms() -> i64 {
+pub(crate) fn fleet_now_ms() -> i64 {
     local_now_ms() + OFFSET_MS.load(Ordering::Relaxed)
-}
-
-/// The offset in use: PostgreSQL's clock minus this machine's, in ms.
-pub fn offset_ms() -> i64 {
-    OFFSET_MS.load(Ordering::Relaxed)
 }
 
 fn local_now_ms() -> i64 {
@@ -46,18 +41,18 @@ fn local_now_ms() -> i64 {
 
 /// One measurement of this machine's clock against PostgreSQL's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ClockSample {
+pub(crate) struct ClockSample {
     /// PostgreSQL's clock minus this machine's, in ms.
-    pub offset_ms: i64,
+    pub(crate) offset_ms: i64,
     /// The query's round trip, in ms (the offset is good to half of it).
-    pub round_trip_ms: i64,
+    pub(crate) round_trip_ms: i64,
 }
 
 impl ClockSample {
     /// The offset of a server reading `server_ms` taken during a round trip that
     /// started at local `sent_ms` and lasted `round_trip_ms`: the server is assumed to
     /// have read its clock half-way.
-    pub fn from_reading(sent_ms: i64, round_trip_ms: i64, server_ms: i64) -> Self {
+    pub(crate) fn from_reading(sent_ms: i64, round_trip_ms: i64, server_ms: i64) -> Self {
         Self {
             offset_ms: server_ms - (sent_ms + round_trip_ms / 2),
             round_trip_ms,
@@ -68,7 +63,7 @@ impl ClockSample {
 impl Inbox {
     /// Measures this machine's clock against PostgreSQL's: the sample with the
     /// shortest round trip of [`SAMPLES`].
-    pub async fn measure_clock(&self) -> Result<ClockSample, DbError> {
+    pub(crate) async fn measure_clock(&self) -> Result<ClockSample, DbError> {
         let client = self.pool.get().await?;
         let statement = client
             .prepare("SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8")
@@ -89,7 +84,10 @@ impl Inbox {
     /// Measures the offset and puts it in use; warns when the clock is off by more
     /// than [`WARN_OFF_BY`] (and when it is back within it). `warned` carries the
     /// offset last warned about between calls.
-    pub async fn sync_clock(&self, warned: &mut Option<i64>) -> Result<ClockSample, DbError> {
+    pub(crate) async fn sync_clock(
+        &self,
+        warned: &mut Option<i64>,
+    ) -> Result<ClockSample, DbError> {
         let sample = self.measure_clock().await?;
         if sample.round_trip_ms > MAX_ROUND_TRIP.as_millis() as i64 {
             tracing::debug!(
@@ -128,7 +126,7 @@ impl Inbox {
 
     /// Measures the offset again every [`RESYNC_EVERY`] until `stop` (the first
     /// measurement is [`Inbox::sync_clock`]'s at start-up, `warned` what it warned).
-    pub async fn discipline_clock(&self, mut warned: Option<i64>, stop: CancellationToken) {
+    pub(crate) async fn discipline_clock(&self, mut warned: Option<i64>, stop: CancellationToken) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,

@@ -51,11 +51,6 @@ impl DbError {
         }
     }
 
-    /// The SQLSTATE, when the server answered.
-    pub fn code(&self) -> Option<&str> {
-        self.code.as_deref()
-    }
-
     /// True unless the server refused the statement for what this job carried (see
     /// [`JOB_FAULT_CLASSES`]): not the job's fault, so hold it, wait and retry.
     pub fn is_outage(&self) -> bool {

@@ -21,12 +21,11 @@ mod status;
 mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
-pub use error::DbError;
-pub use migrate::MigrateError;
-pub use prune::{PrunePlan, Pruned};
-pub use queries::{Cancelled, InboxCounts, PendingJob, Throttle};
-pub use reconcile::Overdue;
-pub use status::Status;
+pub(crate) use error::DbError;
+pub(crate) use prune::PrunePlan;
+pub(crate) use queries::{Cancelled, Throttle};
+pub(crate) use reconcile::Overdue;
+pub(crate) use status::Status;
 
 use crate::config::{DatabaseSettings, DbPlan, DbTls};
 use crate::endpoint::redact_url;
@@ -76,7 +75,7 @@ impl Inbox {
 
     /// A connection of its own, outside the pool: what it holds (an advisory lock)
     /// is released when it is dropped or its process dies.
-    pub async fn dedicated(&self) -> Result<tokio_postgres::Client, DbError> {
+    pub(crate) async fn dedicated(&self) -> Result<tokio_postgres::Client, DbError> {
         let (pg, tls) = &self.direct;
         let client = match tls {
             None => {
@@ -112,10 +111,5 @@ impl Inbox {
         })?;
         client.simple_query("SELECT 1").await?;
         Ok(())
-    }
-
-    /// The pool, for tests and tools that need plain SQL.
-    pub fn pool(&self) -> &Pool {
-        &self.pool
     }
 }

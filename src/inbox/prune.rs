@@ -25,23 +25,23 @@ const TOMBSTONE: &str =
 
 /// What one pass deletes.
 #[derive(Debug, Clone)]
-pub struct PrunePlan {
+pub(crate) struct PrunePlan {
     /// Finished rows untouched for longer are deleted.
-    pub retention: Duration,
+    pub(crate) retention: Duration,
     /// Tombstones untouched for longer are deleted.
-    pub tombstone_retention: Duration,
+    pub(crate) tombstone_retention: Duration,
     /// Throttle windows per type: a throttle row whose newest send is older than its
     /// type's window counts nothing any more. Types without a rule use `retention`.
-    pub throttle_windows: Vec<(String, Duration)>,
+    pub(crate) throttle_windows: Vec<(String, Duration)>,
     /// Rows per statement.
-    pub batch: i64,
+    pub(crate) batch: i64,
     /// Count instead of deleting.
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
 }
 
 impl PrunePlan {
     /// The plan the settings describe.
-    pub fn from_settings(settings: &crate::config::Settings, dry_run: bool) -> Self {
+    pub(crate) fn from_settings(settings: &crate::config::Settings, dry_run: bool) -> Self {
         Self {
             retention: settings.inbox.retention,
             tombstone_retention: settings.inbox.tombstone_retention(),
@@ -58,17 +58,17 @@ impl PrunePlan {
 
 /// What one pass deleted (or, dry, would delete).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Pruned {
+pub(crate) struct Pruned {
     /// Finished inbox rows other than tombstones.
-    pub finished: u64,
+    pub(crate) finished: u64,
     /// Tombstones.
-    pub tombstones: u64,
+    pub(crate) tombstones: u64,
     /// Throttle rows.
-    pub throttle: u64,
+    pub(crate) throttle: u64,
     /// DELETE statements run.
-    pub statements: u64,
+    pub(crate) statements: u64,
     /// How long the pass took.
-    pub took: Duration,
+    pub(crate) took: Duration,
 }
 
 /// After each statement, a rest as long as it took: pruning keeps at most about half
@@ -83,14 +83,14 @@ fn ms(d: Duration) -> i64 {
 
 impl Inbox {
     /// Whether the server runs autovacuum, which reclaims what pruning deletes.
-    pub async fn autovacuum_on(&self) -> Result<bool, DbError> {
+    pub(crate) async fn autovacuum_on(&self) -> Result<bool, DbError> {
         let client = self.pool.get().await?;
         let row = client.query_one("SHOW autovacuum", &[]).await?;
         Ok(row.get::<_, String>(0) == "on")
     }
 
     /// One pass: finished rows, tombstones, then throttle rows.
-    pub async fn prune(&self, plan: &PrunePlan) -> Result<Pruned, DbError> {
+    pub(crate) async fn prune(&self, plan: &PrunePlan) -> Result<Pruned, DbError> {
         let started = Instant::now();
         let mut pruned = Pruned::default();
         let client = self.pool.get().await?;
@@ -256,7 +256,7 @@ impl Inbox {
 
     /// The planner's estimate of the inbox's rows (`pg_class.reltuples`): free to read,
     /// refreshed by (auto)vacuum and analyze. -1 before the first.
-    pub async fn rows_estimate(&self) -> Result<i64, DbError> {
+    pub(crate) async fn rows_estimate(&self) -> Result<i64, DbError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(

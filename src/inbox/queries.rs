@@ -15,7 +15,7 @@ pub struct Cancelled {
 
 /// The throttle's verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Throttle {
+pub(crate) enum Throttle {
     /// Under the limit; the send is counted.
     Allowed,
     /// Over the limit until `next_ms` (Unix ms).
@@ -38,13 +38,13 @@ pub struct PendingJob {
 
 /// Counts for `postie status`.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct InboxCounts {
+pub(crate) struct InboxCounts {
     /// Rows by status, sorted by status.
-    pub by_status: Vec<(Status, i64)>,
+    pub(crate) by_status: Vec<(Status, i64)>,
     /// Suppressed duplicate deliveries, summed.
-    pub duplicates: i64,
+    pub(crate) duplicates: i64,
     /// Expired leases taken over, summed.
-    pub takeovers: i64,
+    pub(crate) takeovers: i64,
 }
 
 impl Inbox {
@@ -64,7 +64,7 @@ impl Inbox {
     /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
     /// atomic statement (the row lock of `ON CONFLICT DO UPDATE` serialises
     /// instances): the update happens only if the window has room.
-    pub async fn throttle(
+    pub(crate) async fn throttle(
         &self,
         kind: &str,
         recipient: &str,
@@ -159,7 +159,7 @@ impl Inbox {
     }
 
     /// Counts by status, and the duplicate and takeover totals.
-    pub async fn counts(&self) -> Result<InboxCounts, DbError> {
+    pub(crate) async fn counts(&self) -> Result<InboxCounts, DbError> {
         let client = self.pool.get().await?;
         let rows = client
             .query(

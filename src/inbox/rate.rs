@@ -11,7 +11,7 @@ impl Inbox {
     /// instances). Returns how long to wait before using them: zero when the bucket
     /// has room, else until the slice's turn. A reservation is never refused, so an
     /// instance holds at most the slice it asked for.
-    pub async fn lease_tokens(
+    pub(crate) async fn lease_tokens(
         &self,
         name: &str,
         tokens: u32,
@@ -38,7 +38,7 @@ impl Inbox {
     }
 
     /// Emails recorded sent in the last minute, fleet-wide (for `postie status`).
-    pub async fn sent_last_minute(&self) -> Result<i64, DbError> {
+    pub(crate) async fn sent_last_minute(&self) -> Result<i64, DbError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(

@@ -9,13 +9,13 @@ use super::{DbError, Inbox};
 
 /// A scheduled job the ladder has not delivered in time.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Overdue {
+pub(crate) struct Overdue {
     /// The idempotency key.
-    pub key: String,
+    pub(crate) key: String,
     /// Due time, Unix ms.
-    pub due_ms: i64,
+    pub(crate) due_ms: i64,
     /// The job as published.
-    pub body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Inbox {
@@ -23,7 +23,7 @@ impl Inbox {
     /// ms), with a kept body, that no worker has marked as arrived and that were not
     /// re-published within the last `grace`; most overdue first. Bodies are read
     /// later, a few at a time ([`Inbox::mark_reconciled`]).
-    pub async fn overdue(
+    pub(crate) async fn overdue(
         &self,
         due_before_ms: i64,
         grace: Duration,
@@ -47,7 +47,7 @@ impl Inbox {
 
     /// The latest due time (Unix ms) among scheduled jobs a worker holds (marked as
     /// arrived), if any: the send queue's frontier.
-    pub async fn arrived_frontier(&self) -> Result<Option<i64>, DbError> {
+    pub(crate) async fn arrived_frontier(&self) -> Result<Option<i64>, DbError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
@@ -62,7 +62,7 @@ impl Inbox {
     /// Notes that `keys` are re-published now, if they are still scheduled (with a
     /// body) and no worker has marked them as arrived meanwhile; the jobs it noted,
     /// with their bodies, which are the ones to publish.
-    pub async fn mark_reconciled(&self, keys: &[String]) -> Result<Vec<Overdue>, DbError> {
+    pub(crate) async fn mark_reconciled(&self, keys: &[String]) -> Result<Vec<Overdue>, DbError> {
         let client = self.pool.get().await?;
         let rows = client
             .query(
@@ -87,7 +87,7 @@ impl Inbox {
 
     /// Marks `keys` as arrived: a worker holds each, waiting for its turn, unclaimed.
     /// Rows claimed or finished meanwhile are left alone.
-    pub async fn mark_arrived(&self, keys: &[String]) -> Result<(), DbError> {
+    pub(crate) async fn mark_arrived(&self, keys: &[String]) -> Result<(), DbError> {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
@@ -102,7 +102,7 @@ impl Inbox {
     /// Ends the scheduled row of `key` as `status` (`dead` or `cancelled`), its body
     /// dropped, when its job (at `revision`) ended without a claim; a row scheduled at
     /// a newer revision is left alone. True if a row was ended.
-    pub async fn finish_unclaimed(
+    pub(crate) async fn finish_unclaimed(
         &self,
         key: &str,
         revision: i32,

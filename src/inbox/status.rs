@@ -26,7 +26,7 @@ pub enum Status {
 
 impl Status {
     /// Every status, in the order `postie status` lists them.
-    pub const ALL: [Status; 8] = [
+    pub(crate) const ALL: [Status; 8] = [
         Self::New,
         Self::Scheduled,
         Self::Sending,
@@ -38,7 +38,7 @@ impl Status {
     ];
 
     /// The value of the `status` column.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::New => "new",
             Self::Scheduled => "scheduled",
@@ -52,12 +52,13 @@ impl Status {
     }
 
     /// Reads the `status` column; `None` for a value this postie does not know.
-    pub fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|s| s.as_str() == text)
     }
 
     /// True for rows that still have work ahead of them (never pruned).
-    pub fn in_flight(self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn in_flight(self) -> bool {
         matches!(self, Self::Scheduled | Self::Sending | Self::Retrying)
     }
 }

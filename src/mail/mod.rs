@@ -46,7 +46,7 @@ pub enum SendError {
 
 impl SendError {
     /// What went wrong, without the class.
-    pub fn detail(&self) -> &str {
+    pub(crate) fn detail(&self) -> &str {
         match self {
             Self::Transient(text)
             | Self::Throttled(text)
@@ -70,12 +70,12 @@ impl Clearance {
     }
 
     /// Withdraws it: a send that has not started `DATA` stops.
-    pub fn withdraw(&self) {
+    pub(crate) fn withdraw(&self) {
         self.0.store(true, Ordering::Relaxed);
     }
 
     /// `Err(Withdrawn)` once withdrawn.
-    pub fn check(&self) -> Result<(), SendError> {
+    pub(crate) fn check(&self) -> Result<(), SendError> {
         if self.0.load(Ordering::Relaxed) {
             return Err(SendError::Withdrawn(
                 "the claim was lost before DATA; the email was not handed over".into(),
@@ -104,7 +104,7 @@ impl Email {
     }
 
     /// MAIL FROM and RCPT TO.
-    pub fn envelope(&self) -> &Envelope {
+    pub(crate) fn envelope(&self) -> &Envelope {
         &self.envelope
     }
 
@@ -115,7 +115,7 @@ impl Email {
 }
 
 /// Somewhere an email can be handed to: an SMTP relay, a directory of `.eml` files.
-pub trait Transport: Send + Sync {
+pub(crate) trait Transport: Send + Sync {
     /// Hands one email over; every failure classed as a [`SendError`]. A transport
     /// bounds each of its own steps, and must be safe to cancel at any await (a
     /// connection interrupted mid-transaction is never reused): [`Mailer::send`]
@@ -166,7 +166,7 @@ impl Mailer {
     }
 
     /// A mailer over a transport of the caller's choosing.
-    pub fn with_transport(transport: Arc<dyn Transport>, settings: &SmtpSettings) -> Self {
+    pub(crate) fn with_transport(transport: Arc<dyn Transport>, settings: &SmtpSettings) -> Self {
         Self {
             transport,
             message_id_domain: settings.message_id_domain.clone(),
@@ -184,7 +184,7 @@ impl Mailer {
     }
 
     /// The Message-ID the job's emails carry.
-    pub fn message_id(&self, job: &EmailJob) -> String {
+    pub(crate) fn message_id(&self, job: &EmailJob) -> String {
         job.key.message_id(&self.message_id_domain)
     }
 
@@ -196,7 +196,7 @@ impl Mailer {
 
     /// The most one send may take: [`SmtpSettings::send_deadline`]. A claim must have
     /// at least this much lease left when its send starts.
-    pub fn deadline(&self) -> Duration {
+    pub(crate) fn deadline(&self) -> Duration {
         self.deadline
     }
 
@@ -225,7 +225,7 @@ impl Mailer {
     }
 
     /// Asks the transport whether it answers, within the send deadline.
-    pub async fn probe(&self) -> bool {
+    pub(crate) async fn probe(&self) -> bool {
         tokio::time::timeout(self.deadline, self.transport.probe())
             .await
             .unwrap_or(false)

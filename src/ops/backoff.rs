@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 /// Capped exponential backoff with jitter; one per retry loop.
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     first: Duration,
     cap: Duration,
     next: Duration,
@@ -24,7 +24,7 @@ pub struct Backoff {
 
 impl Backoff {
     /// Starts at `first` (at most `cap`) and doubles up to `cap`.
-    pub fn new(first: Duration, cap: Duration) -> Self {
+    pub(crate) fn new(first: Duration, cap: Duration) -> Self {
         let first = first.min(cap);
         Self {
             first,
@@ -35,32 +35,33 @@ impl Backoff {
 
     /// A failure: the time to wait before the next attempt (random in `[d/2, d]`),
     /// and `d` doubled for the one after, up to the cap.
-    pub fn failed(&mut self) -> Duration {
+    pub(crate) fn failed(&mut self) -> Duration {
         let d = self.next;
         self.next = (d * 2).min(self.cap);
         jittered(d)
     }
 
     /// A success that held: the next failure waits from `first` again.
-    pub fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         self.next = self.first;
     }
 
     /// Something that was up for `lasted` ended: a success that held if it stood for
     /// at least the cap, otherwise the backoff keeps growing.
-    pub fn ran_for(&mut self, lasted: Duration) {
+    pub(crate) fn ran_for(&mut self, lasted: Duration) {
         if lasted >= self.cap {
             self.succeeded();
         }
     }
 
     /// The wait the next failure starts from (before jitter).
-    pub fn current(&self) -> Duration {
+    #[cfg(test)]
+    pub(crate) fn current(&self) -> Duration {
         self.next
     }
 
     /// Waits out a failure; false if `stop` was cancelled first.
-    pub async fn wait(&mut self, stop: &CancellationToken) -> bool {
+    pub(crate) async fn wait(&mut self, stop: &CancellationToken) -> bool {
         let wait = self.failed();
         tokio::select! {
             _ = stop.cancelled() => false,

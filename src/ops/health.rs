@@ -16,7 +16,7 @@ use super::metrics::SharedMetrics;
 
 /// Shared health state; cheap to clone.
 #[derive(Clone)]
-pub struct Health {
+pub(crate) struct Health {
     inner: Arc<Inner>,
 }
 
@@ -35,7 +35,7 @@ struct Inner {
 
 impl Health {
     /// Everything up; the breaker opens after `smtp_threshold` failures in a row.
-    pub fn new(metrics: SharedMetrics, smtp_threshold: u32) -> Self {
+    pub(crate) fn new(metrics: SharedMetrics, smtp_threshold: u32) -> Self {
         Self {
             inner: Arc::new(Inner {
                 database_up: watch::channel(true).0,
@@ -52,17 +52,17 @@ impl Health {
     }
 
     /// The metrics this health reports into.
-    pub fn metrics(&self) -> &SharedMetrics {
+    pub(crate) fn metrics(&self) -> &SharedMetrics {
         &self.inner.metrics
     }
 
     /// True while PostgreSQL answers.
-    pub fn database_up(&self) -> bool {
+    pub(crate) fn database_up(&self) -> bool {
         *self.inner.database_up.borrow()
     }
 
     /// PostgreSQL answered: logs and counts the way back from an outage.
-    pub fn set_database_up(&self) {
+    pub(crate) fn set_database_up(&self) {
         if self.database_changes_to(true) {
             self.database_cause().clear();
             tracing::info!("PostgreSQL answers again");
@@ -76,7 +76,7 @@ impl Health {
     /// database is read-only (25006) — a failover to a standby?") and `error` (the
     /// server's words): pauses consumption and logs one line when the outage starts
     /// and when its cause changes (a restart that comes back read-only).
-    pub fn set_database_down(&self, cause: &str, error: &str) {
+    pub(crate) fn set_database_down(&self, cause: &str, error: &str) {
         let new_cause = {
             let mut current = self.database_cause();
             let new = *current != cause;
@@ -114,17 +114,17 @@ impl Health {
     }
 
     /// True while the SMTP circuit is closed.
-    pub fn transport_up(&self) -> bool {
+    pub(crate) fn transport_up(&self) -> bool {
         *self.inner.smtp_up.borrow()
     }
 
     /// An SMTP send reached the relay (any reply): closes the count of failures.
-    pub fn transport_reached(&self) {
+    pub(crate) fn transport_reached(&self) {
         self.inner.smtp_failures.store(0, Ordering::Relaxed);
     }
 
     /// The relay could not be reached. Returns true if this opened the circuit.
-    pub fn transport_unreachable(&self) -> bool {
+    pub(crate) fn transport_unreachable(&self) -> bool {
         let failures = self.inner.smtp_failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures < self.inner.smtp_threshold {
             return false;
@@ -145,7 +145,7 @@ impl Health {
     }
 
     /// The prober reached the relay: closes the circuit.
-    pub fn transport_recovered(&self) {
+    pub(crate) fn transport_recovered(&self) {
         self.inner.smtp_failures.store(0, Ordering::Relaxed);
         if self
             .inner
@@ -162,7 +162,7 @@ impl Health {
     }
 
     /// Resolves once PostgreSQL answers and the SMTP circuit is closed.
-    pub async fn wait_dependencies_up(&self) {
+    pub(crate) async fn wait_dependencies_up(&self) {
         let mut db = self.inner.database_up.subscribe();
         let mut smtp = self.inner.smtp_up.subscribe();
         loop {
@@ -175,7 +175,7 @@ impl Health {
     }
 
     /// True while the send consumer must not take new work.
-    pub fn paused(&self) -> bool {
+    pub(crate) fn paused(&self) -> bool {
         !self.database_up() || !self.transport_up()
     }
 
@@ -187,12 +187,12 @@ impl Health {
     }
 
     /// Records whether a broker session is up with its consumers running.
-    pub fn set_broker_up(&self, up: bool) {
+    pub(crate) fn set_broker_up(&self, up: bool) {
         self.inner.broker_up.store(up, Ordering::Relaxed);
     }
 
     /// Records the (redacted) address of the broker node the session uses.
-    pub fn set_broker_address(&self, address: &str) {
+    pub(crate) fn set_broker_address(&self, address: &str) {
         *self
             .inner
             .broker_address
@@ -202,7 +202,7 @@ impl Health {
 
     /// The (redacted) address of the broker node in use or last used; empty before
     /// the first connection.
-    pub fn broker_address(&self) -> String {
+    pub(crate) fn broker_address(&self) -> String {
         self.inner
             .broker_address
             .lock()
@@ -211,12 +211,12 @@ impl Health {
     }
 
     /// Marks the start of a drain: not ready from now on.
-    pub fn set_draining(&self) {
+    pub(crate) fn set_draining(&self) {
         self.inner.draining.store(true, Ordering::Relaxed);
     }
 
     /// Reasons the instance is not ready; empty when ready.
-    pub fn not_ready(&self) -> Vec<&'static str> {
+    pub(crate) fn not_ready(&self) -> Vec<&'static str> {
         let mut reasons = Vec::new();
         if self.inner.draining.load(Ordering::Relaxed) {
             reasons.push("draining");

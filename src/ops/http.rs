@@ -17,7 +17,7 @@ use super::health::Health;
 
 /// Binds `addr` (failing start-up with a clear line if it cannot) and serves until
 /// `stop` is cancelled. Returns the bound address (useful with port 0).
-pub async fn start(
+pub(crate) async fn start(
     addr: SocketAddr,
     health: Health,
     stop: CancellationToken,

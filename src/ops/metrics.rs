@@ -222,7 +222,7 @@ impl Metrics {
 }
 
 /// Shared handle.
-pub type SharedMetrics = Arc<Metrics>;
+pub(crate) type SharedMetrics = Arc<Metrics>;
 
 #[cfg(test)]
 mod tests {

@@ -141,13 +141,13 @@ fn not_a_probe_refusal(
 /// the log filter drops them. `broker::probe` holds one while it asks the broker
 /// questions whose answer may be a refusal; it runs at start-up, before the service
 /// opens its own connections.
-pub struct ExpectedRefusals(());
+pub(crate) struct ExpectedRefusals(());
 
 static EXPECTING: AtomicUsize = AtomicUsize::new(0);
 
 impl ExpectedRefusals {
     /// Lapin's ERROR and WARN lines are dropped until the guard is dropped.
-    pub fn begin() -> Self {
+    pub(crate) fn begin() -> Self {
         EXPECTING.fetch_add(1, Ordering::SeqCst);
         Self(())
     }
@@ -160,7 +160,7 @@ impl Drop for ExpectedRefusals {
 }
 
 /// True while an [`ExpectedRefusals`] is alive.
-pub fn expecting_refusals() -> bool {
+pub(crate) fn expecting_refusals() -> bool {
     EXPECTING.load(Ordering::SeqCst) > 0
 }
 
@@ -205,7 +205,7 @@ impl std::io::Write for Scrubbed {
 
 /// The producer's trace context from the W3C `traceparent` / `tracestate` headers
 /// (an empty context when there are none or they are malformed).
-pub fn parent_context(headers: Option<&FieldTable>) -> opentelemetry::Context {
+pub(crate) fn parent_context(headers: Option<&FieldTable>) -> opentelemetry::Context {
     let mut carrier = HashMap::new();
     for name in ["traceparent", "tracestate"] {
         if let Some(value) = header_text(headers, name) {

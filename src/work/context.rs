@@ -21,33 +21,33 @@ use crate::ops::metrics::SharedMetrics;
 /// Everything an instance shares, for as long as it serves. Read-only after start-up
 /// (its parts share their own state: the inbox's pool, the mailer's connections,
 /// the health flags).
-pub struct Context {
+pub(crate) struct Context {
     /// Everything configured (validated).
-    pub settings: Settings,
+    pub(crate) settings: Settings,
     /// The broker objects' names, with the delay mode resolved.
-    pub topology: Topology,
+    pub(crate) topology: Topology,
     /// This instance's name (connection names, the inbox `owner` column).
-    pub owner: String,
+    pub(crate) owner: String,
     /// The broker's addresses (`amqp.url`), parsed at start-up.
-    pub amqp: AmqpAddresses,
+    pub(crate) amqp: AmqpAddresses,
     /// The inbox database.
-    pub inbox: Inbox,
+    pub(crate) inbox: Inbox,
     /// The mail transport and its connection slots.
-    pub mailer: Mailer,
+    pub(crate) mailer: Mailer,
     /// Dependency health (readiness, pausing, the circuit breaker), and through it the
     /// metrics.
-    pub health: Health,
+    pub(crate) health: Health,
     /// Cancelled when the drain timeout runs out: ends every wait for a dependency,
     /// so in-flight work gives up and its deliveries return to the queue unacked.
-    pub hard_stop: CancellationToken,
+    pub(crate) hard_stop: CancellationToken,
 }
 
 /// The shared handle.
-pub type SharedContext = Arc<Context>;
+pub(crate) type SharedContext = Arc<Context>;
 
 impl Context {
     /// The metrics every part reports into.
-    pub fn metrics(&self) -> &SharedMetrics {
+    pub(crate) fn metrics(&self) -> &SharedMetrics {
         self.health.metrics()
     }
 }

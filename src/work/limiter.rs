@@ -38,33 +38,33 @@ use crate::inbox::{DbError, Inbox};
 use crate::ops::metrics::SharedMetrics;
 
 /// Multiplicative decrease on a throttle.
-pub const DECREASE: f64 = 0.7;
+pub(crate) const DECREASE: f64 = 0.7;
 /// One decrease per this much time at most.
-pub const CUT_EVERY: Duration = Duration::from_millis(1_000);
+pub(crate) const CUT_EVERY: Duration = Duration::from_millis(1_000);
 /// The cap never goes below this (emails per second).
-pub const FLOOR: f64 = 0.5;
+pub(crate) const FLOOR: f64 = 0.5;
 /// A slice covers this much of the limit's time.
 const SLICE_TIME: f64 = 0.1;
 /// Largest slice.
 const SLICE_MAX: u32 = 1_000;
 /// The longest the jobs after an instance's first wait for its send attempt.
-pub const WARM_UP_MAX: Duration = Duration::from_secs(1);
+pub(crate) const WARM_UP_MAX: Duration = Duration::from_secs(1);
 
 /// The fleet limit's numbers, from `smtp.rate_limit` and `smtp.rate_burst`.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FleetRate {
+pub(crate) struct FleetRate {
     /// Emails per second.
-    pub per_second: f64,
+    pub(crate) per_second: f64,
     /// Tokens reserved per statement.
-    pub slice: u32,
+    pub(crate) slice: u32,
     /// How far ahead of the steady pace an idle fleet may send (the burst).
-    pub tolerance: Duration,
+    pub(crate) tolerance: Duration,
 }
 
 impl FleetRate {
     /// The slice and burst for `per_second` with at most `burst` emails in one second
     /// (default one second's worth: no burst beyond the pace).
-    pub fn new(per_second: f64, burst: Option<u32>) -> Self {
+    pub(crate) fn new(per_second: f64, burst: Option<u32>) -> Self {
         let one_second = per_second.ceil().max(1.0);
         let burst = burst.map(f64::from).unwrap_or(one_second).max(1.0);
         let slice = (per_second * SLICE_TIME)
@@ -82,7 +82,7 @@ impl FleetRate {
 
 /// The adaptive cap (AIMD), pure: fed throttles and successes, asked for the cap.
 #[derive(Debug, Default)]
-pub struct Aimd {
+pub(crate) struct Aimd {
     cap: Option<f64>,
     last_cut: Option<Instant>,
     recent: VecDeque<Instant>,
@@ -90,12 +90,12 @@ pub struct Aimd {
 
 impl Aimd {
     /// The cap in emails per second, or None while uncapped.
-    pub fn cap(&self) -> Option<f64> {
+    pub(crate) fn cap(&self) -> Option<f64> {
         self.cap
     }
 
     /// A send succeeded at `now`.
-    pub fn on_success(&mut self, now: Instant) {
+    pub(crate) fn on_success(&mut self, now: Instant) {
         self.recent.push_back(now);
         self.forget(now);
         if let Some(cap) = self.cap {
@@ -104,7 +104,7 @@ impl Aimd {
     }
 
     /// The relay throttled a send at `now`: true if the cap was cut.
-    pub fn on_throttle(&mut self, now: Instant) -> bool {
+    pub(crate) fn on_throttle(&mut self, now: Instant) -> bool {
         if self
             .last_cut
             .is_some_and(|at| now.duration_since(at) < CUT_EVERY)
@@ -134,7 +134,7 @@ const RECENT_TURNS: usize = 16;
 
 /// The sends pushed late, to pay back with unused tokens; pure.
 #[derive(Debug, Default)]
-pub struct Payback {
+pub(crate) struct Payback {
     /// How long the last few turns took, from their token's turn to the end of the
     /// send attempt.
     recent: VecDeque<Duration>,
@@ -147,7 +147,7 @@ pub struct Payback {
 impl Payback {
     /// A turn ended at `now`, `took` after its token's turn, under a limit of one
     /// token per `step`; at most `cap` tokens are ever owed.
-    pub fn ended(&mut self, now: Instant, took: Duration, step: Duration, cap: u32) {
+    pub(crate) fn ended(&mut self, now: Instant, took: Duration, step: Duration, cap: u32) {
         let quickest = self.recent.iter().min().copied();
         if self.recent.len() == RECENT_TURNS {
             self.recent.pop_front();
@@ -167,7 +167,7 @@ impl Payback {
     }
 
     /// True (and one less owed) if the next token must go unused.
-    pub fn owe(&mut self) -> bool {
+    pub(crate) fn owe(&mut self) -> bool {
         let owed = self.debt > 0;
         self.debt = self.debt.saturating_sub(u32::from(owed));
         owed
@@ -345,14 +345,14 @@ impl Limiter {
     }
 
     /// A send succeeded.
-    pub fn sent(&self) {
+    pub(crate) fn sent(&self) {
         let mut aimd = self.aimd();
         aimd.on_success(Instant::now());
         self.publish(aimd.cap());
     }
 
     /// The relay throttled a send.
-    pub fn throttled(&self) {
+    pub(crate) fn throttled(&self) {
         self.inner.metrics.rate.throttle_replies.inc();
         let mut aimd = self.aimd();
         if aimd.on_throttle(Instant::now()) {

@@ -16,14 +16,14 @@ pub mod outcome;
 pub mod policy;
 pub mod worker;
 
-pub use context::{Context, SharedContext};
+pub(crate) use context::{Context, SharedContext};
 pub use limiter::{Limiter, Turn};
-pub use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
-pub use policy::{Failure, Next, RetryPolicy};
-pub use worker::{Interrupted, Worker};
+pub(crate) use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
+pub(crate) use policy::Next;
+pub(crate) use worker::{Interrupted, Worker};
 
 /// Now on the fleet's clock (PostgreSQL's, see [`crate::inbox::clock`]), in Unix
 /// milliseconds: what every due time is stamped and checked with.
-pub fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     crate::inbox::clock::fleet_now_ms()
 }

@@ -17,7 +17,7 @@ use super::now_ms;
 
 /// Why a job is dead-lettered, as a stable label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeadKind {
+pub(crate) enum DeadKind {
     /// The message can never become an email.
     Invalid,
     /// The SMTP server refused it for good (5xx).
@@ -28,14 +28,14 @@ pub enum DeadKind {
 
 impl DeadKind {
     /// The label used in headers and metrics.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         self.reason().as_str()
     }
 }
 
 /// What became of one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Sent and recorded. `takeover` means an expired claim was taken over first, so
     /// the previous owner may have sent it too (the known duplicate window).
     Sent {
@@ -124,7 +124,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// A short label for logs and metrics.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             Self::Sent { .. } => "sent",
             Self::Early { .. } => "early",
@@ -143,13 +143,13 @@ impl Outcome {
 
 /// Where a copy of the delivery goes before the ack.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Target {
+pub(crate) struct Target {
     /// The exchange.
-    pub exchange: String,
+    pub(crate) exchange: String,
     /// The routing key.
-    pub routing_key: String,
+    pub(crate) routing_key: String,
     /// The copy's headers.
-    pub headers: FieldTable,
+    pub(crate) headers: FieldTable,
 }
 
 /// What the consume loop does with a delivery. Only [`Disposition::Ack`] and the
@@ -157,7 +157,7 @@ pub struct Target {
 /// holds because an outcome is only named once it is committed to the inbox, and a
 /// copy is acked only once the broker confirms it.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Disposition {
+pub(crate) enum Disposition {
     /// The outcome is durable in the inbox (or needs no record): ack.
     Ack,
     /// Publish a copy to the target (confirmed), then ack.
@@ -173,7 +173,7 @@ impl Outcome {
     /// Logs the outcome (into the current delivery span too), counts it, and names
     /// what becomes of the delivery, given the delivery's own headers. One arm per
     /// outcome: its log line, its counter, its disposition.
-    pub fn settle(
+    pub(crate) fn settle(
         &self,
         metrics: &Metrics,
         topology: &Topology,
@@ -261,7 +261,7 @@ impl Outcome {
     }
 
     /// The job's key, when the message had one.
-    pub fn key(&self) -> Option<&IdempotencyKey> {
+    pub(crate) fn key(&self) -> Option<&IdempotencyKey> {
         match self {
             Self::Sent { key, .. }
             | Self::Early { key, .. }
@@ -356,7 +356,7 @@ fn retry_headers(original: Option<&FieldTable>, attempt: u32, error: &str) -> Fi
 
 /// A dead letter: the original headers, the reason, and no retry counter (so that a
 /// replay starts a fresh cycle).
-pub fn dead_letter(
+pub(crate) fn dead_letter(
     topology: &Topology,
     original: Option<&FieldTable>,
     kind: DeadKind,

@@ -18,7 +18,7 @@ use super::DeadKind;
 
 /// A failure on the way from delivery to outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Failure {
+pub(crate) enum Failure {
     /// The transport refused this email for good (SMTP 5xx).
     Refused,
     /// A transient reply (SMTP 4xx, or the file transport failed).
@@ -33,15 +33,13 @@ pub enum Failure {
         /// Time left on the other claim.
         remaining: Duration,
     },
-    /// PostgreSQL does not answer.
-    DatabaseDown,
     /// The relay throttles this sender: not the job's fault.
     Throttled,
 }
 
 /// What happens next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Next {
+pub(crate) enum Next {
     /// Back through retry queue `step`, with `attempt` failures counted in this cycle.
     Retry {
         /// Retry queue index.
@@ -75,14 +73,14 @@ pub enum Next {
 
 /// The backoff steps and the rules above.
 #[derive(Debug, Clone)]
-pub struct RetryPolicy {
+pub(crate) struct RetryPolicy {
     steps: Vec<Duration>,
 }
 
 impl RetryPolicy {
     /// A policy over the retry queues' TTLs (`topology.retry_steps`): a job gets
     /// `steps.len() + 1` attempts.
-    pub fn new(steps: &[Duration]) -> Self {
+    pub(crate) fn new(steps: &[Duration]) -> Self {
         Self {
             steps: steps.to_vec(),
         }
@@ -90,14 +88,14 @@ impl RetryPolicy {
 
     /// What `failure` becomes for a job that had failed `failed_so_far` times in this
     /// retry cycle.
-    pub fn next(&self, failure: Failure, failed_so_far: u32) -> Next {
+    pub(crate) fn next(&self, failure: Failure, failed_so_far: u32) -> Next {
         let attempt = failed_so_far + 1;
         match failure {
             Failure::Refused => Next::Dead {
                 kind: DeadKind::Permanent,
                 attempts: attempt,
             },
-            Failure::Unreachable { circuit_open: true } | Failure::DatabaseDown => Next::Hold,
+            Failure::Unreachable { circuit_open: true } => Next::Hold,
             Failure::Throttled => Next::Pause { tried: false },
             Failure::Unreachable {
                 circuit_open: false,
@@ -122,7 +120,7 @@ impl RetryPolicy {
     }
 
     /// The smallest retry step that is at least `wait`, or the largest one.
-    pub fn step_at_least(&self, wait: Duration) -> usize {
+    pub(crate) fn step_at_least(&self, wait: Duration) -> usize {
         self.steps
             .iter()
             .position(|step| *step >= wait)
@@ -164,7 +162,6 @@ mod tests {
             (closed,                           1, Next::Pause { tried: true }),
             (closed,                           3, Next::Pause { tried: true }),
             (open,                             3, Next::Hold),
-            (DatabaseDown,                     3, Next::Hold),
             (Throttled,                        0, Next::Pause { tried: false }),
             (Throttled,                        4, Next::Pause { tried: false }),
             (LeaseBusy { remaining: secs(4) }, 0, Next::Defer { step: 0 }),

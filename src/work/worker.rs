@@ -63,7 +63,7 @@ enum Stop {
 /// the delivery must be left unacked so the broker hands it to someone else.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("interrupted by shutdown while waiting for the database")]
-pub struct Interrupted;
+pub(crate) struct Interrupted;
 
 /// A job admitted to its turns: parsed, due, and how many tries it has failed.
 struct Admitted {
@@ -83,7 +83,7 @@ struct Claimed {
 /// The unit of work over the instance's [`Context`](super::Context), with its own
 /// retry policy and send-rate limiter; cheap to clone.
 #[derive(Clone)]
-pub struct Worker {
+pub(crate) struct Worker {
     cx: SharedContext,
     policy: RetryPolicy,
     limiter: Limiter,
@@ -91,7 +91,7 @@ pub struct Worker {
 
 impl Worker {
     /// A worker over `cx`; its `hard_stop` ends waits for the database (drain timeout).
-    pub fn new(cx: SharedContext) -> Self {
+    pub(crate) fn new(cx: SharedContext) -> Self {
         let limiter = Limiter::new(
             &cx.settings.smtp,
             cx.inbox.clone(),
@@ -106,7 +106,7 @@ impl Worker {
     }
 
     /// Processes one delivery's body, headers, AMQP timestamp and AMQP `user_id`.
-    pub async fn process(
+    pub(crate) async fn process(
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,

@@ -70,7 +70,7 @@ impl<V: LabelValue> Counters<V> {
     }
 
     /// Counts `n` under `value`.
-    pub fn inc_by(&self, value: V, n: u64) {
+    pub(crate) fn inc_by(&self, value: V, n: u64) {
         match value.slot().and_then(|slot| self.children.get(slot)) {
             Some(child) => {
                 child
@@ -84,7 +84,8 @@ impl<V: LabelValue> Counters<V> {
     }
 
     /// The count under `value` (0 before the first).
-    pub fn get(&self, value: V) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn get(&self, value: V) -> u64 {
         self.family.get(&Label(value)).map_or(0, |c| c.get())
     }
 
@@ -110,7 +111,7 @@ macro_rules! label_enum {
 
         impl $name {
             /// The value as exported.
-            pub fn as_str(self) -> &'static str {
+            pub(crate) fn as_str(self) -> &'static str {
                 match self {
                     $( Self::$variant => $text, )*
                 }

@@ -12,7 +12,7 @@ impl Worker {
     /// Ladder mode: records a batch of scheduled jobs in one commit, riding out a database outage. If PostgreSQL refuses the batch for what
     /// one job carried, each is tried alone, so only that one goes unlisted (it is
     /// still relayed).
-    pub async fn schedule_many(&self, jobs: &[Scheduled]) -> Result<(), Interrupted> {
+    pub(crate) async fn schedule_many(&self, jobs: &[Scheduled]) -> Result<(), Interrupted> {
         match self
             .db("schedule", || self.cx.inbox.schedule_many(jobs))
             .await
