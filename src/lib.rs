@@ -42,6 +42,7 @@ pub mod headers;
 pub mod inbox;
 pub mod mail;
 pub mod ops;
+pub mod topology;
 pub mod work;
 
 /// An error and its causes on one line, for the last words of a failed command.

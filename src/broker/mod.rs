@@ -4,16 +4,15 @@
 
 pub mod acks;
 pub mod amqp;
-pub mod ladder;
+pub mod declare;
 pub mod management;
 pub mod probe;
-pub mod topology;
 
+pub use crate::topology::{ladder, DelayLayout, Ladder, Topology, ROUTING_KEY};
 pub(crate) use acks::Acks;
 pub use amqp::{
     confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
     queue_exists, queue_state, Connected, PublishError, QueueState,
 };
-pub use ladder::Ladder;
+pub use declare::TopologyError;
 pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};
-pub use topology::{DelayLayout, Topology, TopologyError, ROUTING_KEY};

@@ -7,9 +7,10 @@ use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind;
 
-use super::topology::{classify, insert, string, Topology, TopologyError};
+use super::declare::{classify, TopologyError};
 use crate::config::{AmqpAddresses, DelayMode, Settings, TopologySettings};
 use crate::ops::telemetry::ExpectedRefusals;
+use crate::topology::{insert, string, Topology};
 
 /// Resolves `delay.mode` (probing the broker for `auto`), logs the choice and why in
 /// one INFO line, and names the topology.

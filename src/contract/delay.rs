@@ -1,6 +1,6 @@
 //! The `x-delay` contract: reading the header and computing a job's due time. How
 //! the delay is then honoured (the plugin, or postie's TTL ladder) is the broker's
-//! business: see `crate::broker::ladder`.
+//! business: see `crate::topology::ladder`.
 
 use std::time::Duration;
 

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::Topology;
 use crate::config::{AmqpAddresses, Settings};
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
 use crate::ops::metrics::SharedMetrics;
+use crate::topology::Topology;
 
 /// Everything an instance shares, for as long as it serves. Read-only after start-up
 /// (its parts share their own state: the inbox's pool, the mailer's connections,

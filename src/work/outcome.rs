@@ -7,11 +7,11 @@
 
 use lapin::types::FieldTable;
 
-use crate::broker::{Topology, ROUTING_KEY};
 use crate::contract::{readable, IdempotencyKey};
 use crate::headers::{self, HEADER_DUE_AT, HEADER_X_DELAY};
 use crate::inbox::Cancelled;
 use crate::ops::metrics::{DeadReason, Metrics, Step, ThrottlePolicy};
+use crate::topology::{Topology, ROUTING_KEY};
 
 use super::now_ms;
 

@@ -5,9 +5,9 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 
 use super::Worker;
-use crate::broker::DelayLayout;
 use crate::contract::{self, InvalidJob};
 use crate::headers::{header_int, HEADER_DUE_AT, HEADER_PUBLISHED_AT};
+use crate::topology::DelayLayout;
 use crate::work::now_ms;
 
 /// A job that reaches the worker at most this much before its due time is held

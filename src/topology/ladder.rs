@@ -98,7 +98,7 @@ impl Ladder {
             key.push(if units >> k & 1 == 1 { '1' } else { '0' });
             key.push('.');
         }
-        key.push_str(super::topology::ROUTING_KEY);
+        key.push_str(super::ROUTING_KEY);
         key
     }
 

@@ -5,11 +5,10 @@ use lapin::options::{
     ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
-use super::{DelayLayout, Topology, ROUTING_KEY};
-use crate::broker::ladder::Ladder;
+use crate::topology::{insert, string, DelayLayout, Ladder, Topology, ROUTING_KEY};
 
 /// A declaration the broker refused, with the fix spelled out.
 #[derive(Debug, thiserror::Error)]
@@ -276,14 +275,6 @@ fn dead_letter_to(args: &mut FieldTable, exchange: &str) {
     insert(args, "x-overflow", string("reject-publish"));
 }
 
-pub(in crate::broker) fn insert(args: &mut FieldTable, key: &str, value: AMQPValue) {
-    args.insert(ShortString::from(key), value);
-}
-
-pub(in crate::broker) fn string(value: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(value))
-}
-
 pub(in crate::broker) fn classify(what: String, source: lapin::Error) -> TopologyError {
     if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
         let detail = amqp.get_message().to_string();
@@ -308,3 +299,6 @@ fn unknown_exchange_type(detail: &str) -> bool {
     detail.contains("x-delayed-message")
         && (detail.contains("unknown exchange type") || detail.contains("invalid exchange type"))
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,11 @@
 //! Unit tests of `topology.rs`.
 
+use std::time::Duration;
+
 use super::*;
+use crate::config::{DelayMode, DelaySettings, TopologySettings};
+use crate::contract::PLUGIN_MAX_DELAY;
+use crate::topology::*;
 
 fn topology(steps: &[u64]) -> Topology {
     Topology::new(

@@ -16,15 +16,13 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
 
-use super::ladder::Ladder;
 use crate::config::DelayMode;
 use crate::config::{DelaySettings, TopologySettings};
 use crate::contract::PLUGIN_MAX_DELAY;
 
-mod declare;
+pub mod ladder;
 
-pub use declare::TopologyError;
-pub(in crate::broker) use declare::{classify, insert, string};
+pub use ladder::Ladder;
 
 /// How `<p>.delayed` holds jobs until due: the resolved delay mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,10 +43,10 @@ pub const ROUTING_KEY: &str = "email";
 #[derive(Debug, Clone)]
 pub struct Topology {
     prefix: String,
-    retry_steps: Vec<Duration>,
-    delivery_limit: u32,
+    pub(crate) retry_steps: Vec<Duration>,
+    pub(crate) delivery_limit: u32,
     quorum_group: Option<u32>,
-    delay: DelayLayout,
+    pub(crate) delay: DelayLayout,
     max_delay: Duration,
     names: Names,
 }
@@ -250,5 +248,12 @@ impl Topology {
     }
 }
 
-#[cfg(test)]
-mod tests;
+/// Sets `key` in an AMQP argument table.
+pub(crate) fn insert(args: &mut FieldTable, key: &str, value: AMQPValue) {
+    args.insert(lapin::types::ShortString::from(key), value);
+}
+
+/// An AMQP long string.
+pub(crate) fn string(value: &str) -> AMQPValue {
+    AMQPValue::LongString(lapin::types::LongString::from(value))
+}
