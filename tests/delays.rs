@@ -12,7 +12,7 @@ use postie::broker::{probe_plugin, resolve_mode};
 use postie::config::DelayMode;
 use postie::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
-use support::{amqp_url, eventually, job, message_id, TestEnv};
+use support::{amqp_url, eventually, job, message_id, sample, TestEnv};
 
 /// The one line `postie` prints when it gives up.
 fn final_error(stderr: &str) -> &str {
@@ -329,12 +329,9 @@ async fn switching_modes_on_a_live_broker_is_a_clear_error() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
-    // No due time stamped by the relay: the worker finds it early and sends it back
-    // through the intake, the path a delay longer than one ladder pass also takes.
-    let env = TestEnv::new("early").await;
-    let serving = env.serve(env.settings());
+/// Publishes a job with a 4 s delay straight to the send queue, as if moved there by
+/// hand: no due time stamped by the relay. Returns its publish time.
+async fn publish_early(env: &TestEnv, key: &str) -> i64 {
     let published = now_ms();
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), AMQPValue::LongLongInt(4_000));
@@ -342,13 +339,23 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
         HEADER_PUBLISHED_AT.into(),
         AMQPValue::LongLongInt(published),
     );
-    let body = job("moved-in", "x@example.com").to_string();
+    let body = job(key, "x@example.com").to_string();
     env.publish_to_queue(
         env.topology.send_queue(),
         body.as_bytes(),
         broker::job_properties().with_headers(headers),
     )
     .await;
+    published
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
+    // No due time stamped by the relay: the worker finds it early and sends it back
+    // through the intake, the path a delay longer than one ladder pass also takes.
+    let env = TestEnv::new("early").await;
+    let serving = env.serve(env.settings());
+    let published = publish_early(&env, "moved-in").await;
     let envr = &env;
     let messages = eventually("the email", Duration::from_secs(60), move || async move {
         let m = envr.sink.messages(false).await;
@@ -364,14 +371,6 @@ async fn a_delayed_job_moved_straight_to_the_work_queue_still_waits() {
     );
 }
 
-/// The value of one sample line in the Prometheus text.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
-
 /// A job found before its due time is counted as an early arrival, not as deferred
 /// (which names another instance's live claim), and is still sent on time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -381,20 +380,7 @@ async fn mx_an_early_arrival_counts_as_early_not_deferred() {
     let mut settings = env.settings();
     settings.http.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
     let serving = env.serve(settings);
-    let published = now_ms();
-    let mut headers = FieldTable::default();
-    headers.insert("x-delay".into(), AMQPValue::LongLongInt(4_000));
-    headers.insert(
-        HEADER_PUBLISHED_AT.into(),
-        AMQPValue::LongLongInt(published),
-    );
-    let body = job("mx-early", "x@example.com").to_string();
-    env.publish_to_queue(
-        env.topology.send_queue(),
-        body.as_bytes(),
-        broker::job_properties().with_headers(headers),
-    )
-    .await;
+    publish_early(&env, "mx-early").await;
     let url = format!("http://127.0.0.1:{port}/metrics");
     let url = &url;
     let text = eventually(

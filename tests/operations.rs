@@ -9,21 +9,13 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{eventually, free_port, job, proxy::Proxy, TestEnv};
+use support::{eventually, free_port, job, proxy::Proxy, sample, TestEnv};
 
 async fn get(url: &str) -> (u16, String) {
     match reqwest::get(url).await {
         Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
         Err(_) => (0, String::new()),
     }
-}
-
-/// The value of one sample line in the Prometheus text, e.g. `postie_emails_sent_total`.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,19 +8,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{eventually, free_port, job, message_id, run_postie, TestEnv};
+use support::{eventually, free_port, job, message_id, run_postie, sample, TestEnv};
 
 async fn get(url: &str) -> Option<String> {
     let response = reqwest::get(url).await.ok()?;
     response.text().await.ok()
-}
-
-/// The value of one sample line in the Prometheus text.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
 }
 
 /// Runs `statement` (no results) in the test's database.

@@ -831,3 +831,12 @@ pub async fn admin_sql_in(db: &str, sql: &str) {
 async fn admin_sql(sql: &str) {
     admin_sql_in("postgres", sql).await;
 }
+
+/// The value of one sample line (no labels) in a Prometheus text exposition, e.g.
+/// `postie_emails_sent_total`.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
