@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use lapin::types::FieldTable;
 
-use crate::broker::{self, Topology, ROUTING_KEY};
+use crate::broker;
 use crate::config::{KeyNamespace, Settings};
 use crate::contract::{EmailJob, ParseRules};
 use crate::endpoint::percent_decode;
 use crate::headers::{self, HEADER_PUBLISHED_AT, HEADER_X_DELAY};
+use crate::topology::{Topology, ROUTING_KEY};
 
 /// A job to publish: a JSON file, or fields from flags.
 #[derive(clap::Args, Debug, Default, Clone)]

@@ -142,7 +142,7 @@ impl Service {
         let worker = Worker::new(cx.clone());
         let marks = cx.settings.delay.track_pending
             && cx.settings.delay.reconcile
-            && matches!(cx.topology.delay(), broker::DelayLayout::Ladder(_));
+            && matches!(cx.topology.delay(), crate::topology::DelayLayout::Ladder(_));
         Self {
             arrivals: arrivals::Arrivals::start(cx.inbox.clone(), marks),
             scheduler: scheduler::Scheduler::start(worker.clone()),

@@ -7,8 +7,8 @@ use lapin::types::FieldTable;
 use lapin::Channel;
 
 use super::Service;
-use crate::broker::DelayLayout;
 use crate::ops::metrics::QueueLabel;
+use crate::topology::DelayLayout;
 
 /// How often queue depths are polled for `/metrics`.
 pub(super) const DEPTH_POLL: Duration = Duration::from_secs(10);

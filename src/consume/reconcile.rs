@@ -32,12 +32,13 @@ use lapin::{Channel, Connection};
 
 use super::arrivals::ARRIVAL_AFTER;
 use super::Service;
-use crate::broker::{self, DelayLayout, ROUTING_KEY};
+use crate::broker;
 use crate::config::KeyNamespace;
 use crate::contract::{self, IdempotencyKey};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::inbox::{Overdue, Status};
 use crate::ops::metrics::Metrics;
+use crate::topology::{DelayLayout, ROUTING_KEY};
 use crate::work::{now_ms, DeadKind, Outcome};
 
 /// Jobs re-published per pass at most.

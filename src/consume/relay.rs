@@ -17,11 +17,12 @@ use lapin::types::FieldTable;
 
 use super::publisher::Publisher;
 use super::Service;
-use crate::broker::{Acks, DelayLayout, Topology, ROUTING_KEY};
+use crate::broker::Acks;
 use crate::contract::{self, readable, IdempotencyKey, ParseRules};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::{DeadReason, RelayRoute};
 use crate::topology::ladder::Route;
+use crate::topology::{DelayLayout, Topology, ROUTING_KEY};
 use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Interrupted, Target};
 
 /// What becomes of one intake delivery, decided when it arrives.

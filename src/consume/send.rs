@@ -9,10 +9,11 @@ use tracing::Instrument;
 
 use super::publisher::Publisher;
 use super::Service;
-use crate::broker::{self, Acks, DelayLayout, PublishError};
+use crate::broker::{self, Acks, PublishError};
 use crate::config::KeyNamespace;
 use crate::headers::{self, header_int, HEADER_ATTEMPT};
 use crate::ops::backoff::Backoff;
+use crate::topology::DelayLayout;
 use crate::work::{Disposition, Target};
 
 impl Service {

@@ -12,9 +12,10 @@ use tokio_util::sync::CancellationToken;
 use super::publisher::Publisher;
 use super::stream::Lane;
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
-use crate::broker::{self, DelayLayout, Topology};
+use crate::broker;
 use crate::ops::backoff::Backoff;
 use crate::ops::metrics::Dependency;
+use crate::topology::{DelayLayout, Topology};
 
 /// How often a consume loop checks that its connection still stands, in case the
 /// consumer stream misses the connection's end.

@@ -23,9 +23,10 @@ use super::publisher::Publisher;
 use super::relay::{Decision, DueOrder};
 use super::session::{bounded, within};
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
-use crate::broker::{Acks, DelayLayout};
+use crate::broker::Acks;
 use crate::config::Prefetch;
 use crate::contract::ParseRules;
+use crate::topology::DelayLayout;
 use crate::work::now_ms;
 
 /// A delivery to handle in a slot of its loop.

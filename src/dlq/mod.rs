@@ -26,9 +26,10 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use crate::broker::{self, Topology, ROUTING_KEY};
+use crate::broker;
 use crate::config::Settings;
 use crate::contract::ParseRules;
+use crate::topology::{Topology, ROUTING_KEY};
 
 /// Which dead letters [`replay`] moves. The default moves every one.
 #[derive(Debug, Clone, Default)]
