@@ -26,10 +26,17 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = settings.worker.threads {
-        runtime.worker_threads(threads);
-    }
+    // One thread: a runtime on this thread alone, where a task woken by another task
+    // is polled without a wake-up across threads (no futex, no eventfd).
+    let mut runtime = match settings.worker.threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(threads) => {
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            runtime.worker_threads(threads);
+            runtime
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let runtime = runtime
         .enable_all()
         .build()

@@ -317,3 +317,71 @@ async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
     assert_eq!(env.emails_per_id().await.get(&message_id(key)), Some(&1));
     assert!(env.take_dead_letters().await.is_empty());
 }
+
+/// A pooled connection the relay has closed since its last email (reused within 2 s,
+/// so without a NOOP): the next email's MAIL FROM meets the closed connection, nothing
+/// was handed over, and the email goes at once on a new connection, one attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_pooled_connection_the_relay_closed_costs_no_attempt() {
+    let env = TestEnv::new("gsstale").await;
+    let postie = env.spawn_process(&[]);
+    env.publish(&job("gs-stale-1", "a@example.com")).await;
+    env.emails_or_log(&postie, "the first email", 1, Duration::from_secs(60))
+        .await;
+    // Set as soon as the first email is in: its connection has just gone back to the
+    // pool. The relay closes it at the next MAIL FROM, without a reply.
+    env.sink
+        .set_faults(json!([{"stage": "mail", "action": {"drop": true}, "times": 1}]))
+        .await;
+    env.publish(&job("gs-stale-2", "b@example.com")).await;
+    env.emails_or_log(&postie, "the second email", 2, Duration::from_secs(60))
+        .await;
+    let row = env.inbox_row("gs-stale-2").await.unwrap();
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.last_error),
+        ("sent", 1, None),
+        "the stale connection cost an attempt (was it reused within 2 s?)"
+    );
+    let stats = env.sink.stats().await;
+    assert_eq!(
+        stats.connections, 2,
+        "a new connection after the closed one"
+    );
+    assert_eq!(
+        env.emails_per_id().await.get(&message_id("gs-stale-2")),
+        Some(&1)
+    );
+    assert!(env.take_dead_letters().await.is_empty());
+}
+
+/// A relay that does not advertise PIPELINING gets one command at a time, and every
+/// email still goes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_relay_without_pipelining_gets_one_command_at_a_time() {
+    let env = TestEnv::new("gsnopipe").await;
+    let plain = support::SmtpSink::start_with(&["--no-pipelining"]).await;
+    let url = plain.smtp_url();
+    let postie = env.spawn_process(&[("POSTIE__SMTP__URL", url.as_str())]);
+    let keys: Vec<String> = (0..20).map(|i| format!("gs-nopipe-{i}")).collect();
+    for key in &keys {
+        env.publish(&job(key, "p@example.com")).await;
+    }
+    let from = Instant::now();
+    while plain.count().await < keys.len() {
+        assert!(
+            from.elapsed() < Duration::from_secs(60),
+            "{} of {} emails; postie's log:\n{}",
+            plain.count().await,
+            keys.len(),
+            postie.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for key in &keys {
+        let row = env.inbox_row(key).await.unwrap();
+        assert_eq!((row.status.as_str(), row.attempts), ("sent", 1), "{key}");
+    }
+    assert_eq!(plain.count().await, keys.len(), "each email once");
+    assert_eq!(env.sink.count().await, 0);
+    assert!(env.take_dead_letters().await.is_empty());
+}

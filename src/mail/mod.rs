@@ -38,7 +38,7 @@ pub enum SendError {
     /// 5xx or a message the server can never take: dead-letter now.
     #[error("permanent: {0}")]
     Permanent(String),
-    /// The send stopped before `DATA` because its [`Clearance`] was withdrawn (the
+    /// The send stopped before the body because its [`Clearance`] was withdrawn (the
     /// claim was lost): the email was not handed over.
     #[error("withdrawn: {0}")]
     Withdrawn(String),
@@ -58,8 +58,9 @@ impl SendError {
 }
 
 /// Whether a send may still hand its email over. The worker withdraws it when it finds
-/// its claim gone; a transport checks it before the envelope and again before `DATA`,
-/// and never starts the body once it is withdrawn. Cheap to clone (shared).
+/// its claim gone; a transport checks it before the envelope and again before the
+/// body (and before `DATA` when it sends commands one at a time), and never starts the
+/// body once it is withdrawn. Cheap to clone (shared).
 #[derive(Clone, Debug, Default)]
 pub struct Clearance(Arc<AtomicBool>);
 
@@ -69,7 +70,7 @@ impl Clearance {
         Self::default()
     }
 
-    /// Withdraws it: a send that has not started `DATA` stops.
+    /// Withdraws it: a send that has not started the body stops.
     pub(crate) fn withdraw(&self) {
         self.0.store(true, Ordering::Relaxed);
     }
@@ -78,7 +79,7 @@ impl Clearance {
     pub(crate) fn check(&self) -> Result<(), SendError> {
         if self.0.load(Ordering::Relaxed) {
             return Err(SendError::Withdrawn(
-                "the claim was lost before DATA; the email was not handed over".into(),
+                "the claim was lost before the body; the email was not handed over".into(),
             ));
         }
         Ok(())

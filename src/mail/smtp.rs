@@ -15,26 +15,28 @@
 //!
 //! | step | when |
 //! |---|---|
-//! | NOOP | a pooled connection, before it is reused |
+//! | NOOP | a pooled connection idle for [`RECENT`] or longer, before it is reused |
 //! | connect, greeting and EHLO (TLS handshake too for `smtps://`) | a new connection: TCP connect within `smtp.timeout`, the rest within a second `smtp.timeout` |
 //! | STARTTLS (handshake, EHLO again) | a new connection, as `smtp.url` says |
+//! | EHLO once more, to read PIPELINING (lettre keeps only the extensions it knows) | a new connection |
 //! | AUTH | a new connection, when `smtp.url` has a password |
-//! | MAIL FROM, each RCPT TO, DATA | every email |
+//! | MAIL FROM, each RCPT TO, DATA (one write to a relay with PIPELINING) | every email |
 //! | the body and the final reply | every email |
 //! | QUIT | a connection closed after idling |
+//!
+//! A connection back in the pool for less than [`RECENT`] is reused without a NOOP
+//! (a round trip an email saved): if its MAIL FROM then meets a closed connection or a
+//! 421, nothing was handed over, and the email goes once more on a new connection.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use lettre::address::Envelope;
 use lettre::transport::smtp::authentication::{Credentials, DEFAULT_MECHANISMS};
 use lettre::transport::smtp::client::{AsyncSmtpConnection, TlsParameters};
-use lettre::transport::smtp::commands::{Data, Mail, Rcpt};
-use lettre::transport::smtp::extension::{
-    ClientId, Extension, MailBodyParameter, MailParameter, ServerInfo,
-};
+use lettre::transport::smtp::commands::Ehlo;
+use lettre::transport::smtp::extension::ClientId;
 use secrecy::ExposeSecret;
 
 use super::{Clearance, Email, SendError, Transport};
@@ -45,6 +47,13 @@ use crate::endpoint::is_loopback_host;
 /// minutes (RFC 5321 §4.5.3.2.7 lets them after 5); one idle longer is closed with
 /// QUIT rather than checked.
 const IDLE_LIMIT: Duration = Duration::from_secs(60);
+
+/// A connection idle for less than this is reused without a NOOP first.
+const RECENT: Duration = Duration::from_secs(2);
+
+mod transaction;
+
+use transaction::{Failed, Session};
 
 /// TLS as `smtp.url` asks for it.
 enum TlsUse {
@@ -61,7 +70,7 @@ enum TlsUse {
 
 /// A connection waiting in the pool, and since when.
 struct Idle {
-    connection: AsyncSmtpConnection,
+    session: Session,
     since: Instant,
 }
 
@@ -152,15 +161,12 @@ impl SmtpRelay {
         match tokio::time::timeout(limit, step).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(classify(error, &self.throttles)),
-            Err(_) => Err(SendError::Unreachable(format!(
-                "the relay did not answer {what} within {}",
-                humantime::format_duration(limit)
-            ))),
+            Err(_) => Err(no_answer(what, limit)),
         }
     }
 
     /// A new connection, greeted, encrypted and authenticated as `smtp.url` says.
-    async fn open(&self) -> Result<AsyncSmtpConnection, SendError> {
+    async fn open(&self) -> Result<Session, SendError> {
         let implicit = match &self.tls {
             TlsUse::Implicit(params) => Some(params.clone()),
             _ => None,
@@ -181,31 +187,39 @@ impl SmtpRelay {
                 self.bounded("STARTTLS", self.step, starttls).await?;
             }
         }
+        // Before AUTH: an EHLO resets the session, and some relays forget AUTH with it.
+        let ehlo = connection.command(Ehlo::new(self.hello.clone()));
+        let ehlo = self.bounded("EHLO", self.step, ehlo).await?;
+        let pipelining = transaction::advertises_pipelining(&ehlo);
         if let Some(credentials) = &self.credentials {
             let auth = connection.auth(DEFAULT_MECHANISMS, credentials);
             self.bounded("AUTH", self.step, auth).await?;
         }
-        Ok(connection)
+        Ok(Session {
+            connection,
+            pipelining,
+        })
     }
 
-    /// A pooled connection that still answers NOOP, else a new one.
-    async fn checkout(&self) -> Result<AsyncSmtpConnection, SendError> {
-        while let Some(Idle {
-            mut connection,
-            since,
-        }) = self.take_idle()
-        {
-            if since.elapsed() >= IDLE_LIMIT {
-                self.close(connection);
+    /// A pooled connection (checked with a NOOP unless it was in use within
+    /// [`RECENT`]), else a new one; and whether it went unchecked.
+    async fn checkout(&self) -> Result<(Session, bool), SendError> {
+        while let Some(Idle { mut session, since }) = self.take_idle() {
+            let idle = since.elapsed();
+            if idle >= IDLE_LIMIT {
+                self.close(session);
                 continue;
             }
-            let noop = tokio::time::timeout(self.step, connection.test_connected());
+            if idle < RECENT {
+                return Ok((session, true));
+            }
+            let noop = tokio::time::timeout(self.step, session.connection.test_connected());
             if noop.await == Ok(true) {
-                return Ok(connection);
+                return Ok((session, false));
             }
             // Broken or silent: dropped, which closes the socket.
         }
-        self.open().await
+        Ok((self.open().await?, false))
     }
 
     fn take_idle(&self) -> Option<Idle> {
@@ -213,85 +227,26 @@ impl SmtpRelay {
     }
 
     /// Puts a connection whose last transaction ended with a 250 back in the pool.
-    fn checkin(&self, connection: AsyncSmtpConnection) {
+    fn checkin(&self, session: Session) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < self.max_idle {
             idle.push(Idle {
-                connection,
+                session,
                 since: Instant::now(),
             });
         } else {
             drop(idle);
-            self.close(connection);
+            self.close(session);
         }
     }
 
     /// Says QUIT (bounded, off the send's path) and closes.
-    fn close(&self, mut connection: AsyncSmtpConnection) {
+    fn close(&self, mut session: Session) {
         let step = self.step;
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(step, connection.quit()).await;
+            let _ = tokio::time::timeout(step, session.connection.quit()).await;
         });
     }
-
-    /// MAIL, RCPT, DATA and the body on `connection`, each step bounded. `DATA` is
-    /// never sent once `clearance` is withdrawn.
-    async fn transaction(
-        &self,
-        connection: &mut AsyncSmtpConnection,
-        email: &Email,
-        clearance: &Clearance,
-    ) -> Result<(), SendError> {
-        let (envelope, body) = (email.envelope(), email.formatted());
-        let options = mail_options(connection.server_info(), envelope, body)?;
-        clearance.check()?;
-        let mail = connection.command(Mail::new(envelope.from().cloned(), options));
-        self.bounded("MAIL FROM", self.step, mail).await?;
-        for to in envelope.to() {
-            let rcpt = connection.command(Rcpt::new(to.clone(), vec![]));
-            self.bounded("RCPT TO", self.step, rcpt).await?;
-        }
-        clearance.check()?;
-        self.bounded("DATA", self.step, connection.command(Data))
-            .await?;
-        self.bounded("the end of data", self.step, connection.message(body))
-            .await?;
-        Ok(())
-    }
-}
-
-/// MAIL FROM's parameters, as lettre's own `send` picks them: SMTPUTF8 for non-ASCII
-/// addresses, 8BITMIME for a non-ASCII body; a relay without the extension can never
-/// take the email (permanent).
-fn mail_options(
-    server: &ServerInfo,
-    envelope: &Envelope,
-    body: &[u8],
-) -> Result<Vec<MailParameter>, SendError> {
-    let mut options = Vec::new();
-    let non_ascii_address = envelope
-        .to()
-        .iter()
-        .chain(envelope.from())
-        .any(|address| !AsRef::<str>::as_ref(address).is_ascii());
-    if non_ascii_address {
-        if !server.supports_feature(Extension::SmtpUtfEight) {
-            return Err(SendError::Permanent(
-                "the envelope has non-ASCII addresses and the relay does not support SMTPUTF8"
-                    .into(),
-            ));
-        }
-        options.push(MailParameter::SmtpUtfEight);
-    }
-    if !body.is_ascii() {
-        if !server.supports_feature(Extension::EightBitMime) {
-            return Err(SendError::Permanent(
-                "the message is not ASCII and the relay does not support 8BITMIME".into(),
-            ));
-        }
-        options.push(MailParameter::Body(MailBodyParameter::EightBitMime));
-    }
-    Ok(options)
 }
 
 impl Transport for SmtpRelay {
@@ -301,9 +256,16 @@ impl Transport for SmtpRelay {
         clearance: &'a Clearance,
     ) -> BoxFuture<'a, Result<(), SendError>> {
         async move {
-            let mut connection = self.checkout().await?;
-            self.transaction(&mut connection, email, clearance).await?;
-            self.checkin(connection);
+            let (mut session, unchecked) = self.checkout().await?;
+            let mut sent = self.transaction(&mut session, email, clearance).await;
+            if unchecked && matches!(sent, Err(Failed::AtFirstReply(_))) {
+                // The pooled connection had gone stale without a NOOP to tell: MAIL
+                // FROM met a closed connection or a 421, so nothing was handed over.
+                session = self.open().await?;
+                sent = self.transaction(&mut session, email, clearance).await;
+            }
+            sent.map_err(Failed::into_error)?;
+            self.checkin(session);
             Ok(())
         }
         .boxed()
@@ -312,16 +274,24 @@ impl Transport for SmtpRelay {
     /// A new connection (connect, EHLO, TLS, AUTH) and a NOOP, each step bounded.
     fn probe(&self) -> BoxFuture<'_, bool> {
         async {
-            let Ok(mut connection) = self.open().await else {
+            let Ok(mut session) = self.open().await else {
                 return false;
             };
-            let answered =
-                tokio::time::timeout(self.step, connection.test_connected()).await == Ok(true);
-            self.close(connection);
+            let noop = session.connection.test_connected();
+            let answered = tokio::time::timeout(self.step, noop).await == Ok(true);
+            self.close(session);
             answered
         }
         .boxed()
     }
+}
+
+/// The relay's silence through one step.
+fn no_answer(what: &str, limit: Duration) -> SendError {
+    SendError::Unreachable(format!(
+        "the relay did not answer {what} within {}",
+        humantime::format_duration(limit)
+    ))
 }
 
 /// `smtp.throttle_patterns`, lower-cased: which transient replies are throttles.

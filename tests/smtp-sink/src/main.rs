@@ -79,6 +79,9 @@ struct Args {
     /// at runtime with `PUT /quota`).
     #[arg(long, value_name = "R")]
     quota_per_second: Option<u32>,
+    /// Leave PIPELINING out of the EHLO reply (a relay that takes one command at a time).
+    #[arg(long)]
+    no_pipelining: bool,
 }
 
 #[tokio::main]
@@ -89,7 +92,9 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("creating maildir {}", dir.display()))?;
     }
     let quota = quota::QuotaConfig::new(args.quota_per_second);
-    let state = Arc::new(state::AppState::new(args.maildir, quota));
+    let mut state = state::AppState::new(args.maildir, quota);
+    state.pipelining = !args.no_pipelining;
+    let state = Arc::new(state);
 
     let smtp = TcpListener::bind(args.smtp)
         .await

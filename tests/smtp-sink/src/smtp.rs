@@ -180,9 +180,13 @@ impl Session {
     async fn ehlo(&mut self) -> io::Result<Flow> {
         self.greeted = true;
         self.tx = None;
-        let reply = format!(
-            "250-{HOSTNAME}\r\n250-SIZE {MAX_MESSAGE_SIZE}\r\n250-8BITMIME\r\n250 PIPELINING"
-        );
+        let reply = if self.state.pipelining {
+            format!(
+                "250-{HOSTNAME}\r\n250-SIZE {MAX_MESSAGE_SIZE}\r\n250-8BITMIME\r\n250 PIPELINING"
+            )
+        } else {
+            format!("250-{HOSTNAME}\r\n250-SIZE {MAX_MESSAGE_SIZE}\r\n250 8BITMIME")
+        };
         self.reply(&reply).await?;
         Ok(Flow::Continue)
     }

@@ -89,6 +89,8 @@ pub(crate) struct AppState {
     pub(crate) counters: Counters,
     /// Optional directory receiving `<seq>.eml` copies.
     pub(crate) maildir: Option<PathBuf>,
+    /// Whether EHLO advertises PIPELINING.
+    pub(crate) pipelining: bool,
 }
 
 /// Locks a mutex, recovering the data if another thread panicked while holding it.
@@ -107,6 +109,7 @@ impl AppState {
             rules: Mutex::new(Vec::new()),
             quota: Mutex::new(Quota::new(quota)),
             counters: Counters::default(),
+            pipelining: true,
             maildir,
         }
     }
