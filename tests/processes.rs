@@ -365,3 +365,98 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
     assert_eq!(keys.len(), KEYS);
     assert!(winners.iter().all(|(_, fence)| *fence == 2), "{winners:?}");
 }
+
+/// Completions recorded in batches: 60 claims completed at once, each row as its own
+/// statement would have recorded it; a completion whose fence moved records nothing
+/// and says so; one whose text PostgreSQL refuses (a NUL byte) is refused alone, the
+/// rest of its batch recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_at_once_are_recorded_each_by_its_own_fence() {
+    use postie::inbox::{Claim, Completion, Inbox};
+
+    let env = TestEnv::new("batchdone").await;
+    let database = env.settings().database;
+    let inbox = Inbox::new(&database.plan().unwrap(), &database).unwrap();
+    inbox.migrate().await.unwrap();
+    let lease = Duration::from_secs(60);
+    let keys: Vec<String> = (0..60).map(|i| format!("batch-{i:02}")).collect();
+    let mut fences = Vec::new();
+    for key in &keys {
+        match inbox.claim(key, "test", lease, 0).await.unwrap() {
+            Claim::Claimed { fence, .. } => fences.push(fence),
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    let done = futures_util::future::join_all(keys.iter().zip(&fences).enumerate().map(
+        |(i, (key, &fence))| {
+            let inbox = inbox.clone();
+            async move {
+                let message_id = format!("<{key}@x>");
+                let completion = match i % 4 {
+                    0 => Completion::Sent {
+                        message_id: &message_id,
+                        due_ms: 1_000,
+                    },
+                    1 => Completion::Retrying { error: "451 later" },
+                    2 => Completion::Dead {
+                        error: "550 no such user",
+                    },
+                    _ => Completion::Unclaimed { why: "paused" },
+                };
+                match i {
+                    // A fence another instance has moved on from.
+                    7 => inbox.complete(key, fence + 1, completion).await,
+                    // Text PostgreSQL refuses (22021).
+                    9 => {
+                        inbox
+                            .complete(key, fence, Completion::Dead { error: "a\0b" })
+                            .await
+                    }
+                    _ => inbox.complete(key, fence, completion).await,
+                }
+            }
+        },
+    ))
+    .await;
+    let db = env.db().await;
+    for (i, (key, result)) in keys.iter().zip(done).enumerate() {
+        let row = db
+            .query_one(
+                "SELECT status, attempts, last_error, message_id, body IS NULL, owner IS NULL \
+                 FROM postie_inbox WHERE key = $1",
+                &[key],
+            )
+            .await
+            .unwrap();
+        let status: String = row.get(0);
+        let (attempts, error, message_id): (i32, Option<String>, Option<String>) =
+            (row.get(1), row.get(2), row.get(3));
+        let released: bool = row.get(5);
+        match i {
+            7 => {
+                assert!(!result.unwrap(), "{key}: a moved fence records nothing");
+                assert_eq!(status, "sending", "{key}");
+            }
+            9 => {
+                let error = result.unwrap_err();
+                assert!(!error.is_outage(), "{key}: {error}");
+                assert_eq!(status, "sending", "{key}");
+            }
+            _ => {
+                assert!(result.unwrap(), "{key}");
+                assert!(released, "{key}: the claim let go");
+                let expected = match i % 4 {
+                    0 => ("sent", 1, None, Some(format!("<{key}@x>"))),
+                    1 => ("retrying", 1, Some("451 later".to_string()), None),
+                    2 => ("dead", 1, Some("550 no such user".to_string()), None),
+                    _ => ("retrying", 0, Some("paused".to_string()), None),
+                };
+                assert_eq!(
+                    (status.as_str(), attempts, error, message_id),
+                    expected,
+                    "{key}"
+                );
+            }
+        }
+    }
+}

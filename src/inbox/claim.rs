@@ -61,7 +61,7 @@ pub enum Completion<'a> {
 
 /// Every completion: fenced (`fence = $2`), the lease released. A send also sets
 /// `message_id`, `due_at` and `sent_at` (the other completions keep theirs).
-const COMPLETE: &str = "UPDATE postie_inbox
+pub(super) const COMPLETE: &str = "UPDATE postie_inbox
     SET status = $3::text, attempts = attempts + $4::int, last_error = $5::text,
         body = CASE WHEN $6::bool THEN NULL ELSE body END,
         message_id = coalesce($7::text, message_id),
@@ -72,14 +72,14 @@ const COMPLETE: &str = "UPDATE postie_inbox
 
 /// The parameters of `COMPLETE` for one completion.
 #[derive(Debug, PartialEq, Eq)]
-struct CompletionRow<'a> {
-    status: Status,
+pub(super) struct CompletionRow<'a> {
+    pub(super) status: Status,
     /// SMTP attempts to add: 1 if one was made.
-    attempt: i32,
-    error: Option<&'a str>,
-    drops_body: bool,
-    message_id: Option<&'a str>,
-    due_ms: Option<i64>,
+    pub(super) attempt: i32,
+    pub(super) error: Option<&'a str>,
+    pub(super) drops_body: bool,
+    pub(super) message_id: Option<&'a str>,
+    pub(super) due_ms: Option<i64>,
 }
 
 impl<'a> Completion<'a> {
@@ -89,7 +89,7 @@ impl<'a> Completion<'a> {
         self.row().status
     }
 
-    fn row(&self) -> CompletionRow<'a> {
+    pub(super) fn row(&self) -> CompletionRow<'a> {
         let row = |status, attempt, error, drops_body| CompletionRow {
             status,
             attempt,
@@ -235,32 +235,6 @@ impl Inbox {
             .execute(&stmt, &[&keys, &revisions, &dues, &bodies])
             .await?;
         Ok(())
-    }
-
-    /// Records what became of the claim `fence` on `key` (see [`Completion`]): one
-    /// fenced statement for every transition out of `sending`. `false` means the
-    /// fence moved: another instance took the key over meanwhile (for a send, counted
-    /// as a possible duplicate), and nothing was recorded.
-    pub async fn complete(
-        &self,
-        key: &str,
-        fence: i64,
-        completion: Completion<'_>,
-    ) -> Result<bool, DbError> {
-        let row = completion.row();
-        let client = self.pool.get().await?;
-        let stmt = client.prepare_cached(COMPLETE).await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
-            &key,
-            &fence,
-            &row.status.as_str(),
-            &row.attempt,
-            &row.error,
-            &row.drops_body,
-            &row.message_id,
-            &row.due_ms,
-        ];
-        Ok(client.execute(&stmt, &params).await? == 1)
     }
 }
 

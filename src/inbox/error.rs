@@ -10,7 +10,7 @@
 //! the operator sees (readiness false, one log line naming the cause).
 
 /// PostgreSQL could not be reached, or refused a statement.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("database: {message}")]
 pub struct DbError {
     message: String,

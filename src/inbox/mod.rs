@@ -11,6 +11,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 mod claim;
 pub mod clock;
+mod complete;
 mod error;
 mod migrate;
 mod prune;
@@ -37,6 +38,8 @@ pub struct Inbox {
     pool: Pool,
     /// How to open a connection outside the pool (the maintenance lock holder).
     direct: (tokio_postgres::Config, Option<MakeRustlsConnect>),
+    /// Completions are recorded in batches (`complete.rs`).
+    completer: complete::Completer,
 }
 
 impl Inbox {
@@ -70,6 +73,7 @@ impl Inbox {
         Ok(Self {
             pool,
             direct: (pg, tls),
+            completer: complete::Completer::default(),
         })
     }
 

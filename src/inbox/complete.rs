@@ -1,0 +1,191 @@
+//! Completions in batches: every worker's [`Inbox::complete`] joins a queue, and one
+//! task records whatever has queued with one statement, then the next batch. Under
+//! load many completions share a round trip and a commit; alone, one goes at once
+//! (the task waits for nothing but the statement in flight).
+//!
+//! Why: a completion was a round trip and a commit of its own, an email's second
+//! statement (the claim is the first), and most of postie's CPU per email was system
+//! calls and wake-ups. The batch is the same fenced `UPDATE` as one completion, joined
+//! with `unnest` of its rows, so each row keeps its meaning: recorded only while its
+//! fence holds. A batch PostgreSQL refuses for what one row carried is recorded row
+//! by row, so the refusal reaches only that row's caller.
+
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock};
+
+use deadpool_postgres::Pool;
+use tokio::sync::{mpsc, oneshot};
+
+use super::claim::{CompletionRow, COMPLETE};
+use super::{Completion, DbError, Inbox};
+
+/// The most completions one statement records; more wait for the next batch.
+const BATCH_MAX: usize = 256;
+
+/// One completion waiting for its batch, and where its answer goes.
+struct Pending {
+    key: String,
+    fence: i64,
+    row: OwnedRow,
+    answer: oneshot::Sender<Result<bool, DbError>>,
+}
+
+/// [`CompletionRow`], owned (it outlives the caller's borrow in the queue).
+struct OwnedRow {
+    status: &'static str,
+    attempt: i32,
+    error: Option<String>,
+    drops_body: bool,
+    message_id: Option<String>,
+    due_ms: Option<i64>,
+}
+
+impl From<CompletionRow<'_>> for OwnedRow {
+    fn from(row: CompletionRow<'_>) -> Self {
+        Self {
+            status: row.status.as_str(),
+            attempt: row.attempt,
+            error: row.error.map(str::to_owned),
+            drops_body: row.drops_body,
+            message_id: row.message_id.map(str::to_owned),
+            due_ms: row.due_ms,
+        }
+    }
+}
+
+/// The queue into the batching task, started by the first completion (so that an
+/// `Inbox` can be built outside the runtime). It ends when the last `Inbox` clone
+/// is dropped.
+#[derive(Clone, Default)]
+pub(super) struct Completer(Arc<OnceLock<mpsc::Sender<Pending>>>);
+
+/// `COMPLETE` over a batch: the rows as arrays, joined with `unnest`; each row's key
+/// and fence come back when it was recorded.
+const COMPLETE_MANY: &str = "UPDATE postie_inbox AS i
+    SET status = c.status, attempts = i.attempts + c.attempt, last_error = c.error,
+        body = CASE WHEN c.drops_body THEN NULL ELSE i.body END,
+        message_id = coalesce(c.message_id, i.message_id),
+        due_at = coalesce(to_timestamp(c.due_ms / 1000.0), i.due_at),
+        sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
+        owner = NULL, lease_until = NULL, updated_at = now()
+   FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],
+               $7::text[], $8::bigint[])
+        AS c(key, fence, status, attempt, error, drops_body, message_id, due_ms)
+  WHERE i.key = c.key AND i.fence = c.fence
+  RETURNING i.key, i.fence";
+
+impl Inbox {
+    /// Records what became of the claim `fence` on `key` (see [`Completion`]), in a
+    /// batch with the other completions queued meanwhile. `false` means the fence
+    /// moved: another instance took the key over meanwhile (for a send, counted as a
+    /// possible duplicate), and nothing was recorded.
+    pub async fn complete(
+        &self,
+        key: &str,
+        fence: i64,
+        completion: Completion<'_>,
+    ) -> Result<bool, DbError> {
+        let queue = self.completer.0.get_or_init(|| {
+            let (queue, batches) = mpsc::channel(BATCH_MAX);
+            tokio::spawn(record_batches(self.pool.clone(), batches));
+            queue
+        });
+        let (answer, answered) = oneshot::channel();
+        let pending = Pending {
+            key: key.to_owned(),
+            fence,
+            row: completion.row().into(),
+            answer,
+        };
+        let gone = || DbError::unreadable("the inbox's completion task has stopped".into());
+        queue.send(pending).await.map_err(|_| gone())?;
+        answered.await.map_err(|_| gone())?
+    }
+}
+
+/// The batching task: takes what has queued (up to [`BATCH_MAX`]), records it, answers
+/// each caller, and again.
+async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>) {
+    let mut batch = Vec::with_capacity(BATCH_MAX);
+    while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
+        // One lock order for every batch (and every instance): by key.
+        batch.sort_by(|a, b| a.key.cmp(&b.key));
+        match record(&pool, &batch).await {
+            Ok(kept) => {
+                for (pending, kept) in batch.drain(..).zip(kept) {
+                    let _ = pending.answer.send(Ok(kept));
+                }
+            }
+            Err(error) if error.is_outage() || batch.len() == 1 => {
+                for pending in batch.drain(..) {
+                    let _ = pending.answer.send(Err(error.clone()));
+                }
+            }
+            // Refused for what some row carried: each row alone, so only that row's
+            // caller hears the refusal.
+            Err(_) => {
+                for pending in batch.drain(..) {
+                    let one = record_one(&pool, &pending).await;
+                    let _ = pending.answer.send(one);
+                }
+            }
+        }
+    }
+}
+
+/// The batch in one statement: whether each row was recorded (its fence held).
+async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
+    let client = pool.get().await?;
+    let stmt = client.prepare_cached(COMPLETE_MANY).await?;
+    let column = |f: fn(&Pending) -> Option<String>| batch.iter().map(f).collect::<Vec<_>>();
+    let keys: Vec<&str> = batch.iter().map(|p| p.key.as_str()).collect();
+    let fences: Vec<i64> = batch.iter().map(|p| p.fence).collect();
+    let statuses: Vec<&str> = batch.iter().map(|p| p.row.status).collect();
+    let attempts: Vec<i32> = batch.iter().map(|p| p.row.attempt).collect();
+    let errors = column(|p| p.row.error.clone());
+    let drops: Vec<bool> = batch.iter().map(|p| p.row.drops_body).collect();
+    let message_ids = column(|p| p.row.message_id.clone());
+    let dues: Vec<Option<i64>> = batch.iter().map(|p| p.row.due_ms).collect();
+    let rows = client
+        .query(
+            &stmt,
+            &[
+                &keys,
+                &fences,
+                &statuses,
+                &attempts,
+                &errors,
+                &drops,
+                &message_ids,
+                &dues,
+            ],
+        )
+        .await?;
+    let mut recorded = HashSet::with_capacity(rows.len());
+    for row in &rows {
+        let (key, fence): (&str, i64) = (row.try_get(0)?, row.try_get(1)?);
+        recorded.insert((key, fence));
+    }
+    Ok(batch
+        .iter()
+        .map(|p| recorded.contains(&(p.key.as_str(), p.fence)))
+        .collect())
+}
+
+/// One completion alone (`COMPLETE`).
+async fn record_one(pool: &Pool, pending: &Pending) -> Result<bool, DbError> {
+    let client = pool.get().await?;
+    let stmt = client.prepare_cached(COMPLETE).await?;
+    let row = &pending.row;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+        &pending.key,
+        &pending.fence,
+        &row.status,
+        &row.attempt,
+        &row.error,
+        &row.drops_body,
+        &row.message_id,
+        &row.due_ms,
+    ];
+    Ok(client.execute(&stmt, &params).await? == 1)
+}
