@@ -385,3 +385,23 @@ async fn gs_a_relay_without_pipelining_gets_one_command_at_a_time() {
     assert_eq!(env.sink.count().await, 0);
     assert!(env.take_dead_letters().await.is_empty());
 }
+
+/// Lines of the text that start with a dot reach the relay's mailbox as written: the
+/// body goes dot-stuffed, with its final dot, in one write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_lines_starting_with_a_dot_arrive_as_written() {
+    let env = TestEnv::new("gsdots").await;
+    let postie = env.spawn_process(&[]);
+    let mut dotted = job("gs-dots", "d@example.com");
+    dotted["text"] = json!(".first\n..second\nmiddle\n.\nlast.");
+    env.publish(&dotted).await;
+    env.emails_or_log(&postie, "the email", 1, Duration::from_secs(60))
+        .await;
+    let raw = env.sink.messages(true).await[0].raw.clone().unwrap();
+    let body = raw.split("\r\n\r\n").nth(1).unwrap_or_default();
+    assert_eq!(
+        body.trim_end(),
+        ".first\r\n..second\r\nmiddle\r\n.\r\nlast.",
+        "raw message:\n{raw}"
+    );
+}
