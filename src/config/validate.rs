@@ -4,6 +4,7 @@
 
 use secrecy::ExposeSecret;
 
+use super::provider::{api_endpoint, is_api_url, ApiEndpoint};
 use super::{
     database_plan, smtp_endpoint, AmqpAddresses, ConfigError, DbPlan, Settings, SmtpEndpoint,
 };
@@ -36,11 +37,18 @@ pub enum SmtpTransport {
     Files(String),
     /// An SMTP relay.
     Relay(SmtpEndpoint),
+    /// A provider's HTTP API (`ses://`, `sendgrid://`, `postmark://`, `mailgun://`).
+    Api(ApiEndpoint),
 }
 
 impl SmtpTransport {
-    /// Parses `raw` (`smtp.url`) and applies the transport rules ([`smtp_endpoint`]).
+    /// Parses `raw` (`smtp.url`) and applies the transport rules ([`smtp_endpoint`],
+    /// or [`api_endpoint`] for a provider's API, whose credentials may come from the
+    /// process environment).
     pub(crate) fn parse(raw: &str) -> Result<Self, ConfigError> {
+        if is_api_url(raw) {
+            return api_endpoint(raw, &|var| std::env::var(var).ok()).map(Self::Api);
+        }
         Ok(match smtp_endpoint(raw)? {
             None => Self::Files(raw.trim_start_matches("file://").to_string()),
             Some(endpoint) => Self::Relay(endpoint),

@@ -58,3 +58,48 @@ fn mailbox(address: &Address) -> Result<Mailbox, SendError> {
         .map_err(|e| SendError::Permanent(format!("address {:?}: {e}", address.email)))?;
     Ok(Mailbox::new(address.name.clone(), email))
 }
+
+/// The job's fields for a provider whose API takes them as JSON rather than the MIME
+/// message (SendGrid, Postmark): addresses as `Name <local@domain>` text and as
+/// (name, address) pairs, the subject, the bodies, the job's own headers and postie's
+/// Message-ID. The Date header and the MIME structure are the provider's.
+#[derive(Debug, Clone)]
+pub(crate) struct Fields {
+    pub(crate) from: Address,
+    pub(crate) to: Vec<Address>,
+    pub(crate) cc: Vec<Address>,
+    pub(crate) bcc: Vec<Address>,
+    pub(crate) reply_to: Option<Address>,
+    pub(crate) subject: String,
+    pub(crate) text: Option<String>,
+    pub(crate) html: Option<String>,
+    /// The job's headers, then `Message-ID`.
+    pub(crate) headers: Vec<(String, String)>,
+}
+
+impl Fields {
+    /// The job's fields with the Message-ID postie gives it (`<…@domain>`).
+    pub(super) fn of(job: &EmailJob, message_id: &str) -> Self {
+        let mut headers = job.headers.clone();
+        headers.push(("Message-ID".into(), message_id.to_string()));
+        Self {
+            from: job.from.clone(),
+            to: job.to.clone(),
+            cc: job.cc.clone(),
+            bcc: job.bcc.clone(),
+            reply_to: job.reply_to.clone(),
+            subject: job.subject.clone(),
+            text: job.text.clone(),
+            html: job.html.clone(),
+            headers,
+        }
+    }
+}
+
+/// `address` as a header would show it (`"Name" <local@domain>`, quoted as needed).
+pub(crate) fn mailbox_text(address: &Address) -> String {
+    match mailbox(address) {
+        Ok(mailbox) => mailbox.to_string(),
+        Err(_) => address.email.clone(),
+    }
+}

@@ -15,6 +15,7 @@ use lettre::address::Envelope;
 use lettre::Message;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+mod api;
 mod file;
 mod message;
 mod smtp;
@@ -93,6 +94,9 @@ impl Clearance {
 pub struct Email {
     envelope: Envelope,
     formatted: Vec<u8>,
+    /// The job's fields, for a transport that asks for them
+    /// ([`Transport::wants_fields`]: SendGrid, Postmark).
+    fields: Option<Box<message::Fields>>,
 }
 
 impl Email {
@@ -101,7 +105,13 @@ impl Email {
         Self {
             envelope: message.envelope().clone(),
             formatted: message.formatted(),
+            fields: None,
         }
+    }
+
+    /// The job's fields, when the mailer's transport asked for them.
+    pub(crate) fn fields(&self) -> Option<&message::Fields> {
+        self.fields.as_deref()
     }
 
     /// MAIL FROM and RCPT TO.
@@ -130,6 +140,11 @@ pub(crate) trait Transport: Send + Sync {
     /// Whether the far end answers now (the circuit breaker's prober asks this),
     /// each step bounded.
     fn probe(&self) -> BoxFuture<'_, bool>;
+    /// Whether [`Email`]s for this transport must carry the job's fields besides the
+    /// formatted message (an API that takes JSON fields, not MIME).
+    fn wants_fields(&self) -> bool {
+        false
+    }
 }
 
 /// Sends emails; cheap to clone (the transport, and its connection pool, is shared).
@@ -137,6 +152,8 @@ pub(crate) trait Transport: Send + Sync {
 pub struct Mailer {
     transport: Arc<dyn Transport>,
     message_id_domain: String,
+    /// The transport's [`Transport::wants_fields`].
+    with_fields: bool,
     /// `smtp.pool_size` turns: at most that many sends at once, so at most that many
     /// connections to the relay.
     slots: Arc<Semaphore>,
@@ -162,6 +179,7 @@ impl Mailer {
             SmtpTransport::Relay(endpoint) => {
                 Arc::new(smtp::SmtpRelay::new(endpoint.clone(), settings)?)
             }
+            SmtpTransport::Api(endpoint) => Arc::new(api::ApiTransport::new(endpoint, settings)?),
         };
         Ok(Self::with_transport(transport, settings))
     }
@@ -169,6 +187,7 @@ impl Mailer {
     /// A mailer over a transport of the caller's choosing.
     pub(crate) fn with_transport(transport: Arc<dyn Transport>, settings: &SmtpSettings) -> Self {
         Self {
+            with_fields: transport.wants_fields(),
             transport,
             message_id_domain: settings.message_id_domain.clone(),
             slots: Arc::new(Semaphore::new(settings.pool_size as usize)),
@@ -192,7 +211,14 @@ impl Mailer {
     /// Builds and formats the email; an error here is permanent (the job can never
     /// be sent).
     pub fn build(&self, job: &EmailJob) -> Result<Email, SendError> {
-        message::build(job, self.message_id(job)).map(|message| Email::new(&message))
+        let message_id = self.message_id(job);
+        let fields = self
+            .with_fields
+            .then(|| Box::new(message::Fields::of(job, &message_id)));
+        message::build(job, message_id).map(|message| Email {
+            fields,
+            ..Email::new(&message)
+        })
     }
 
     /// The most one send may take: [`SmtpSettings::send_deadline`]. A claim must have

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod providers;
 pub mod proxy;
 pub mod sink;
 

@@ -1,0 +1,357 @@
+//! Transports over email providers' HTTP APIs: Amazon SES v2, SendGrid v3, Postmark
+//! and Mailgun, chosen by `smtp.url`'s scheme ([`crate::config::ApiEndpoint`]).
+//!
+//! One HTTPS client (hyper's, with hyper-rustls on ring and the system's roots,
+//! HTTP/1.1, at most `smtp.pool_size` idle connections), every request under
+//! `smtp.timeout` from connect to the last byte of the reply. Each provider module builds its
+//! request and reads its replies; this module turns what happened into a
+//! [`SendError`], the same classes as SMTP's:
+//!
+//! | what happened | class | what the worker does |
+//! |---|---|---|
+//! | 2xx (and the provider's id read) | sent | records it; the id is logged at debug |
+//! | 429, or the provider's throttling error (SES `TooManyRequestsException`, `Throttling…`) | [`SendError::Throttled`] | slows down (AIMD) and retries without counting an attempt |
+//! | 5xx, 408 | [`SendError::Transient`] | retries on the ladder |
+//! | no connection (refused, DNS, TLS, connect timeout) | [`SendError::Unreachable`] | retries; the breaker counts it and probes |
+//! | credentials refused (401; SES 403) | [`SendError::Unreachable`] | as a relay that refuses AUTH: postie's set-up, not the job's; pauses instead of dead-lettering every job |
+//! | timeout or a broken connection after the request was sent | [`SendError::Transient`] | retried: it may have been accepted (at least once, as with SMTP's lost final reply) |
+//! | any other 4xx (invalid address, account suspended, message rejected) | [`SendError::Permanent`] | dead letter, the provider's own message as the reason |
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::{Clearance, Email, SendError, Transport};
+use crate::config::{ApiEndpoint, ApiProvider, SmtpSettings};
+
+mod mailgun;
+mod postmark;
+mod sendgrid;
+mod ses;
+
+/// A provider's reply: status, headers and body (at most what `smtp.timeout` let us read).
+pub(super) struct Reply {
+    pub(super) status: StatusCode,
+    pub(super) headers: HeaderMap,
+    pub(super) body: Vec<u8>,
+}
+
+impl Reply {
+    /// The body as JSON (`Null` if it is not).
+    pub(super) fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// A header's value as text (`""` when absent).
+    pub(super) fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    /// The body as one readable line.
+    pub(super) fn text(&self) -> String {
+        crate::contract::readable(&String::from_utf8_lossy(&self.body), 300)
+    }
+}
+
+/// The class of a failed reply (not 2xx), by status; `throttle` says the provider's
+/// own words named a throttle whatever the status. `detail` is the provider's text.
+pub(super) fn failure(name: &str, reply: &Reply, throttle: bool, detail: &str) -> SendError {
+    let status = reply.status.as_u16();
+    let text = crate::contract::readable(&format!("{name} answered {status}: {detail}"), 1_000);
+    match status {
+        429 => SendError::Throttled(text),
+        _ if throttle => SendError::Throttled(text),
+        401 => SendError::Unreachable(format!("{text} (check the key in smtp.url)")),
+        408 | 500..=599 => SendError::Transient(text),
+        400..=499 => SendError::Permanent(text),
+        _ => SendError::Transient(text),
+    }
+}
+
+/// A request as the provider modules build it (POST, or GET for the probe).
+pub(super) struct HttpRequest {
+    method: Method,
+    url: String,
+    headers: Vec<(http::HeaderName, HeaderValue)>,
+    body: Vec<u8>,
+}
+
+impl HttpRequest {
+    pub(super) fn post(url: &str) -> Self {
+        Self {
+            method: Method::POST,
+            url: url.to_string(),
+            headers: Vec::new(),
+            body: Vec::new(),
+        }
+    }
+
+    /// Adds a header; one that is not valid is dropped (the provider then refuses the
+    /// request, which is classed like any refusal). `authorization` and
+    /// `x-amz-security-token` are marked sensitive.
+    pub(super) fn header(self, name: &str, value: impl AsRef<str>) -> Self {
+        let secret = matches!(name, "authorization" | "x-amz-security-token");
+        self.with_header(name, value.as_ref(), secret)
+    }
+
+    /// A header holding a secret: marked sensitive (hidden from `Debug`, never indexed).
+    pub(super) fn secret_header(self, name: &str, value: &str) -> Self {
+        self.with_header(name, value, true)
+    }
+
+    fn with_header(mut self, name: &str, value: &str, secret: bool) -> Self {
+        let name = http::HeaderName::from_bytes(name.as_bytes());
+        if let (Ok(name), Ok(mut value)) = (name, HeaderValue::from_str(value)) {
+            value.set_sensitive(secret);
+            self.headers.push((name, value));
+        }
+        self
+    }
+
+    pub(super) fn bearer_auth(self, token: &str) -> Self {
+        self.secret_header("authorization", &format!("Bearer {token}"))
+    }
+
+    pub(super) fn basic_auth(self, user: &str, password: &str) -> Self {
+        let pair = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        self.secret_header("authorization", &format!("Basic {pair}"))
+    }
+
+    pub(super) fn json(self, body: &serde_json::Value) -> Self {
+        let mut request = self.header("content-type", "application/json");
+        request.body = body.to_string().into_bytes();
+        request
+    }
+
+    pub(super) fn body(mut self, body: Vec<u8>) -> Self {
+        self.body = body;
+        self
+    }
+}
+
+/// Which provider, with what it needs to build requests.
+enum Api {
+    Ses(ses::Ses),
+    SendGrid(sendgrid::SendGrid),
+    Postmark(postmark::Postmark),
+    Mailgun(mailgun::Mailgun),
+}
+
+type Client =
+    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// A provider's HTTP API as a [`Transport`].
+pub(super) struct ApiTransport {
+    client: Client,
+    api: Api,
+    name: &'static str,
+    base: String,
+    /// `smtp.timeout`: the bound of a request, connect to reply.
+    step: Duration,
+}
+
+impl ApiTransport {
+    /// The client and the provider's request builder; no connection yet.
+    pub(super) fn new(endpoint: &ApiEndpoint, settings: &SmtpSettings) -> anyhow::Result<Self> {
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(settings.timeout));
+        http.enforce_http(false);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config()?)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(settings.pool_size as usize)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(https);
+        let base = endpoint.base.clone();
+        let api = match &endpoint.provider {
+            ApiProvider::Ses { .. } => Api::Ses(ses::Ses::new(&endpoint.provider, &base)?),
+            ApiProvider::SendGrid { key } => Api::SendGrid(sendgrid::SendGrid::new(key, &base)),
+            ApiProvider::Postmark { token, stream } => {
+                Api::Postmark(postmark::Postmark::new(token, stream, &base))
+            }
+            ApiProvider::Mailgun { domain, key } => {
+                Api::Mailgun(mailgun::Mailgun::new(domain, key, &base))
+            }
+        };
+        Ok(Self {
+            client,
+            api,
+            name: endpoint.name(),
+            base,
+            step: settings.timeout,
+        })
+    }
+
+    /// The request for `email`, ready to send.
+    fn request(&self, email: &Email) -> Result<HttpRequest, SendError> {
+        match &self.api {
+            Api::Ses(api) => api.request(email),
+            Api::SendGrid(api) => api.request(email),
+            Api::Postmark(api) => api.request(email),
+            Api::Mailgun(api) => api.request(email),
+        }
+    }
+
+    /// The provider's id for an accepted email, or the class of its refusal.
+    fn read(&self, reply: &Reply) -> Result<Option<String>, SendError> {
+        match &self.api {
+            Api::Ses(_) => ses::read(reply),
+            Api::SendGrid(_) => sendgrid::read(reply),
+            Api::Postmark(_) => postmark::read(reply),
+            Api::Mailgun(_) => mailgun::read(reply),
+        }
+    }
+
+    /// Sends the request and reads the whole reply, all within `smtp.timeout`.
+    async fn exchange(&self, request: HttpRequest) -> Result<Reply, SendError> {
+        let mut builder = http::Request::builder()
+            .method(request.method)
+            .uri(&request.url)
+            .header("user-agent", concat!("postie/", env!("CARGO_PKG_VERSION")));
+        for (name, value) in request.headers {
+            builder = builder.header(name, value);
+        }
+        let request = builder
+            .body(Full::new(Bytes::from(request.body)))
+            .map_err(|e| SendError::Unreachable(format!("{}: bad request URL: {e}", self.name)))?;
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| self.lost(&e))?;
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.map_err(|e| {
+                self.after_sending(&format!("the reply broke off: {}", crate::error_chain(&e)))
+            })?;
+            Ok(Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body: body.to_bytes().to_vec(),
+            })
+        };
+        tokio::time::timeout(self.step, exchange)
+            .await
+            .unwrap_or_else(|_| {
+                Err(self.after_sending(&format!(
+                    "no reply within {}",
+                    humantime::format_duration(self.step)
+                )))
+            })
+    }
+
+    /// A request that got no reply: unreachable if no connection was made (nothing
+    /// was sent), else transient (it may have been accepted: retried, never dropped).
+    fn lost(&self, e: &hyper_util::client::legacy::Error) -> SendError {
+        // The client's errors name neither the headers nor the body: no key is in them.
+        let chain = crate::contract::readable(&crate::error_chain(e), 500);
+        if e.is_connect() {
+            SendError::Unreachable(format!("{}: no connection: {chain}", self.name))
+        } else {
+            self.after_sending(&format!("the connection failed: {chain}"))
+        }
+    }
+
+    /// Transient: the request may have reached the provider.
+    fn after_sending(&self, what: &str) -> SendError {
+        SendError::Transient(format!(
+            "{}: {what} after the request was sent (it may have been accepted)",
+            self.name
+        ))
+    }
+}
+
+impl Transport for ApiTransport {
+    fn send<'a>(
+        &'a self,
+        email: &'a Email,
+        clearance: &'a Clearance,
+    ) -> BoxFuture<'a, Result<(), SendError>> {
+        async move {
+            let request = self.request(email)?;
+            clearance.check()?;
+            let reply = self.exchange(request).await?;
+            let id = self.read(&reply)?;
+            tracing::debug!(
+                provider = self.name,
+                provider_message_id = id.as_deref().unwrap_or(""),
+                "the provider accepted the email"
+            );
+            Ok(())
+        }
+        .boxed()
+    }
+
+    /// Any HTTP answer from the API's base URL, within `smtp.timeout`.
+    fn probe(&self) -> BoxFuture<'_, bool> {
+        async {
+            let Ok(uri) = self.base.parse::<http::Uri>() else {
+                return false;
+            };
+            let probe = self.client.get(uri);
+            matches!(tokio::time::timeout(self.step, probe).await, Ok(Ok(_)))
+        }
+        .boxed()
+    }
+
+    fn wants_fields(&self) -> bool {
+        matches!(self.api, Api::SendGrid(_) | Api::Postmark(_))
+    }
+}
+
+/// rustls on ring with the system's root certificates.
+fn tls_config() -> anyhow::Result<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for cert in native.certs {
+        // A certificate the store cannot take is skipped, as browsers do.
+        let _ = roots.add(cert);
+    }
+    if roots.is_empty() {
+        tracing::warn!("no system root certificates were found: HTTPS to a provider will fail");
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    // ALPN (http/1.1) is set by hyper-rustls's `enable_http1`.
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// A request's fields, or a permanent error for an email built without them (the
+/// mailer asks for them whenever its transport [`Transport::wants_fields`]).
+pub(super) fn fields(email: &Email) -> Result<&super::message::Fields, SendError> {
+    email.fields().ok_or_else(|| {
+        SendError::Permanent("the email was built without the job's fields this API needs".into())
+    })
+}
+
+/// The provider's reply to a request whose fault was `body`'s: the unit tests' reply.
+#[cfg(test)]
+pub(super) fn reply(status: u16, headers: &[(&str, &str)], body: &str) -> Reply {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers {
+        map.insert(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            value.parse().unwrap(),
+        );
+    }
+    Reply {
+        status: StatusCode::from_u16(status).unwrap(),
+        headers: map,
+        body: body.as_bytes().to_vec(),
+    }
+}

@@ -1,0 +1,226 @@
+//! Shared state: what was accepted, the fault rules, the quota and the counters.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// The four APIs this server speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Provider {
+    /// Amazon SES v2 `SendEmail`.
+    Ses,
+    /// SendGrid v3 `mail/send`.
+    Sendgrid,
+    /// Postmark `/email`.
+    Postmark,
+    /// Mailgun `messages.mime`.
+    Mailgun,
+}
+
+/// One accepted request, as `GET /messages` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Accepted {
+    /// 1-based arrival order.
+    pub(crate) seq: u64,
+    /// Which API took it.
+    pub(crate) provider: Provider,
+    /// The email's Message-ID (from the raw MIME, or the JSON's headers).
+    pub(crate) message_id: String,
+    /// The id this server answered with.
+    pub(crate) provider_id: String,
+    /// Recipients, as the request named them.
+    pub(crate) to: Vec<String>,
+    /// Unix ms when it was accepted.
+    pub(crate) received_at_ms: i64,
+    /// The raw MIME (SES, Mailgun) or the JSON body (SendGrid, Postmark).
+    pub(crate) raw: String,
+}
+
+/// What a fault rule does to a matching request (after its body was read and its
+/// authentication checked).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Action {
+    /// The provider's throttling reply (429 with its headers).
+    Throttle(bool),
+    /// A server error with this status (500, 502, 503 …).
+    Status(u16),
+    /// Never answer (the connection stays open until the client drops it).
+    Hang(bool),
+    /// Hold the reply this long, then go on as without the rule.
+    DelayMs(u64),
+    /// The provider's "account suspended" permanent rejection.
+    Suspended(bool),
+    /// The provider's "invalid recipient" permanent rejection.
+    Reject(bool),
+}
+
+/// A fault rule: `{"provider": "ses", "to_contains": "bad", "action": {"status": 503}, "times": 2}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct FaultRule {
+    /// Only requests to this API (any when absent).
+    #[serde(default)]
+    pub(crate) provider: Option<Provider>,
+    /// Only requests with a recipient containing this text.
+    #[serde(default)]
+    pub(crate) to_contains: Option<String>,
+    /// What to do.
+    pub(crate) action: Action,
+    /// How many more times it fires (forever when absent).
+    #[serde(default)]
+    pub(crate) times: Option<u32>,
+}
+
+/// Counters (`GET /stats`), per provider and in all.
+#[derive(Debug, Default, Clone, Serialize)]
+pub(crate) struct Stats {
+    /// Requests that reached a send handler.
+    pub(crate) requests: u64,
+    /// Requests accepted and recorded.
+    pub(crate) accepted: u64,
+    /// 429 replies (quota or rule).
+    pub(crate) throttled: u64,
+    /// 5xx replies from rules.
+    pub(crate) server_errors: u64,
+    /// Permanent rejections (suspended, invalid recipient, bad request).
+    pub(crate) rejected: u64,
+    /// Requests refused for their credentials or signature.
+    pub(crate) auth_failed: u64,
+    /// Requests never answered.
+    pub(crate) hung: u64,
+}
+
+/// At most `per_second` accepted in any second; the rest get the provider's 429.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(crate) struct QuotaConfig {
+    /// The quota; none when absent.
+    pub(crate) per_second: Option<u32>,
+}
+
+#[derive(Default)]
+struct Inner {
+    accepted: Vec<Accepted>,
+    rules: Vec<FaultRule>,
+    quota: QuotaConfig,
+    /// Acceptance instants within the last second (quota mode).
+    window: VecDeque<Instant>,
+    stats: Stats,
+}
+
+/// Everything the handlers share.
+#[derive(Default)]
+pub(crate) struct AppState {
+    inner: Mutex<Inner>,
+}
+
+/// Which counter a reply bumps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Count {
+    Requests,
+    Throttled,
+    ServerErrors,
+    Rejected,
+    AuthFailed,
+    Hung,
+}
+
+impl AppState {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn count(&self, what: Count) {
+        let stats = &mut self.lock().stats;
+        let counter = match what {
+            Count::Requests => &mut stats.requests,
+            Count::Throttled => &mut stats.throttled,
+            Count::ServerErrors => &mut stats.server_errors,
+            Count::Rejected => &mut stats.rejected,
+            Count::AuthFailed => &mut stats.auth_failed,
+            Count::Hung => &mut stats.hung,
+        };
+        *counter += 1;
+    }
+
+    /// The first active rule for `provider` matching one of `to`, counted down.
+    pub(crate) fn fault(&self, provider: Provider, to: &[String]) -> Option<Action> {
+        let mut inner = self.lock();
+        let rule = inner.rules.iter_mut().find(|rule| {
+            rule.times != Some(0)
+                && rule.provider.is_none_or(|p| p == provider)
+                && rule
+                    .to_contains
+                    .as_deref()
+                    .is_none_or(|needle| to.iter().any(|t| t.contains(needle)))
+        })?;
+        if let Some(times) = rule.times.as_mut() {
+            *times -= 1;
+        }
+        Some(rule.action.clone())
+    }
+
+    /// Records the email unless the quota is spent (then `None`: answer 429).
+    pub(crate) fn admit(&self, mut accepted: Accepted) -> Option<Accepted> {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        if let Some(limit) = inner.quota.per_second {
+            while inner
+                .window
+                .front()
+                .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1))
+            {
+                inner.window.pop_front();
+            }
+            if inner.window.len() >= limit as usize {
+                inner.stats.throttled += 1;
+                return None;
+            }
+            inner.window.push_back(now);
+        }
+        inner.stats.accepted += 1;
+        accepted.seq = inner.accepted.len() as u64 + 1;
+        accepted.received_at_ms = chrono::Utc::now().timestamp_millis();
+        inner.accepted.push(accepted.clone());
+        Some(accepted)
+    }
+
+    /// Every accepted request (without `raw` unless asked).
+    pub(crate) fn accepted(&self, raw: bool) -> Vec<Accepted> {
+        self.lock()
+            .accepted
+            .iter()
+            .map(|a| {
+                let mut a = a.clone();
+                if !raw {
+                    a.raw.clear();
+                }
+                a
+            })
+            .collect()
+    }
+
+    pub(crate) fn stats(&self) -> Stats {
+        self.lock().stats.clone()
+    }
+
+    pub(crate) fn rules(&self) -> Vec<FaultRule> {
+        self.lock().rules.clone()
+    }
+
+    pub(crate) fn set_rules(&self, rules: Vec<FaultRule>) {
+        self.lock().rules = rules;
+    }
+
+    pub(crate) fn quota(&self) -> QuotaConfig {
+        self.lock().quota.clone()
+    }
+
+    pub(crate) fn set_quota(&self, quota: QuotaConfig) {
+        let mut inner = self.lock();
+        inner.quota = quota;
+        inner.window.clear();
+    }
+}

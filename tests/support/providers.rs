@@ -1,0 +1,263 @@
+//! Client for the `postie-provider-server` process (tests/provider-server): build it,
+//! start it, name the `smtp.url` of each provider's API on it, read what it accepted,
+//! inject faults and set its quota. Like the SMTP sink ([`super::sink`]), it is a
+//! workspace crate of its own that the tests build once per test process.
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The credentials the server accepts (tests/provider-server/src/main.rs).
+pub const SES_ACCESS_KEY: &str = "AKIAPOSTIETEST000001";
+/// The SES secret the server checks signatures with.
+pub const SES_SECRET: &str = "postie-test-ses-secret-key/0000000000000";
+/// SendGrid's API key.
+pub const SENDGRID_KEY: &str = "SG.postie-test.sendgrid-key";
+/// Postmark's server token.
+pub const POSTMARK_TOKEN: &str = "postie-test-postmark-token";
+/// Mailgun's API key.
+pub const MAILGUN_KEY: &str = "postie-test-mailgun-key";
+
+/// The four providers, as the server names them.
+pub const PROVIDERS: [&str; 4] = ["ses", "sendgrid", "postmark", "mailgun"];
+
+/// One request the server accepted.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProviderMessage {
+    /// Arrival order.
+    pub seq: u64,
+    /// Which API took it.
+    pub provider: String,
+    /// The email's Message-ID.
+    pub message_id: String,
+    /// The id the server answered with.
+    pub provider_id: String,
+    /// Recipients.
+    pub to: Vec<String>,
+    /// Unix ms.
+    pub received_at_ms: i64,
+    /// The raw MIME (SES, Mailgun) or JSON (SendGrid, Postmark), when asked for.
+    #[serde(default)]
+    pub raw: String,
+}
+
+/// The server's counters (`GET /stats`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProviderStats {
+    pub requests: u64,
+    pub accepted: u64,
+    pub throttled: u64,
+    pub server_errors: u64,
+    pub rejected: u64,
+    pub auth_failed: u64,
+    pub hung: u64,
+}
+
+/// The executable, built on first use (`POSTIE_PROVIDER_SERVER` names one instead).
+pub fn binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| match std::env::var_os("POSTIE_PROVIDER_SERVER") {
+        Some(path) => PathBuf::from(path),
+        None => build_binary(),
+    })
+}
+
+/// `cargo build -p postie-provider-server`, as [`super::sink::binary`] builds the sink.
+fn build_binary() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "build",
+        "--locked",
+        "-p",
+        "postie-provider-server",
+        "--bin",
+        "postie-provider-server",
+        "--message-format=json-render-diagnostics",
+    ]);
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .expect("run cargo to build postie-provider-server");
+    assert!(
+        out.status.success(),
+        "cargo build -p postie-provider-server failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|msg| msg["reason"] == "compiler-artifact")
+        .filter(|msg| msg["target"]["name"] == "postie-provider-server")
+        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .expect("cargo reported the postie-provider-server executable")
+}
+
+/// A running server, killed on drop.
+pub struct ProviderServer {
+    child: Child,
+    api: String,
+    control: String,
+    http: reqwest::Client,
+}
+
+impl ProviderServer {
+    /// Starts a server on ephemeral ports.
+    pub async fn start() -> Self {
+        let mut child = Command::new(binary())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn postie-provider-server");
+        let stdout = child.stdout.take().unwrap();
+        let line = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            std::io::BufReader::new(stdout)
+                .read_line(&mut line)
+                .map(|_| line)
+        })
+        .await
+        .unwrap()
+        .expect("the server announces its ports");
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|part| part.strip_prefix(&format!("{name}=")))
+                .unwrap_or_else(|| panic!("server line {line:?} has no {name}="))
+                .to_string()
+        };
+        Self {
+            api: field("api"),
+            control: field("control"),
+            child,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// `smtp.url` for `provider`'s API on this server, with the accepted credentials.
+    pub fn url(&self, provider: &str) -> String {
+        self.url_with_keys(provider, true)
+    }
+
+    /// Like [`ProviderServer::url`]; with `right_keys` false, credentials the server
+    /// refuses.
+    pub fn url_with_keys(&self, provider: &str, right_keys: bool) -> String {
+        let endpoint = format!("endpoint=http://{}", self.api);
+        let wrong = |key: &str| {
+            if right_keys {
+                key.to_string()
+            } else {
+                format!("{key}-wrong")
+            }
+        };
+        match provider {
+            "ses" => format!(
+                "ses://{SES_ACCESS_KEY}:{}@eu-west-1?{endpoint}",
+                wrong(SES_SECRET).replace('/', "%2F")
+            ),
+            "sendgrid" => format!(
+                "sendgrid://apikey:{}@api.sendgrid.com?{endpoint}",
+                wrong(SENDGRID_KEY)
+            ),
+            "postmark" => format!(
+                "postmark://token:{}@api.postmarkapp.com?{endpoint}",
+                wrong(POSTMARK_TOKEN)
+            ),
+            "mailgun" => format!(
+                "mailgun://api:{}@mg.postie.test?{endpoint}",
+                wrong(MAILGUN_KEY)
+            ),
+            other => panic!("no provider {other}"),
+        }
+    }
+
+    /// `smtp.url` for `provider` without credentials, and the environment variables
+    /// that carry them instead (`SENDGRID_API_KEY`, `AWS_ACCESS_KEY_ID`…).
+    pub fn url_and_env(&self, provider: &str) -> (String, Vec<(&'static str, String)>) {
+        let endpoint = format!("endpoint=http://{}", self.api);
+        match provider {
+            "ses" => (
+                format!("ses://eu-west-1?{endpoint}"),
+                vec![
+                    ("AWS_ACCESS_KEY_ID", SES_ACCESS_KEY.to_string()),
+                    ("AWS_SECRET_ACCESS_KEY", SES_SECRET.to_string()),
+                ],
+            ),
+            "sendgrid" => (
+                format!("sendgrid://api.sendgrid.com?{endpoint}"),
+                vec![("SENDGRID_API_KEY", SENDGRID_KEY.to_string())],
+            ),
+            "postmark" => (
+                format!("postmark://api.postmarkapp.com?{endpoint}"),
+                vec![("POSTMARK_SERVER_TOKEN", POSTMARK_TOKEN.to_string())],
+            ),
+            "mailgun" => (
+                format!("mailgun://mg.postie.test?{endpoint}"),
+                vec![("MAILGUN_API_KEY", MAILGUN_KEY.to_string())],
+            ),
+            other => panic!("no provider {other}"),
+        }
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        self.http
+            .get(format!("http://{}{path}", self.control))
+            .send()
+            .await
+            .expect("provider server control")
+            .json()
+            .await
+            .expect("provider server JSON")
+    }
+
+    async fn put(&self, path: &str, body: Value) {
+        let status = self
+            .http
+            .put(format!("http://{}{path}", self.control))
+            .json(&body)
+            .send()
+            .await
+            .expect("provider server control")
+            .status();
+        assert!(
+            status.is_success(),
+            "the provider server refused {path}: {status}"
+        );
+    }
+
+    /// Everything accepted so far (with the raw request if `raw`).
+    pub async fn messages(&self, raw: bool) -> Vec<ProviderMessage> {
+        self.get(&format!("/messages?raw={raw}")).await
+    }
+
+    /// The counters.
+    pub async fn stats(&self) -> ProviderStats {
+        self.get("/stats").await
+    }
+
+    /// Replaces the fault rules (see the server's module docs).
+    pub async fn set_faults(&self, rules: Value) {
+        self.put("/faults", rules).await;
+    }
+
+    /// The quota: at most `per_second` accepted in any second, 429 beyond (`None`: off).
+    pub async fn set_quota(&self, per_second: Option<u32>) {
+        self.put("/quota", serde_json::json!({ "per_second": per_second }))
+            .await;
+    }
+}
+
+impl Drop for ProviderServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
