@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use support::{free_port, job, pg_admin, TestEnv};
+use support::proxy::Proxy;
+use support::{free_port, job, message_id, pg_admin, TestEnv};
 
 /// Turns the test's own database read-only (`on`) or back, and ends its sessions so
 /// that every new one takes the setting (as a failover to a standby would).
@@ -273,5 +274,78 @@ async fn gd_a_publish_channel_closed_by_the_broker_is_replaced() {
             .log()
             .contains("the broker closed the publishing channel; publishing on a new one"),
         "no replacement logged"
+    );
+}
+
+/// A database that stops answering (its network path frozen: connections stay open,
+/// no byte comes back): each worker statement waits at most
+/// `database.statement_timeout`, then the instance reports the database unreachable
+/// and holds its jobs; thawed, every job is sent once and none is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gd_a_database_that_stops_answering_is_an_outage_within_the_statement_timeout() {
+    let env = TestEnv::new("gd-frozen").await;
+    let pg = Proxy::start("127.0.0.1:5432").await;
+    let port = free_port();
+    let url = format!("postgres://postgres@{}/{}", pg.addr(), env.db_name);
+    let listen = format!("127.0.0.1:{port}");
+    let postie = env.spawn_process(&[
+        ("POSTIE__DATABASE__URL", url.as_str()),
+        ("POSTIE__DATABASE__STATEMENT_TIMEOUT", "2s"),
+        ("POSTIE__HTTP__LISTEN", listen.as_str()),
+    ]);
+    env.publish(&job("gd-frozen-0", "x@example.com")).await;
+    env.emails_or_log(&postie, "the first email", 1, Duration::from_secs(60))
+        .await;
+
+    pg.freeze();
+    let frozen_at = Instant::now();
+    for i in 1..=5 {
+        env.publish(&job(&format!("gd-frozen-{i}"), "x@example.com"))
+            .await;
+    }
+    let mut reported = None;
+    while frozen_at.elapsed() < Duration::from_secs(30) {
+        if readyz(port).await == Some(503) {
+            reported = Some(frozen_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let reported = reported.unwrap_or_else(|| {
+        panic!(
+            "still ready 30 s into the freeze; postie's log:\n{}",
+            postie.log()
+        )
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        env.sink.count().await,
+        1,
+        "nothing claimed, so nothing sent"
+    );
+    pg.thaw();
+    env.emails_or_log(
+        &postie,
+        "every job after the thaw",
+        6,
+        Duration::from_secs(90),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let per_id = env.emails_per_id().await;
+    for i in 0..=5 {
+        assert_eq!(per_id.get(&message_id(&format!("gd-frozen-{i}"))), Some(&1));
+    }
+    assert_eq!(per_id.len(), 6);
+    assert!(env.take_dead_letters().await.is_empty());
+    assert!(
+        postie.log().contains("no answer within 2s"),
+        "the cause named; log:\n{}",
+        postie.log()
+    );
+    println!(
+        "FIGURES frozen database: not ready {} ms into the freeze (statement_timeout 2 s); \
+         6 of 6 sent once after the thaw, 0 dead",
+        reported.as_millis()
     );
 }

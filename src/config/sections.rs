@@ -99,6 +99,11 @@ pub struct DatabaseSettings {
     /// How long to wait for a pooled connection or a new one.
     #[serde(deserialize_with = "duration")]
     pub connect_timeout: Duration,
+    /// How long a worker waits for one statement's answer (a claim, a completion, a
+    /// renewal) before it counts the database as not answering: readiness false,
+    /// consumption paused, the statement tried again (README, "Operations").
+    #[serde(deserialize_with = "duration")]
+    pub statement_timeout: Duration,
     /// Accept an unencrypted connection to a host that is not this machine (`sslmode`
     /// absent, `disable` or `prefer`). Off: postie refuses to start instead.
     pub allow_plaintext: bool,
@@ -114,6 +119,7 @@ impl Default for DatabaseSettings {
             pool_size: 8,
             migrate_on_start: true,
             connect_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(30),
             allow_plaintext: false,
             ca_file: None,
         }

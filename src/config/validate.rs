@@ -141,6 +141,9 @@ impl Settings {
         if self.smtp.pool_size == 0 {
             return fail("smtp.pool_size must be at least 1".into());
         }
+        if self.database.statement_timeout.is_zero() {
+            return fail("database.statement_timeout must be above zero".into());
+        }
         if self.worker.threads == Some(0) {
             return fail("worker.threads must be at least 1 (or unset: one per core)".into());
         }

@@ -12,6 +12,7 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::{mpsc, oneshot};
@@ -56,8 +57,22 @@ impl From<CompletionRow<'_>> for OwnedRow {
 /// The queue into the batching task, started by the first completion (so that an
 /// `Inbox` can be built outside the runtime). It ends when the last `Inbox` clone
 /// is dropped.
-#[derive(Clone, Default)]
-pub(super) struct Completer(Arc<OnceLock<mpsc::Sender<Pending>>>);
+#[derive(Clone)]
+pub(super) struct Completer {
+    queue: Arc<OnceLock<mpsc::Sender<Pending>>>,
+    /// `database.statement_timeout`: a batch without an answer by then is an outage
+    /// for each of its callers (who try again), and the next batch goes.
+    deadline: Duration,
+}
+
+impl Completer {
+    pub(super) fn new(deadline: Duration) -> Self {
+        Self {
+            queue: Arc::default(),
+            deadline,
+        }
+    }
+}
 
 /// `COMPLETE` over a batch: the rows as arrays, joined with `unnest`; each row's key
 /// and fence come back when it was recorded.
@@ -85,9 +100,10 @@ impl Inbox {
         fence: i64,
         completion: Completion<'_>,
     ) -> Result<bool, DbError> {
-        let queue = self.completer.0.get_or_init(|| {
+        let queue = self.completer.queue.get_or_init(|| {
             let (queue, batches) = mpsc::channel(BATCH_MAX);
-            tokio::spawn(record_batches(self.pool.clone(), batches));
+            let deadline = self.completer.deadline;
+            tokio::spawn(record_batches(self.pool.clone(), batches, deadline));
             queue
         });
         let (answer, answered) = oneshot::channel();
@@ -105,12 +121,15 @@ impl Inbox {
 
 /// The batching task: takes what has queued (up to [`BATCH_MAX`]), records it, answers
 /// each caller, and again.
-async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>) {
+async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>, deadline: Duration) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
         // One lock order for every batch (and every instance): by key.
         batch.sort_by(|a, b| a.key.cmp(&b.key));
-        match record(&pool, &batch).await {
+        let recorded = tokio::time::timeout(deadline, record(&pool, &batch))
+            .await
+            .unwrap_or_else(|_| Err(DbError::no_answer(deadline)));
+        match recorded {
             Ok(kept) => {
                 for (pending, kept) in batch.drain(..).zip(kept) {
                     let _ = pending.answer.send(Ok(kept));

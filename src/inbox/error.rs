@@ -40,6 +40,19 @@ impl DbError {
         }
     }
 
+    /// No answer within `limit` (a hung server or a network path that dropped its
+    /// packets): an outage.
+    pub(crate) fn no_answer(limit: std::time::Duration) -> Self {
+        Self {
+            message: format!(
+                "no answer within {} (database.statement_timeout)",
+                humantime::format_duration(limit)
+            ),
+            code: None,
+            unreadable: false,
+        }
+    }
+
     /// An answer this postie does not know (a database migrated by a newer postie, or
     /// an older binary against a newer schema): an outage, so the job is held and
     /// never dead-lettered, and readiness names the mismatch.

@@ -73,7 +73,7 @@ impl Inbox {
         Ok(Self {
             pool,
             direct: (pg, tls),
-            completer: complete::Completer::default(),
+            completer: complete::Completer::new(settings.statement_timeout),
         })
     }
 

@@ -73,8 +73,12 @@ impl Worker {
             Duration::from_millis(100),
             self.cx.settings.worker.outage_backoff_max,
         );
+        let deadline = self.cx.settings.database.statement_timeout;
         loop {
-            match step().await {
+            let answer = tokio::time::timeout(deadline, step())
+                .await
+                .unwrap_or_else(|_| Err(DbError::no_answer(deadline)));
+            match answer {
                 Ok(value) => {
                     self.cx.health.set_database_up();
                     return Ok(value);
