@@ -62,43 +62,8 @@ pub fn binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY.get_or_init(|| match std::env::var_os("POSTIE_PROVIDER_SERVER") {
         Some(path) => PathBuf::from(path),
-        None => build_binary(),
+        None => super::sink::build_binary("postie-provider-server"),
     })
-}
-
-/// `cargo build -p postie-provider-server`, as [`super::sink::binary`] builds the sink.
-fn build_binary() -> PathBuf {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-        "build",
-        "--locked",
-        "-p",
-        "postie-provider-server",
-        "--bin",
-        "postie-provider-server",
-        "--message-format=json-render-diagnostics",
-    ]);
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .expect("run cargo to build postie-provider-server");
-    assert!(
-        out.status.success(),
-        "cargo build -p postie-provider-server failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|msg| msg["reason"] == "compiler-artifact")
-        .filter(|msg| msg["target"]["name"] == "postie-provider-server")
-        .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reported the postie-provider-server executable")
 }
 
 /// A running server, killed on drop.

@@ -65,21 +65,22 @@ pub fn binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY.get_or_init(|| match std::env::var_os("POSTIE_SMTP_SINK") {
         Some(path) => PathBuf::from(path),
-        None => build_binary(),
+        None => build_binary("postie-smtp-sink"),
     })
 }
 
-/// Builds the sink with Cargo and returns the path of its executable.
-fn build_binary() -> PathBuf {
+/// Builds the workspace binary `package` (of the package of that name) with Cargo, as
+/// [`binary`] says, and returns the path of its executable.
+pub fn build_binary(package: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
         "build",
         "--locked",
         "-p",
-        "postie-smtp-sink",
+        package,
         "--bin",
-        "postie-smtp-sink",
+        package,
         "--message-format=json-render-diagnostics",
     ]);
     if !cfg!(debug_assertions) {
@@ -88,10 +89,10 @@ fn build_binary() -> PathBuf {
     let out = cmd
         .stdin(Stdio::null())
         .output()
-        .expect("run cargo to build postie-smtp-sink");
+        .unwrap_or_else(|e| panic!("run cargo to build {package}: {e}"));
     assert!(
         out.status.success(),
-        "cargo build -p postie-smtp-sink failed ({}):\n{}",
+        "cargo build -p {package} failed ({}):\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
@@ -100,9 +101,9 @@ fn build_binary() -> PathBuf {
         .lines()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
         .filter(|msg| msg["reason"] == "compiler-artifact")
-        .filter(|msg| msg["target"]["name"] == "postie-smtp-sink")
+        .filter(|msg| msg["target"]["name"] == package)
         .find_map(|msg| msg["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reported the postie-smtp-sink executable")
+        .unwrap_or_else(|| panic!("cargo reported the {package} executable"))
 }
 
 /// The reply of a sink in quota mode to a message over the quota (Amazon SES's words).
