@@ -41,7 +41,10 @@ CREATE TABLE postie_inbox (
     reconciled_at timestamptz,            -- last re-publish by the reconciler
     -- 0009: the reconciler re-publishes only what the broker lost
     arrived_at    timestamptz,            -- a worker holds this scheduled job, unclaimed
-    reconciled    integer NOT NULL DEFAULT 0   -- re-publishes by the reconciler
+    reconciled    integer NOT NULL DEFAULT 0,  -- re-publishes by the reconciler
+    -- 0011: who sent it
+    provider            text,             -- the transport that accepted the email
+    provider_message_id text              -- the id its API answered with (NULL for SMTP)
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.

@@ -14,6 +14,9 @@ pub(crate) const HEADER_X_DELAY: &str = "x-delay";
 /// Header: failed attempts so far in the current retry cycle (postie's own; RabbitMQ
 /// 3.13+ drops client-set `x-*` headers, so none of ours start with `x-`).
 pub const HEADER_ATTEMPT: &str = "postie-attempt";
+/// Header: the transport (`transport.providers`' name) a job must be retried on,
+/// because a send through it ended without an answer and may have been accepted.
+pub const HEADER_PROVIDER: &str = "postie-provider";
 /// Header: the error of the last failed attempt.
 pub(crate) const HEADER_LAST_ERROR: &str = "postie-last-error";
 /// Header on dead letters: why the job was dead-lettered, for a person.

@@ -421,6 +421,8 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
             let sent = Completion::Sent {
                 message_id: &message_id,
                 due_ms: due,
+                provider: "smtp",
+                provider_message_id: None,
             };
             assert!(inbox.complete(&key, fence, sent).await.unwrap());
         }

@@ -254,6 +254,8 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
     let sent = Completion::Sent {
         message_id: "<m@x>",
         due_ms: 0,
+        provider: "smtp",
+        provider_message_id: None,
     };
 
     assert_eq!(claim_counted("new", 0, lease).await, claimed(1, 0, false));
@@ -392,10 +394,13 @@ async fn completions_at_once_are_recorded_each_by_its_own_fence() {
             let inbox = inbox.clone();
             async move {
                 let message_id = format!("<{key}@x>");
+                let provider_id = format!("pid-{key}");
                 let completion = match i % 4 {
                     0 => Completion::Sent {
                         message_id: &message_id,
                         due_ms: 1_000,
+                        provider: "ses",
+                        provider_message_id: Some(&provider_id),
                     },
                     1 => Completion::Retrying { error: "451 later" },
                     2 => Completion::Dead {
@@ -422,7 +427,8 @@ async fn completions_at_once_are_recorded_each_by_its_own_fence() {
     for (i, (key, result)) in keys.iter().zip(done).enumerate() {
         let row = db
             .query_one(
-                "SELECT status, attempts, last_error, message_id, body IS NULL, owner IS NULL \
+                "SELECT status, attempts, last_error, message_id, body IS NULL, owner IS NULL, \
+                        provider, provider_message_id \
                  FROM postie_inbox WHERE key = $1",
                 &[key],
             )
@@ -432,6 +438,7 @@ async fn completions_at_once_are_recorded_each_by_its_own_fence() {
         let (attempts, error, message_id): (i32, Option<String>, Option<String>) =
             (row.get(1), row.get(2), row.get(3));
         let released: bool = row.get(5);
+        let provider: (Option<String>, Option<String>) = (row.get(6), row.get(7));
         match i {
             7 => {
                 assert!(!result.unwrap(), "{key}: a moved fence records nothing");
@@ -456,6 +463,11 @@ async fn completions_at_once_are_recorded_each_by_its_own_fence() {
                     expected,
                     "{key}"
                 );
+                let expected = match i % 4 {
+                    0 => (Some("ses".to_string()), Some(format!("pid-{key}"))),
+                    _ => (None, None),
+                };
+                assert_eq!(provider, expected, "{key}: who sent it, only for a send");
             }
         }
     }

@@ -301,7 +301,14 @@ async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for m in &metrics {
-        let limiter = Limiter::new(&settings.smtp, inbox.clone(), "unit", m.clone());
+        let limiter = Limiter::new(
+            settings.smtp.rate_limit,
+            settings.smtp.rate_burst,
+            inbox.clone(),
+            "unit",
+            m.clone(),
+            true,
+        );
         for _ in 0..20 {
             let (limiter, taken) = (limiter.clone(), taken.clone());
             tasks.push(tokio::spawn(async move {

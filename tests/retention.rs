@@ -408,6 +408,8 @@ async fn database_leg_with_a_prefilled_inbox() {
                         let sent = Completion::Sent {
                             message_id: &message_id,
                             due_ms: due,
+                            provider: "smtp",
+                            provider_message_id: None,
                         };
                         assert!(inbox.complete(&key, fence, sent).await.unwrap());
                     }

@@ -24,6 +24,7 @@ mod provider;
 mod rate;
 mod sections;
 mod smtp;
+mod transport;
 mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
@@ -34,6 +35,8 @@ pub(crate) use provider::{ApiEndpoint, ApiProvider};
 pub use rate::SendRate;
 pub use sections::*;
 pub(crate) use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
+pub(crate) use transport::ProviderPlan;
+pub use transport::TransportSettings;
 pub(crate) use validate::SmtpTransport;
 
 use crate::endpoint::passwords;
@@ -46,8 +49,10 @@ pub struct Settings {
     pub amqp: AmqpSettings,
     /// PostgreSQL.
     pub database: DatabaseSettings,
-    /// SMTP (or the `.eml` file transport).
+    /// SMTP (or the `.eml` file transport) and the settings every transport shares.
     pub smtp: SmtpSettings,
+    /// Where emails go: `transport.url` (else `smtp.url`) or `transport.providers`.
+    pub transport: TransportSettings,
     /// Exchange and queue names and arguments.
     pub topology: TopologySettings,
     /// The consumer and the unit of work.
@@ -100,6 +105,7 @@ impl Settings {
                 .with_list_parse_key("topology.retry_steps")
                 .with_list_parse_key("smtp.throttle_patterns")
                 .with_list_parse_key("topology.drain_prefixes")
+                .with_list_parse_key("transport.providers")
                 .try_parsing(true)
                 .source(env),
         );
@@ -112,17 +118,19 @@ impl Settings {
     }
 
     /// Every password in the connection addresses (`amqp.url`, `database.url`,
-    /// `smtp.url`, `otel.endpoint`), as written and decoded: what the log writer and
+    /// `smtp.url`, `transport.url`, `transport.providers`, `otel.endpoint`), as written and decoded: what the log writer and
     /// the last error line scrub, in case a library quotes an address.
     pub fn passwords(&self) -> Vec<String> {
         let mut found: Vec<String> = [
             Some(&self.amqp.url),
             Some(&self.database.url),
             Some(&self.smtp.url),
+            self.transport.url.as_ref(),
             self.otel.endpoint.as_ref(),
         ]
         .into_iter()
         .flatten()
+        .chain(&self.transport.providers)
         .flat_map(|url| passwords(url.expose_secret()))
         .collect();
         found.sort();

@@ -6,7 +6,8 @@ use secrecy::ExposeSecret;
 
 use super::provider::{api_endpoint, is_api_url, ApiEndpoint};
 use super::{
-    database_plan, smtp_endpoint, AmqpAddresses, ConfigError, DbPlan, Settings, SmtpEndpoint,
+    database_plan, smtp_endpoint, AmqpAddresses, ConfigError, DbPlan, ProviderPlan, Settings,
+    SmtpEndpoint,
 };
 use crate::endpoint::redact_url;
 
@@ -14,8 +15,9 @@ use crate::endpoint::redact_url;
 pub(crate) struct Parsed {
     /// `amqp.url`, each address parsed.
     pub(crate) amqp: AmqpAddresses,
-    /// `smtp.url`: the transport and its TLS rules.
-    pub(crate) smtp: SmtpTransport,
+    /// Every transport in order of preference (`transport.providers`, else the one
+    /// of `transport.url` or `smtp.url`), each with its TLS rules, name and rate.
+    pub(crate) providers: Vec<ProviderPlan>,
     /// `database.url`: the connection settings and the TLS decision.
     pub(crate) database: DbPlan,
 }
@@ -24,7 +26,7 @@ impl std::fmt::Debug for Parsed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Parsed")
             .field("amqp", &self.amqp)
-            .field("smtp", &self.smtp)
+            .field("providers", &self.providers)
             .field("database_tls", &self.database.tls)
             .finish_non_exhaustive()
     }
@@ -165,7 +167,7 @@ impl Settings {
     fn parse_addresses(&self) -> Result<Parsed, ConfigError> {
         // amqp.url: one address or a comma-separated list, each a URL of its own.
         let amqp = AmqpAddresses::parse(&self.amqp.url)?;
-        let smtp = SmtpTransport::parse(self.smtp.url.expose_secret())?;
+        let providers = self.provider_plans()?;
         if let Some(endpoint) = &self.otel.endpoint {
             let endpoint = endpoint.expose_secret();
             if let Err(e) = url::Url::parse(endpoint) {
@@ -178,7 +180,7 @@ impl Settings {
         let database = self.database.plan()?;
         Ok(Parsed {
             amqp,
-            smtp,
+            providers,
             database,
         })
     }

@@ -52,7 +52,7 @@ const GOODBYE_TIMEOUT: Duration = Duration::from_secs(5);
 /// dependency is unreachable or misconfigured at start-up; after that, outages are
 /// ridden out.
 pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Result<()> {
-    let health = Health::new(Arc::new(Metrics::new()), settings.smtp.breaker_threshold);
+    let health = Health::new(Arc::new(Metrics::new()));
     let http_stop = CancellationToken::new();
     let _http_guard = http_stop.clone().drop_guard();
     if let Some(addr) = settings.http.listen {
@@ -77,7 +77,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         let (inbox, stop) = (inbox.clone(), stop.child_token());
         async move { inbox.discipline_clock(clock_warned, stop).await }
     });
-    let mailer = Mailer::new(&parsed.smtp, &settings.smtp)?;
+    let mailer = Mailer::with_routes(&parsed.providers, &settings.smtp, health.metrics())?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
     let amqp = parsed.amqp;

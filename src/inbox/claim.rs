@@ -36,6 +36,10 @@ pub enum Completion<'a> {
         message_id: &'a str,
         /// Its due time (Unix ms), kept so that `sent_at - due_at` is the lateness.
         due_ms: i64,
+        /// The transport that accepted it (`transport.providers`' name for it).
+        provider: &'a str,
+        /// The id the provider's API answered with (none from SMTP).
+        provider_message_id: Option<&'a str>,
     },
     /// An SMTP attempt failed transiently (or the relay was unreachable): `retrying`,
     /// the attempt counted (the relay may have accepted it); whether the job's retry
@@ -60,12 +64,16 @@ pub enum Completion<'a> {
 }
 
 /// Every completion: fenced (`fence = $2`), the lease released. A send also sets
-/// `message_id`, `due_at` and `sent_at` (the other completions keep theirs).
+/// `message_id`, `due_at`, `sent_at`, `provider` and `provider_message_id` (the other
+/// completions keep theirs).
 pub(super) const COMPLETE: &str = "UPDATE postie_inbox
     SET status = $3::text, attempts = attempts + $4::int, last_error = $5::text,
         body = CASE WHEN $6::bool THEN NULL ELSE body END,
         message_id = coalesce($7::text, message_id),
         due_at = coalesce(to_timestamp($8::bigint / 1000.0), due_at),
+        provider = coalesce($9::text, provider),
+        provider_message_id = CASE WHEN $3::text = 'sent' THEN $10::text
+                                   ELSE provider_message_id END,
         sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
         owner = NULL, lease_until = NULL, updated_at = now()
   WHERE key = $1 AND fence = $2";
@@ -80,6 +88,8 @@ pub(super) struct CompletionRow<'a> {
     pub(super) drops_body: bool,
     pub(super) message_id: Option<&'a str>,
     pub(super) due_ms: Option<i64>,
+    pub(super) provider: Option<&'a str>,
+    pub(super) provider_message_id: Option<&'a str>,
 }
 
 impl<'a> Completion<'a> {
@@ -97,11 +107,20 @@ impl<'a> Completion<'a> {
             drops_body,
             message_id: None,
             due_ms: None,
+            provider: None,
+            provider_message_id: None,
         };
         match *self {
-            Self::Sent { message_id, due_ms } => CompletionRow {
+            Self::Sent {
+                message_id,
+                due_ms,
+                provider,
+                provider_message_id,
+            } => CompletionRow {
                 message_id: Some(message_id),
                 due_ms: Some(due_ms),
+                provider: Some(provider),
+                provider_message_id,
                 ..row(Status::Sent, 1, None, true)
             },
             Self::Retrying { error } => row(Status::Retrying, 1, Some(error), false),
@@ -247,6 +266,8 @@ mod tests {
         let sent = Completion::Sent {
             message_id: "<m@x>",
             due_ms: 7,
+            provider: "ses",
+            provider_message_id: Some("0100-id"),
         };
         assert_eq!(
             sent.row(),
@@ -257,6 +278,8 @@ mod tests {
                 drops_body: true,
                 message_id: Some("<m@x>"),
                 due_ms: Some(7),
+                provider: Some("ses"),
+                provider_message_id: Some("0100-id"),
             }
         );
         let table = [
@@ -297,6 +320,7 @@ mod tests {
                 "{completion:?}"
             );
             assert_eq!((row.message_id, row.due_ms), (None, None));
+            assert_eq!((row.provider, row.provider_message_id), (None, None));
             assert_eq!(completion.status(), status);
         }
     }

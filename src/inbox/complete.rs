@@ -39,6 +39,8 @@ struct OwnedRow {
     drops_body: bool,
     message_id: Option<String>,
     due_ms: Option<i64>,
+    provider: Option<String>,
+    provider_message_id: Option<String>,
 }
 
 impl From<CompletionRow<'_>> for OwnedRow {
@@ -50,6 +52,8 @@ impl From<CompletionRow<'_>> for OwnedRow {
             drops_body: row.drops_body,
             message_id: row.message_id.map(str::to_owned),
             due_ms: row.due_ms,
+            provider: row.provider.map(str::to_owned),
+            provider_message_id: row.provider_message_id.map(str::to_owned),
         }
     }
 }
@@ -81,11 +85,15 @@ const COMPLETE_MANY: &str = "UPDATE postie_inbox AS i
         body = CASE WHEN c.drops_body THEN NULL ELSE i.body END,
         message_id = coalesce(c.message_id, i.message_id),
         due_at = coalesce(to_timestamp(c.due_ms / 1000.0), i.due_at),
+        provider = coalesce(c.provider, i.provider),
+        provider_message_id = CASE WHEN c.status = 'sent' THEN c.provider_message_id
+                                   ELSE i.provider_message_id END,
         sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
         owner = NULL, lease_until = NULL, updated_at = now()
    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],
-               $7::text[], $8::bigint[])
-        AS c(key, fence, status, attempt, error, drops_body, message_id, due_ms)
+               $7::text[], $8::bigint[], $9::text[], $10::text[])
+        AS c(key, fence, status, attempt, error, drops_body, message_id, due_ms, provider,
+             provider_message_id)
   WHERE i.key = c.key AND i.fence = c.fence
   RETURNING i.key, i.fence";
 
@@ -165,6 +173,8 @@ async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
     let drops: Vec<bool> = batch.iter().map(|p| p.row.drops_body).collect();
     let message_ids = column(|p| p.row.message_id.clone());
     let dues: Vec<Option<i64>> = batch.iter().map(|p| p.row.due_ms).collect();
+    let providers = column(|p| p.row.provider.clone());
+    let provider_ids = column(|p| p.row.provider_message_id.clone());
     let rows = client
         .query(
             &stmt,
@@ -177,6 +187,8 @@ async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
                 &drops,
                 &message_ids,
                 &dues,
+                &providers,
+                &provider_ids,
             ],
         )
         .await?;
@@ -196,7 +208,7 @@ async fn record_one(pool: &Pool, pending: &Pending) -> Result<bool, DbError> {
     let client = pool.get().await?;
     let stmt = client.prepare_cached(COMPLETE).await?;
     let row = &pending.row;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
         &pending.key,
         &pending.fence,
         &row.status,
@@ -205,6 +217,8 @@ async fn record_one(pool: &Pool, pending: &Pending) -> Result<bool, DbError> {
         &row.drops_body,
         &row.message_id,
         &row.due_ms,
+        &row.provider,
+        &row.provider_message_id,
     ];
     Ok(client.execute(&stmt, &params).await? == 1)
 }

@@ -45,6 +45,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (8, "0008_claim_in_one_update"),
     (9, "0009_reconcile_arrived"),
     (10, "0010_one_claim_function"),
+    (11, "0011_provider"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -27,13 +27,13 @@ impl Transport for EmlFiles {
         &'a self,
         email: &'a Email,
         clearance: &'a Clearance,
-    ) -> BoxFuture<'a, Result<(), SendError>> {
+    ) -> BoxFuture<'a, Result<Option<String>, SendError>> {
         async move {
             clearance.check()?;
             self.0
                 .send_raw(email.envelope(), email.formatted())
                 .await
-                .map(|_| ())
+                .map(|_| None)
                 .map_err(|e| SendError::Transient(format!("writing .eml file: {e}")))
         }
         .boxed()

@@ -1,10 +1,12 @@
 //! Handing an [`EmailJob`] to a mail transport: the [`Transport`] seam, the
-//! [`Mailer`] that builds the message and picks the transport from `smtp.url`, and
-//! the one classification every transport's failures fall into ([`SendError`]).
+//! [`Mailer`] that builds the message and sends it through one of its routes
+//! (`transport.providers`, or the one transport of `transport.url` / `smtp.url`;
+//! failover between them in [`route`]), and the one classification every
+//! transport's failures fall into ([`SendError`]).
 //!
 //! lettre lives here and nowhere else: the job model is postie's own
-//! ([`crate::contract`]), so adding a transport touches this folder and the
-//! `smtp.url` parsing in [`crate::config`], nothing more.
+//! ([`crate::contract`]), so adding a transport touches this folder and the URL
+//! parsing in [`crate::config`], nothing more.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,10 +20,15 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 mod api;
 mod file;
 mod message;
+mod route;
 mod smtp;
 
-use crate::config::{SmtpSettings, SmtpTransport};
+pub(crate) use route::{Change, Routes};
+pub use route::RouteId;
+
+use crate::config::{ProviderPlan, SmtpSettings, SmtpTransport};
 use crate::contract::EmailJob;
+use crate::ops::metrics::Metrics;
 
 /// Why a send failed, and whether trying again can help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -58,12 +65,22 @@ impl SendError {
     }
 }
 
-/// Whether a send may still hand its email over. The worker withdraws it when it finds
-/// its claim gone; a transport checks it before the envelope and again before the
-/// body (and before `DATA` when it sends commands one at a time), and never starts the
-/// body once it is withdrawn. Cheap to clone (shared).
+/// Whether a send may still hand its email over, and whether a failed one may have.
+/// The worker withdraws it when it finds its claim gone; a transport checks it before
+/// the envelope and again before the body (and before `DATA` when it sends commands
+/// one at a time), and never starts the body once it is withdrawn. A transport that
+/// fails after the email left it without a definite answer (no reply after the
+/// request was written or the body sent) marks it [`uncertain`](Clearance::uncertain):
+/// the email may have been accepted, so the job is tried again on the same route
+/// only. Cheap to clone (shared).
 #[derive(Clone, Debug, Default)]
-pub struct Clearance(Arc<AtomicBool>);
+pub struct Clearance(Arc<Flags>);
+
+#[derive(Debug, Default)]
+struct Flags {
+    withdrawn: AtomicBool,
+    uncertain: AtomicBool,
+}
 
 impl Clearance {
     /// A clearance in force.
@@ -73,17 +90,28 @@ impl Clearance {
 
     /// Withdraws it: a send that has not started the body stops.
     pub(crate) fn withdraw(&self) {
-        self.0.store(true, Ordering::Relaxed);
+        self.0.withdrawn.store(true, Ordering::Relaxed);
     }
 
     /// `Err(Withdrawn)` once withdrawn.
     pub(crate) fn check(&self) -> Result<(), SendError> {
-        if self.0.load(Ordering::Relaxed) {
+        if self.0.withdrawn.load(Ordering::Relaxed) {
             return Err(SendError::Withdrawn(
                 "the claim was lost before the body; the email was not handed over".into(),
             ));
         }
         Ok(())
+    }
+
+    /// Marks a failure after the email was handed over without a definite answer.
+    pub(crate) fn mark_uncertain(&self) {
+        self.0.uncertain.store(true, Ordering::Relaxed);
+    }
+
+    /// The send failed after the email was handed over, with no answer saying it was
+    /// refused: it may have been accepted.
+    pub(crate) fn uncertain(&self) -> bool {
+        self.0.uncertain.load(Ordering::Relaxed)
     }
 }
 
@@ -125,18 +153,21 @@ impl Email {
     }
 }
 
-/// Somewhere an email can be handed to: an SMTP relay, a directory of `.eml` files.
+/// Somewhere an email can be handed to: an SMTP relay, a provider's API, a directory
+/// of `.eml` files.
 pub(crate) trait Transport: Send + Sync {
-    /// Hands one email over; every failure classed as a [`SendError`]. A transport
-    /// bounds each of its own steps, and must be safe to cancel at any await (a
-    /// connection interrupted mid-transaction is never reused): [`Mailer::send`]
-    /// puts the whole send under its deadline. It checks `clearance` before it
-    /// starts handing the body over.
+    /// Hands one email over; every failure classed as a [`SendError`]. The provider's
+    /// id for the accepted email when its API answers one. A transport bounds each of
+    /// its own steps, and must be safe to cancel at any await (a connection
+    /// interrupted mid-transaction is never reused): [`Mailer::send`] puts the whole
+    /// send under its deadline. It checks `clearance` before it starts handing the
+    /// body over, and marks it uncertain when it fails after the email left it
+    /// without a definite answer.
     fn send<'a>(
         &'a self,
         email: &'a Email,
         clearance: &'a Clearance,
-    ) -> BoxFuture<'a, Result<(), SendError>>;
+    ) -> BoxFuture<'a, Result<Option<String>, SendError>>;
     /// Whether the far end answers now (the circuit breaker's prober asks this),
     /// each step bounded.
     fn probe(&self) -> BoxFuture<'_, bool>;
@@ -145,17 +176,32 @@ pub(crate) trait Transport: Send + Sync {
     fn wants_fields(&self) -> bool {
         false
     }
+    /// Whether `error` counts towards this transport's circuit breaker (see
+    /// [`route`]): by default, no connection, or no answer in time (an SMTP relay that
+    /// hangs is taken for one that is down, as a failed send through it costs the
+    /// job nothing).
+    fn opens_breaker(&self, error: &SendError, _uncertain: bool) -> bool {
+        matches!(error, SendError::Unreachable(_))
+    }
 }
 
-/// Sends emails; cheap to clone (the transport, and its connection pool, is shared).
+/// What a send through a route answered.
+#[derive(Debug)]
+pub struct Sent {
+    /// The route that accepted the email.
+    pub route: RouteId,
+    /// The id the provider's API answered with (none from SMTP or files).
+    pub provider_message_id: Option<String>,
+}
+
+/// Sends emails through the routes of `transport.providers` (or the one transport);
+/// cheap to clone (the transports, their connection pools and breakers are shared).
 #[derive(Clone)]
 pub struct Mailer {
-    transport: Arc<dyn Transport>,
+    routes: Arc<Routes>,
     message_id_domain: String,
-    /// The transport's [`Transport::wants_fields`].
-    with_fields: bool,
     /// `smtp.pool_size` turns: at most that many sends at once, so at most that many
-    /// connections to the relay.
+    /// connections to any one relay.
     slots: Arc<Semaphore>,
     /// The most one send may take ([`SmtpSettings::send_deadline`]).
     deadline: Duration,
@@ -169,30 +215,57 @@ pub struct Slot {
 }
 
 impl Mailer {
-    /// Builds the transport `smtp.url` names, as validation parsed it
-    /// ([`SmtpSettings::transport`]; no connection is made yet): `file:///dir` writes
-    /// `.eml` files, anything else is an SMTP relay (see
+    /// The one transport `transport` names, as validation parsed it (no connection is
+    /// made yet): `file:///dir` writes `.eml` files, a provider's scheme its API,
+    /// anything else is an SMTP relay (see
     /// [`smtp_endpoint`](crate::config::smtp_endpoint) for its TLS rules).
     pub fn new(transport: &SmtpTransport, settings: &SmtpSettings) -> anyhow::Result<Self> {
-        let transport: Arc<dyn Transport> = match transport {
-            SmtpTransport::Files(dir) => Arc::new(file::EmlFiles::new(dir)?),
-            SmtpTransport::Relay(endpoint) => {
-                Arc::new(smtp::SmtpRelay::new(endpoint.clone(), settings)?)
-            }
-            SmtpTransport::Api(endpoint) => Arc::new(api::ApiTransport::new(endpoint, settings)?),
+        let plan = ProviderPlan {
+            name: transport.kind().to_string(),
+            transport: transport.clone(),
+            rate_limit: settings.rate_limit,
+            rate_burst: settings.rate_burst,
         };
-        Ok(Self::with_transport(transport, settings))
+        Self::with_routes(&[plan], settings, &Metrics::new())
     }
 
-    /// A mailer over a transport of the caller's choosing.
-    pub(crate) fn with_transport(transport: Arc<dyn Transport>, settings: &SmtpSettings) -> Self {
-        Self {
-            with_fields: transport.wants_fields(),
-            transport,
+    /// The routes of `plans`, in order, each transport built; their metrics counted
+    /// in `metrics`.
+    pub(crate) fn with_routes(
+        plans: &[ProviderPlan],
+        settings: &SmtpSettings,
+        metrics: &Metrics,
+    ) -> anyhow::Result<Self> {
+        let mut routes = Vec::with_capacity(plans.len());
+        for plan in plans {
+            let transport: Arc<dyn Transport> = match &plan.transport {
+                SmtpTransport::Files(dir) => Arc::new(file::EmlFiles::new(dir)?),
+                SmtpTransport::Relay(endpoint) => {
+                    Arc::new(smtp::SmtpRelay::new(endpoint.clone(), settings)?)
+                }
+                SmtpTransport::Api(endpoint) => {
+                    Arc::new(api::ApiTransport::new(endpoint, settings)?)
+                }
+            };
+            routes.push((
+                plan.name.clone(),
+                transport,
+                plan.rate_limit,
+                plan.rate_burst,
+            ));
+        }
+        anyhow::ensure!(!routes.is_empty(), "no transport is configured");
+        Ok(Self {
+            routes: Arc::new(Routes::new(routes, settings.breaker_threshold, metrics)),
             message_id_domain: settings.message_id_domain.clone(),
             slots: Arc::new(Semaphore::new(settings.pool_size as usize)),
             deadline: settings.send_deadline(),
-        }
+        })
+    }
+
+    /// The routes and their breakers.
+    pub(crate) fn routes(&self) -> &Routes {
+        &self.routes
     }
 
     /// Waits for a free connection turn (see [`Slot`]).
@@ -208,11 +281,18 @@ impl Mailer {
         job.key.message_id(&self.message_id_domain)
     }
 
-    /// Builds and formats the email; an error here is permanent (the job can never
-    /// be sent).
+    /// Builds and formats the email for the first route ([`Mailer::build_for`]).
     pub fn build(&self, job: &EmailJob) -> Result<Email, SendError> {
+        self.build_for(job, RouteId(0))
+    }
+
+    /// Builds and formats the email for `route`; an error here is permanent (the job
+    /// can never be sent).
+    pub fn build_for(&self, job: &EmailJob, route: RouteId) -> Result<Email, SendError> {
         let message_id = self.message_id(job);
         let fields = self
+            .routes
+            .get(route)
             .with_fields
             .then(|| Box::new(message::Fields::of(job, &message_id)));
         message::build(job, message_id).map(|message| Email {
@@ -227,33 +307,54 @@ impl Mailer {
         self.deadline
     }
 
-    /// Sends one email. `smtp.timeout` bounds every SMTP step (the transport's own
-    /// timeouts) and [`Mailer::deadline`] the send as a whole: past it the send is
-    /// dropped, which is safe because a transport never reuses a connection whose
-    /// transaction did not end (so no late reply is ever read as the answer to the
-    /// next email's command). Once `clearance` is withdrawn, `DATA` is not started.
-    ///
-    /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]).
+    /// Sends one email through the first route ([`Mailer::send_through`]).
     pub async fn send(
         &self,
-        _slot: &Slot,
+        slot: &Slot,
         email: &Email,
         clearance: &Clearance,
-    ) -> Result<(), SendError> {
-        let send = self.transport.send(email, clearance);
-        tokio::time::timeout(self.deadline, send)
+    ) -> Result<Sent, SendError> {
+        self.send_through(slot, RouteId(0), email, clearance).await
+    }
+
+    /// Sends one email through `route`. `smtp.timeout` bounds every step (the
+    /// transport's own timeouts) and [`Mailer::deadline`] the send as a whole: past it
+    /// the send is dropped, which is safe because a transport never reuses a
+    /// connection whose transaction did not end (so no late reply is ever read as the
+    /// answer to the next email's command); a send dropped at its deadline is
+    /// uncertain (the deadline's expiry marks it so: where it stopped is not known).
+    /// Once `clearance` is withdrawn, the body is not started.
+    ///
+    /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]). The result
+    /// is not yet counted: the caller hands it to [`Routes::judge`].
+    pub async fn send_through(
+        &self,
+        _slot: &Slot,
+        route: RouteId,
+        email: &Email,
+        clearance: &Clearance,
+    ) -> Result<Sent, SendError> {
+        let send = self.routes.get(route).transport.send(email, clearance);
+        let id = tokio::time::timeout(self.deadline, send)
             .await
             .unwrap_or_else(|_| {
+                // Where it stopped is not known: the body may have gone.
+                clearance.mark_uncertain();
                 Err(SendError::Unreachable(format!(
                     "the send took longer than its deadline ({})",
                     humantime::format_duration(self.deadline)
                 )))
-            })
+            })?;
+        Ok(Sent {
+            route,
+            provider_message_id: id,
+        })
     }
 
-    /// Asks the transport whether it answers, within the send deadline.
-    pub(crate) async fn probe(&self) -> bool {
-        tokio::time::timeout(self.deadline, self.transport.probe())
+    /// Asks route `route`'s transport whether it answers, within the send deadline.
+    pub(crate) async fn probe(&self, route: RouteId) -> bool {
+        let probe = self.routes.get(route).transport.probe();
+        tokio::time::timeout(self.deadline, probe)
             .await
             .unwrap_or(false)
     }

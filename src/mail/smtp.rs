@@ -254,7 +254,7 @@ impl Transport for SmtpRelay {
         &'a self,
         email: &'a Email,
         clearance: &'a Clearance,
-    ) -> BoxFuture<'a, Result<(), SendError>> {
+    ) -> BoxFuture<'a, Result<Option<String>, SendError>> {
         async move {
             let (mut session, unchecked) = self.checkout().await?;
             let mut sent = self.transaction(&mut session, email, clearance).await;
@@ -266,7 +266,7 @@ impl Transport for SmtpRelay {
             }
             sent.map_err(Failed::into_error)?;
             self.checkin(session);
-            Ok(())
+            Ok(None)
         }
         .boxed()
     }

@@ -1,13 +1,13 @@
 //! What `/readyz` reports and what pauses consumption: is the broker session up and
 //! consuming, does PostgreSQL answer, is the SMTP circuit closed, are we draining.
 //!
-//! The SMTP circuit breaker lives here too: after `threshold` consecutive failures
-//! to reach the relay (connection refused, dropped, timed out — not 4xx replies,
-//! which prove the relay is up), it opens; consumption pauses instead of pushing
-//! every job through the retry ladder to the DLQ, and one prober asks the relay
-//! until it answers.
+//! The transport circuit is here too: open while every transport's own breaker is
+//! open (`mail::route` keeps one per provider: after `smtp.breaker_threshold`
+//! consecutive failures to reach it, it opens and traffic moves to the next).
+//! While it is open consumption pauses instead of pushing every job through the
+//! retry ladder to the DLQ, and the probers ask the providers until one answers.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -25,8 +25,6 @@ struct Inner {
     /// Why PostgreSQL is unavailable, in words (empty while it answers).
     database_cause: std::sync::Mutex<String>,
     smtp_up: watch::Sender<bool>,
-    smtp_failures: AtomicU32,
-    smtp_threshold: u32,
     broker_up: AtomicBool,
     broker_address: std::sync::Mutex<String>,
     draining: AtomicBool,
@@ -34,15 +32,13 @@ struct Inner {
 }
 
 impl Health {
-    /// Everything up; the breaker opens after `smtp_threshold` failures in a row.
-    pub(crate) fn new(metrics: SharedMetrics, smtp_threshold: u32) -> Self {
+    /// Everything up.
+    pub(crate) fn new(metrics: SharedMetrics) -> Self {
         Self {
             inner: Arc::new(Inner {
                 database_up: watch::channel(true).0,
                 database_cause: std::sync::Mutex::new(String::new()),
                 smtp_up: watch::channel(true).0,
-                smtp_failures: AtomicU32::new(0),
-                smtp_threshold: smtp_threshold.max(1),
                 broker_up: AtomicBool::new(false),
                 broker_address: std::sync::Mutex::new(String::new()),
                 draining: AtomicBool::new(false),
@@ -113,46 +109,32 @@ impl Health {
         changed
     }
 
-    /// True while the SMTP circuit is closed.
+    /// True while the transport circuit is closed (some transport's breaker is).
     pub(crate) fn transport_up(&self) -> bool {
         *self.inner.smtp_up.borrow()
     }
 
-    /// An SMTP send reached the relay (any reply): closes the count of failures.
-    pub(crate) fn transport_reached(&self) {
-        self.inner.smtp_failures.store(0, Ordering::Relaxed);
-    }
-
-    /// The relay could not be reached. Returns true if this opened the circuit.
-    pub(crate) fn transport_unreachable(&self) -> bool {
-        let failures = self.inner.smtp_failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if failures < self.inner.smtp_threshold {
-            return false;
-        }
-        let opened = self
+    /// Every transport's breaker is open: opens the circuit and pauses consumption.
+    pub(crate) fn transport_down(&self) {
+        if self
             .inner
             .smtp_up
-            .send_if_modified(|up| std::mem::replace(up, false));
-        if opened {
-            tracing::error!(
-                failures,
-                "SMTP relay unreachable: circuit open, pausing consumption"
-            );
+            .send_if_modified(|up| std::mem::replace(up, false))
+        {
+            tracing::error!("no transport can be reached: circuit open, pausing consumption");
             self.inner.metrics.smtp_breaker_open.set(1);
             self.update_paused();
         }
-        opened
     }
 
-    /// The prober reached the relay: closes the circuit.
+    /// A transport answers again: closes the circuit.
     pub(crate) fn transport_recovered(&self) {
-        self.inner.smtp_failures.store(0, Ordering::Relaxed);
         if self
             .inner
             .smtp_up
             .send_if_modified(|up| !std::mem::replace(up, true))
         {
-            tracing::info!("SMTP relay answers again: circuit closed, resuming");
+            tracing::info!("a transport answers again: circuit closed, resuming");
             self.inner.metrics.smtp_breaker_open.set(0);
             self.inner
                 .metrics
@@ -239,16 +221,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_breaker_opens_after_the_threshold_and_closes_on_recovery() {
-        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()), 3);
+    fn the_circuit_pauses_consumption_until_a_transport_recovers() {
+        let metrics = Arc::new(crate::ops::metrics::Metrics::new());
+        let health = Health::new(metrics.clone());
         health.set_broker_up(true);
-        assert!(!health.transport_unreachable());
-        assert!(!health.transport_unreachable());
-        health.transport_reached(); // a reply in between resets the count
-        assert!(!health.transport_unreachable());
-        assert!(!health.transport_unreachable());
-        assert!(health.transport_unreachable());
+        assert!(!health.paused());
+        health.transport_down();
+        health.transport_down(); // once is enough: still one outage
         assert!(health.paused());
+        assert_eq!(metrics.smtp_breaker_open.get(), 1);
         assert_eq!(health.not_ready(), ["smtp circuit open"]);
         health.transport_recovered();
         assert!(!health.paused());
@@ -259,7 +240,7 @@ mod tests {
 
     #[test]
     fn a_database_outage_pauses_until_it_answers_whatever_its_cause() {
-        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()), 3);
+        let health = Health::new(Arc::new(crate::ops::metrics::Metrics::new()));
         health.set_broker_up(true);
         health.set_database_down("the database is read-only (25006)", "25006: read-only");
         // A new cause while down (a restart that comes back read-only) keeps it down.

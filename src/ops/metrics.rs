@@ -19,7 +19,8 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, Label, LabelValue, Pruned, RelayRoute, Step, ThrottlePolicy,
+    Counters, DeadReason, Dependency, Label, LabelValue, ProviderLabel, ProviderName,
+    ProviderResult, Pruned, RelayRoute, Step, ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -158,7 +159,11 @@ declare! {
         reconnects: Counters<Dependency>
             => "reconnects", "Reconnections, by dependency";
         smtp_breaker_open: Gauge
-            => "smtp_circuit_open", "1 while the SMTP circuit breaker is open";
+            => "smtp_circuit_open", "1 while every transport's circuit breaker is open (consumption paused)";
+        provider_sends: Family<ProviderLabel, Counter>
+            => "provider_sends", "Sends per transport (transport.providers' names), by result";
+        provider_circuit_open: Family<ProviderName, Gauge>
+            => "provider_circuit_open", "1 while this transport's circuit breaker is open";
         throttled: Counters<ThrottlePolicy>
             => "throttled", "Jobs over their type's throttle, by policy";
         cancelled: Counter

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::SmtpSettings;
+use crate::config::SendRate;
 use crate::inbox::{DbError, Inbox};
 use crate::ops::metrics::SharedMetrics;
 
@@ -244,20 +244,31 @@ pub struct Limiter {
 }
 
 impl Limiter {
-    /// The limiter for `smtp` settings, sharing the fleet limit `name` (the topology
-    /// prefix) through `inbox`.
-    pub fn new(smtp: &SmtpSettings, inbox: Inbox, name: &str, metrics: SharedMetrics) -> Self {
-        let fleet = smtp.rate_limit.map(|rate| Fleet {
+    /// The limiter of one transport: `rate` (with `burst`) fleet-wide, shared as the
+    /// fleet limit `name` (the topology prefix, or `prefix/provider` with several
+    /// transports) through `inbox`. The primary's limit is the one the
+    /// `rate_limit_per_second` gauge shows.
+    pub fn new(
+        rate: Option<SendRate>,
+        burst: Option<u32>,
+        inbox: Inbox,
+        name: &str,
+        metrics: SharedMetrics,
+        primary: bool,
+    ) -> Self {
+        let fleet = rate.map(|rate| Fleet {
             inbox,
             name: name.to_string(),
-            rate: FleetRate::new(rate.per_second(), smtp.rate_burst),
+            rate: FleetRate::new(rate.per_second(), burst),
             left: tokio::sync::Mutex::new((0, Instant::now())),
             payback: Mutex::new(Payback::default()),
         });
-        metrics
-            .rate
-            .limit
-            .set(fleet.as_ref().map_or(0.0, |f| f.rate.per_second));
+        if primary {
+            metrics
+                .rate
+                .limit
+                .set(fleet.as_ref().map_or(0.0, |f| f.rate.per_second));
+        }
         Self {
             inner: Arc::new(Inner {
                 fleet,

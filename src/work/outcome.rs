@@ -108,6 +108,9 @@ pub(crate) enum Outcome {
         attempt: u32,
         /// What went wrong.
         error: String,
+        /// The transport the job is pinned to from now on (`postie-provider`), when a
+        /// send through it may have been accepted.
+        provider: Option<String>,
     },
     /// To the dead-letter queue with a reason a person can read.
     DeadLetter {
@@ -230,12 +233,13 @@ impl Outcome {
                 step,
                 attempt,
                 error,
+                provider,
                 ..
             } => {
                 let error = readable(error, 1_000);
                 tracing::warn!(step, attempt, error = %error, "transient failure; will retry");
                 metrics.retries.inc(Step(*step as u32));
-                let headers = retry_headers(original, *attempt, &error);
+                let headers = retry_headers(original, *attempt, &error, provider.as_deref());
                 Disposition::Republish(retry(topology, *step, headers))
             }
             Self::DeadLetter {
@@ -347,10 +351,18 @@ fn retry(topology: &Topology, step: usize, headers: FieldTable) -> Target {
 }
 
 /// The original headers with the attempt count and the last error.
-fn retry_headers(original: Option<&FieldTable>, attempt: u32, error: &str) -> FieldTable {
+fn retry_headers(
+    original: Option<&FieldTable>,
+    attempt: u32,
+    error: &str,
+    provider: Option<&str>,
+) -> FieldTable {
     let mut headers = headers::without(original, &[]);
     headers::set_int(&mut headers, headers::HEADER_ATTEMPT, i64::from(attempt));
     headers::set_text(&mut headers, headers::HEADER_LAST_ERROR, error);
+    if let Some(provider) = provider {
+        headers::set_text(&mut headers, headers::HEADER_PROVIDER, provider);
+    }
     headers
 }
 
@@ -449,9 +461,38 @@ mod tests {
                 step,
                 attempt: 1,
                 error: "421".into(),
+                provider: None,
             };
             retry.settle(&metrics, &topology(), None);
         }
+        // A retry pinned to a provider carries its name; the pin outlives the cycle.
+        let counted_apart = Metrics::new();
+        let pinned = Outcome::Retry {
+            key: IdempotencyKey::parse("k-pinned").unwrap(),
+            step: 0,
+            attempt: 1,
+            error: "no reply".into(),
+            provider: Some("ses".into()),
+        };
+        let Disposition::Republish(target) = pinned.settle(&counted_apart, &topology(), None)
+        else {
+            panic!("a retry is republished");
+        };
+        let provider = |h: &FieldTable| headers::header_text(Some(h), headers::HEADER_PROVIDER);
+        assert_eq!(provider(&target.headers).as_deref(), Some("ses"));
+        let again = Outcome::Retry {
+            key: IdempotencyKey::parse("k-pinned").unwrap(),
+            step: 1,
+            attempt: 2,
+            error: "503".into(),
+            provider: None,
+        };
+        let Disposition::Republish(next) =
+            again.settle(&counted_apart, &topology(), Some(&target.headers))
+        else {
+            panic!("a retry is republished");
+        };
+        assert_eq!(provider(&next.headers).as_deref(), Some("ses"), "kept on later retries");
         // A step beyond this topology's ladder has no retry queue to settle into;
         // the counter still takes it, past its cached children.
         metrics.retries.inc(Step(40));

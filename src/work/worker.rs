@@ -39,9 +39,9 @@ use super::limiter::Limiter;
 use super::policy::{Failure, RetryPolicy};
 use super::{now_ms, DeadKind, Outcome};
 use crate::contract::{self, EmailJob, InvalidJob, ParseRules, Request};
-use crate::headers::{header_int, HEADER_ATTEMPT};
+use crate::headers::{header_int, header_text, HEADER_ATTEMPT, HEADER_PROVIDER};
 use crate::inbox::{Claim, DbError};
-use crate::mail::{SendError, Slot};
+use crate::mail::{RouteId, SendError, Slot};
 
 /// What [`Worker::follow`] leads to.
 enum Followed {
@@ -65,11 +65,40 @@ enum Stop {
 #[error("interrupted by shutdown while waiting for the database")]
 pub(crate) struct Interrupted;
 
-/// A job admitted to its turns: parsed, due, and how many tries it has failed.
+/// A job admitted to its turns: parsed, due, how many tries it has failed, and the
+/// route it is pinned to, if any.
 struct Admitted {
     job: Box<EmailJob>,
     due_ms: i64,
     failed_so_far: u32,
+    pin: Pin,
+}
+
+/// The route a job must stay on because a send through it may have been accepted
+/// (`mail::route`): from the delivery's `postie-provider` header, or set by a send
+/// of this delivery that ended uncertain. Never unset.
+#[derive(Default)]
+struct Pin(std::sync::atomic::AtomicUsize);
+
+impl Pin {
+    const NONE: usize = usize::MAX;
+
+    fn new(route: Option<RouteId>) -> Self {
+        Self(std::sync::atomic::AtomicUsize::new(
+            route.map_or(Self::NONE, |r| r.0),
+        ))
+    }
+
+    fn get(&self) -> Option<RouteId> {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            Self::NONE => None,
+            route => Some(RouteId(route)),
+        }
+    }
+
+    fn set(&self, route: RouteId) {
+        self.0.store(route.0, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// A claim taken for one attempt.
@@ -81,26 +110,42 @@ struct Claimed {
 }
 
 /// The unit of work over the instance's [`Context`](super::Context), with its own
-/// retry policy and send-rate limiter; cheap to clone.
+/// retry policy and a send-rate limiter per route; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Worker {
     cx: SharedContext,
     policy: RetryPolicy,
-    limiter: Limiter,
+    /// One per route of the mailer, in its order.
+    limiters: std::sync::Arc<[Limiter]>,
 }
 
 impl Worker {
     /// A worker over `cx`; its `hard_stop` ends waits for the database (drain timeout).
     pub(crate) fn new(cx: SharedContext) -> Self {
-        let limiter = Limiter::new(
-            &cx.settings.smtp,
-            cx.inbox.clone(),
-            &cx.settings.topology.prefix,
-            cx.metrics().clone(),
-        );
+        let routes = cx.mailer.routes().all();
+        let prefix = &cx.settings.topology.prefix;
+        let limiters = routes
+            .iter()
+            .enumerate()
+            .map(|(i, route)| {
+                // One route keeps the fleet row it always had (the prefix).
+                let name = match routes.len() {
+                    1 => prefix.clone(),
+                    _ => format!("{prefix}/{}", route.name),
+                };
+                Limiter::new(
+                    route.rate_limit,
+                    route.rate_burst,
+                    cx.inbox.clone(),
+                    &name,
+                    cx.metrics().clone(),
+                    i == 0,
+                )
+            })
+            .collect();
         Self {
             policy: RetryPolicy::new(cx.topology.retry_steps()),
-            limiter,
+            limiters,
             cx,
         }
     }
@@ -170,6 +215,13 @@ impl Worker {
         let failed_so_far = header_int(headers, HEADER_ATTEMPT)
             .unwrap_or(0)
             .clamp(0, 1_000) as u32;
+        let pin = header_text(headers, HEADER_PROVIDER).and_then(|name| {
+            let route = self.cx.mailer.routes().named(&name);
+            if route.is_none() {
+                tracing::warn!(provider = %name, "the job was pinned to a provider that is no longer configured; it goes to the first one up");
+            }
+            route
+        });
         let job = match Request::parse(body, &self.rules(user_id)) {
             Ok(Request::Job(job)) => job,
             Ok(Request::Cancel { key, revision }) => {
@@ -206,23 +258,26 @@ impl Worker {
             job,
             due_ms,
             failed_so_far,
+            pin: Pin::new(pin),
         }))
     }
 
-    /// One turn: the send rate, a connection slot, the claim; a claimed job gets an
-    /// [`attempt`](Worker::attempt), a busy key what the policy says.
+    /// One turn: the route, its send rate, a connection slot, the claim; a claimed
+    /// job gets an [`attempt`](Worker::attempt), a busy key what the policy says.
     async fn take_turn(&self, admitted: &Admitted) -> Result<Followed, Stop> {
         let Admitted {
             job, failed_so_far, ..
         } = admitted;
         let key = &job.key;
+        let route = self.route(admitted).await?;
+        let limiter = &self.limiters[route.0];
         // The send rate: waited for before the claim, holding nothing. The turn
         // is kept until this turn's send attempt has ended.
         let _turn = tokio::select! {
             _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
             turn = async {
-                self.limiter.pace().await;
-                self.db("rate limit", || self.limiter.fleet_token()).await
+                limiter.pace().await;
+                self.db("rate limit", || limiter.fleet_token()).await
             } => turn?,
         };
         // A connection turn, before the claim: a send that had to wait for one
@@ -250,7 +305,7 @@ impl Worker {
                 let next = self
                     .policy
                     .next(Failure::LeaseBusy { remaining }, *failed_so_far);
-                self.follow(next, key, None, "claimed by another instance")
+                self.follow(next, key, None, "claimed by another instance", None)
                     .await
             }
             Claim::Claimed {
@@ -261,9 +316,27 @@ impl Worker {
                     takeover,
                     asked,
                 };
-                self.attempt(admitted, slot, claimed).await
+                self.attempt(admitted, route, slot, claimed).await
             }
         }
+    }
+
+    /// The route this turn sends through: the job's pinned route (waiting, holding
+    /// nothing, while its breaker is open), else the first whose breaker is closed.
+    async fn route(&self, admitted: &Admitted) -> Result<RouteId, Stop> {
+        let routes = self.cx.mailer.routes();
+        let Some(pinned) = admitted.pin.get() else {
+            return Ok(routes.choose());
+        };
+        let route = routes.get(pinned);
+        if !route.is_up() {
+            tracing::info!(key = %admitted.job.key, provider = %route.name, "waiting for the provider this job may already have reached");
+            tokio::select! {
+                _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                _ = route.wait_up() => {}
+            }
+        }
+        Ok(pinned)
     }
 
     /// One attempt under a claim: the job type's throttle, a lease long enough for the
@@ -271,6 +344,7 @@ impl Worker {
     async fn attempt(
         &self,
         admitted: &Admitted,
+        route: RouteId,
         slot: Slot,
         claimed: Claimed,
     ) -> Result<Followed, Stop> {
@@ -278,6 +352,7 @@ impl Worker {
             job,
             due_ms,
             failed_so_far,
+            pin,
         } = admitted;
         let Claimed {
             fence,
@@ -293,31 +368,43 @@ impl Worker {
         }
         let mut held = lease::Held::new(fence, asked, self.cx.settings.worker.lease);
         let sent = if self.lease_for_send(key.as_str(), &mut held).await? {
-            let send = self.send(&slot, job, &held.clearance);
+            let send = self.send(&slot, route, job, &held.clearance);
             tokio::select! {
                 _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
                 sent = self.holding(key.as_str(), &held, send) => sent,
             }
         } else {
-            held.clearance.check()
+            // The claim is gone: its clearance is withdrawn.
+            Err(held.clearance.check().err().unwrap_or_else(|| {
+                SendError::Withdrawn("the claim was lost before the send".into())
+            }))
         };
         drop(slot);
+        if held.clearance.uncertain() {
+            pin.set(route);
+        }
+        let limiter = &self.limiters[route.0];
         match sent {
-            Ok(()) => {
-                self.limiter.sent();
-                let record = self.record_sent(key.clone(), fence, takeover, *due_ms, job);
+            Ok(sent) => {
+                limiter.sent();
+                let record = self.record_sent(key.clone(), fence, takeover, *due_ms, job, &sent);
                 let outcome = self.holding(key.as_str(), &held, record).await?;
                 Ok(Followed::Outcome(outcome))
             }
             Err(error) => {
+                if matches!(error, SendError::Throttled(_)) {
+                    limiter.throttled();
+                }
                 let next = self.policy.next(self.failure(&error), *failed_so_far);
-                self.follow(next, key, Some(fence), error.detail()).await
+                self.follow(next, key, Some(fence), error.detail(), pin.get())
+                    .await
             }
         }
     }
 
-    /// What a send error is to the retry policy; an unreachable relay also counts
-    /// towards the circuit breaker (and starts its prober when it opens).
+    /// What a send error is to the retry policy. An unreachable transport pauses the
+    /// job while some route is up (it goes through the next one, or waits for its
+    /// pinned one), and holds it once every route's breaker is open.
     fn failure(&self, error: &SendError) -> Failure {
         match error {
             SendError::Permanent(_) => Failure::Refused,
@@ -326,18 +413,10 @@ impl Worker {
                 remaining: self.cx.settings.worker.lease,
             },
             SendError::Transient(_) => Failure::Transient,
-            SendError::Throttled(_) => {
-                self.limiter.throttled();
-                Failure::Throttled
-            }
-            SendError::Unreachable(_) => {
-                if self.cx.health.transport_unreachable() {
-                    self.spawn_transport_prober();
-                }
-                Failure::Unreachable {
-                    circuit_open: !self.cx.health.transport_up(),
-                }
-            }
+            SendError::Throttled(_) => Failure::Throttled,
+            SendError::Unreachable(_) => Failure::Unreachable {
+                circuit_open: !self.cx.mailer.routes().any_up(),
+            },
         }
     }
 

@@ -13,6 +13,8 @@ use crate::mail::{Email, SendError};
 /// The endpoint and the key.
 pub(super) struct Mailgun {
     url: String,
+    /// `GET /v3/domains/DOMAIN`: the breaker's probe.
+    account: String,
     key: SecretString,
 }
 
@@ -20,8 +22,14 @@ impl Mailgun {
     pub(super) fn new(domain: &str, key: &SecretString, base: &str) -> Self {
         Self {
             url: format!("{base}/v3/{domain}/messages.mime"),
+            account: format!("{base}/v3/domains/{domain}"),
             key: key.clone(),
         }
+    }
+
+    /// The sending domain: the breaker's probe (it also proves the key).
+    pub(super) fn account_request(&self) -> HttpRequest {
+        HttpRequest::get(&self.account).basic_auth("api", self.key.expose_secret())
     }
 
     pub(super) fn request(&self, email: &Email) -> Result<HttpRequest, SendError> {

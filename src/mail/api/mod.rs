@@ -9,12 +9,12 @@
 //!
 //! | what happened | class | what the worker does |
 //! |---|---|---|
-//! | 2xx (and the provider's id read) | sent | records it; the id is logged at debug |
+//! | 2xx (and the provider's id read) | sent | records it, with the id in the inbox row's `provider_message_id` |
 //! | 429, or the provider's throttling error (SES `TooManyRequestsException`, `Throttling…`) | [`SendError::Throttled`] | slows down (AIMD) and retries without counting an attempt |
-//! | 5xx, 408 | [`SendError::Transient`] | retries on the ladder |
+//! | 5xx, 408 | [`SendError::Transient`] | retries on the ladder; the provider's breaker counts it (it said it did not take the email) |
 //! | no connection (refused, DNS, TLS, connect timeout) | [`SendError::Unreachable`] | retries; the breaker counts it and probes |
 //! | credentials refused (401; SES 403) | [`SendError::Unreachable`] | as a relay that refuses AUTH: postie's set-up, not the job's; pauses instead of dead-lettering every job |
-//! | timeout or a broken connection after the request was sent | [`SendError::Transient`] | retried: it may have been accepted (at least once, as with SMTP's lost final reply) |
+//! | timeout or a broken connection after the request was sent | [`SendError::Transient`], the clearance marked uncertain | retried on this provider only, never failed over: it may have been accepted (at least once, as with SMTP's lost final reply); the breaker does not count it |
 //! | any other 4xx (invalid address, account suspended, message rejected) | [`SendError::Permanent`] | dead letter, the provider's own message as the reason |
 
 use std::time::Duration;
@@ -88,8 +88,16 @@ pub(super) struct HttpRequest {
 
 impl HttpRequest {
     pub(super) fn post(url: &str) -> Self {
+        Self::new(Method::POST, url)
+    }
+
+    pub(super) fn get(url: &str) -> Self {
+        Self::new(Method::GET, url)
+    }
+
+    fn new(method: Method, url: &str) -> Self {
         Self {
-            method: Method::POST,
+            method,
             url: url.to_string(),
             headers: Vec::new(),
             body: Vec::new(),
@@ -155,7 +163,6 @@ pub(super) struct ApiTransport {
     client: Client,
     api: Api,
     name: &'static str,
-    base: String,
     /// `smtp.timeout`: the bound of a request, connect to reply.
     step: Duration,
 }
@@ -190,7 +197,6 @@ impl ApiTransport {
             client,
             api,
             name: endpoint.name(),
-            base,
             step: settings.timeout,
         })
     }
@@ -205,6 +211,16 @@ impl ApiTransport {
         }
     }
 
+    /// The provider's account request: the breaker's probe.
+    fn account_request(&self) -> Result<HttpRequest, SendError> {
+        Ok(match &self.api {
+            Api::Ses(api) => api.account_request()?,
+            Api::SendGrid(api) => api.account_request(),
+            Api::Postmark(api) => api.account_request(),
+            Api::Mailgun(api) => api.account_request(),
+        })
+    }
+
     /// The provider's id for an accepted email, or the class of its refusal.
     fn read(&self, reply: &Reply) -> Result<Option<String>, SendError> {
         match &self.api {
@@ -215,8 +231,23 @@ impl ApiTransport {
         }
     }
 
-    /// Sends the request and reads the whole reply, all within `smtp.timeout`.
-    async fn exchange(&self, request: HttpRequest) -> Result<Reply, SendError> {
+    /// Sends the request and reads the whole reply, all within `smtp.timeout`. A
+    /// failure after the request may have reached the provider marks `clearance`
+    /// uncertain.
+    async fn exchange(
+        &self,
+        request: HttpRequest,
+        clearance: &Clearance,
+    ) -> Result<Reply, SendError> {
+        let sent = self.exchange_once(request).await;
+        if let Err(Lost::AfterSending(_)) = &sent {
+            clearance.mark_uncertain();
+        }
+        sent.map_err(Lost::into_error)
+    }
+
+    /// [`ApiTransport::exchange`]'s request and reply, the failure told apart.
+    async fn exchange_once(&self, request: HttpRequest) -> Result<Reply, Lost> {
         let mut builder = http::Request::builder()
             .method(request.method)
             .uri(&request.url)
@@ -226,7 +257,12 @@ impl ApiTransport {
         }
         let request = builder
             .body(Full::new(Bytes::from(request.body)))
-            .map_err(|e| SendError::Unreachable(format!("{}: bad request URL: {e}", self.name)))?;
+            .map_err(|e| {
+                Lost::Before(SendError::Unreachable(format!(
+                    "{}: bad request URL: {e}",
+                    self.name
+                )))
+            })?;
         let exchange = async {
             let response = self
                 .client
@@ -255,22 +291,41 @@ impl ApiTransport {
 
     /// A request that got no reply: unreachable if no connection was made (nothing
     /// was sent), else transient (it may have been accepted: retried, never dropped).
-    fn lost(&self, e: &hyper_util::client::legacy::Error) -> SendError {
+    fn lost(&self, e: &hyper_util::client::legacy::Error) -> Lost {
         // The client's errors name neither the headers nor the body: no key is in them.
         let chain = crate::contract::readable(&crate::error_chain(e), 500);
         if e.is_connect() {
-            SendError::Unreachable(format!("{}: no connection: {chain}", self.name))
+            Lost::Before(SendError::Unreachable(format!(
+                "{}: no connection: {chain}",
+                self.name
+            )))
         } else {
             self.after_sending(&format!("the connection failed: {chain}"))
         }
     }
 
     /// Transient: the request may have reached the provider.
-    fn after_sending(&self, what: &str) -> SendError {
-        SendError::Transient(format!(
+    fn after_sending(&self, what: &str) -> Lost {
+        Lost::AfterSending(SendError::Transient(format!(
             "{}: {what} after the request was sent (it may have been accepted)",
             self.name
-        ))
+        )))
+    }
+}
+
+/// A request without a reply to read.
+enum Lost {
+    /// Nothing reached the provider.
+    Before(SendError),
+    /// The request may have reached it.
+    AfterSending(SendError),
+}
+
+impl Lost {
+    fn into_error(self) -> SendError {
+        match self {
+            Self::Before(error) | Self::AfterSending(error) => error,
+        }
     }
 }
 
@@ -279,32 +334,42 @@ impl Transport for ApiTransport {
         &'a self,
         email: &'a Email,
         clearance: &'a Clearance,
-    ) -> BoxFuture<'a, Result<(), SendError>> {
+    ) -> BoxFuture<'a, Result<Option<String>, SendError>> {
         async move {
             let request = self.request(email)?;
             clearance.check()?;
-            let reply = self.exchange(request).await?;
-            let id = self.read(&reply)?;
-            tracing::debug!(
-                provider = self.name,
-                provider_message_id = id.as_deref().unwrap_or(""),
-                "the provider accepted the email"
-            );
-            Ok(())
+            let reply = self.exchange(request, clearance).await?;
+            self.read(&reply)
         }
         .boxed()
     }
 
-    /// Any HTTP answer from the API's base URL, within `smtp.timeout`.
+    /// The provider's account endpoint (SES `GetAccount`, SendGrid's scopes,
+    /// Postmark's server, Mailgun's domain) with the configured key, within
+    /// `smtp.timeout`: up only on a 2xx (a refused key or a 5xx is still down) or a
+    /// 429 (it answers; it is only busy).
     fn probe(&self) -> BoxFuture<'_, bool> {
         async {
-            let Ok(uri) = self.base.parse::<http::Uri>() else {
+            let Ok(request) = self.account_request() else {
                 return false;
             };
-            let probe = self.client.get(uri);
-            matches!(tokio::time::timeout(self.step, probe).await, Ok(Ok(_)))
+            match self.exchange_once(request).await {
+                Ok(reply) => reply.status.is_success() || reply.status.as_u16() == 429,
+                Err(_) => false,
+            }
         }
         .boxed()
+    }
+
+    /// No connection, credentials refused, and a 5xx answer (the provider said it
+    /// did not take the email); never a failure after the request went unanswered
+    /// (which may have been accepted).
+    fn opens_breaker(&self, error: &SendError, uncertain: bool) -> bool {
+        match error {
+            SendError::Unreachable(_) => true,
+            SendError::Transient(_) => !uncertain,
+            _ => false,
+        }
     }
 
     fn wants_fields(&self) -> bool {

@@ -17,6 +17,8 @@ use crate::mail::{Email, SendError};
 /// The endpoint, the token and the stream.
 pub(super) struct Postmark {
     url: String,
+    /// `GET /server`: the breaker's probe.
+    account: String,
     token: SecretString,
     stream: String,
 }
@@ -33,9 +35,17 @@ impl Postmark {
     pub(super) fn new(token: &SecretString, stream: &str, base: &str) -> Self {
         Self {
             url: format!("{base}/email"),
+            account: format!("{base}/server"),
             token: token.clone(),
             stream: stream.to_string(),
         }
+    }
+
+    /// The server the token belongs to: the breaker's probe (it also proves the token).
+    pub(super) fn account_request(&self) -> HttpRequest {
+        HttpRequest::get(&self.account)
+            .header("accept", "application/json")
+            .secret_header("x-postmark-server-token", self.token.expose_secret())
     }
 
     pub(super) fn request(&self, email: &Email) -> Result<HttpRequest, SendError> {

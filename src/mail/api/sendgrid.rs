@@ -17,6 +17,8 @@ use crate::mail::{Email, SendError};
 /// The endpoint and the key.
 pub(super) struct SendGrid {
     url: String,
+    /// `GET /v3/scopes`: the breaker's probe.
+    account: String,
     key: SecretString,
 }
 
@@ -31,8 +33,14 @@ impl SendGrid {
     pub(super) fn new(key: &SecretString, base: &str) -> Self {
         Self {
             url: format!("{base}/v3/mail/send"),
+            account: format!("{base}/v3/scopes"),
             key: key.clone(),
         }
+    }
+
+    /// The key's scopes: the breaker's probe (it also proves the key).
+    pub(super) fn account_request(&self) -> HttpRequest {
+        HttpRequest::get(&self.account).bearer_auth(self.key.expose_secret())
     }
 
     pub(super) fn request(&self, email: &Email) -> Result<HttpRequest, SendError> {

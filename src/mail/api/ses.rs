@@ -25,6 +25,8 @@ use crate::mail::{Email, SendError};
 /// What every SES request needs.
 pub(super) struct Ses {
     url: String,
+    /// `GetAccount` (`GET /v2/email/account`): the breaker's probe.
+    account: String,
     region: String,
     configuration_set: Option<String>,
     credentials: Credentials,
@@ -53,6 +55,7 @@ impl Ses {
         );
         Ok(Self {
             url: format!("{base}/v2/email/outbound-emails"),
+            account: format!("{base}/v2/email/account"),
             region: region.clone(),
             configuration_set: configuration_set.clone(),
             credentials,
@@ -80,16 +83,39 @@ impl Ses {
             SendError::Permanent(format!("ses: the request cannot be encoded: {e}"))
         })?;
         let content_type = ("content-type", "application/json");
-        let signed = self.sign(&body, content_type)?;
-        let mut request = HttpRequest::post(&self.url).header(content_type.0, content_type.1);
-        for (name, value) in signed {
+        let request = HttpRequest::post(&self.url).header(content_type.0, content_type.1);
+        self.signed(request, "POST", &self.url, &body, Some(content_type))
+            .map(|request| request.body(body))
+    }
+
+    /// The signed `GetAccount` request: the breaker's probe (it also proves the key).
+    pub(super) fn account_request(&self) -> Result<HttpRequest, SendError> {
+        self.signed(HttpRequest::get(&self.account), "GET", &self.account, &[], None)
+    }
+
+    /// `request` with the SigV4 headers for `method url`, `body` and `header`.
+    fn signed(
+        &self,
+        mut request: HttpRequest,
+        method: &str,
+        url: &str,
+        body: &[u8],
+        header: Option<(&str, &str)>,
+    ) -> Result<HttpRequest, SendError> {
+        for (name, value) in self.sign(method, url, body, header)? {
             request = request.header(&name, value);
         }
-        Ok(request.body(body))
+        Ok(request)
     }
 
     /// The headers SigV4 adds (`authorization`, `x-amz-date`, and the session token).
-    fn sign(&self, body: &[u8], header: (&str, &str)) -> Result<Vec<(String, String)>, SendError> {
+    fn sign(
+        &self,
+        method: &str,
+        url: &str,
+        body: &[u8],
+        header: Option<(&str, &str)>,
+    ) -> Result<Vec<(String, String)>, SendError> {
         // A signing failure is postie's set-up (a URL it cannot sign for), not the job's.
         let failed = |e: &dyn std::fmt::Display| {
             SendError::Unreachable(format!("ses: the request cannot be signed: {e}"))
@@ -104,12 +130,7 @@ impl Ses {
             .build()
             .map_err(|e| failed(&e))?
             .into();
-        let signable = SignableRequest::new(
-            "POST",
-            &self.url,
-            std::iter::once(header),
-            SignableBody::Bytes(body),
-        )
+        let signable = SignableRequest::new(method, url, header.into_iter(), SignableBody::Bytes(body))
         .map_err(|e| failed(&e))?;
         let (instructions, _) = sign(signable, &params)
             .map_err(|e| failed(&e))?

@@ -138,16 +138,21 @@ impl SmtpRelay {
         clearance.check()?;
         // The body and its final dot in one write when it is text (lettre's `message`
         // writes them apart); the bytes on the wire are the same.
-        match std::str::from_utf8(body) {
+        let ended = match std::str::from_utf8(body) {
             Ok(text) => {
                 let content = connection.command(DataContent(text));
-                self.bounded("the end of data", self.step, content).await?;
+                self.bounded("the end of data", self.step, content).await
             }
             Err(_) => {
                 let content = connection.message(body);
-                self.bounded("the end of data", self.step, content).await?;
+                self.bounded("the end of data", self.step, content).await
             }
+        };
+        if let Err(SendError::Unreachable(_)) = &ended {
+            // The body went and no reply came back: the relay may have taken it.
+            clearance.mark_uncertain();
         }
+        ended?;
         Ok(())
     }
 

@@ -199,3 +199,59 @@ impl LabelValue for Step {
         usize::try_from(self.0).ok().filter(|&s| s < SLOTS)
     }
 }
+
+label_enum! {
+    /// What became of one send through a provider (`result`).
+    ProviderResult, "result" {
+        /// Accepted.
+        Sent = "sent",
+        /// The provider throttled this sender.
+        Throttled = "throttled",
+        /// A transient refusal (SMTP 4xx, an API's 5xx).
+        Transient = "transient",
+        /// A permanent refusal (SMTP 5xx, an API's 4xx).
+        Permanent = "permanent",
+        /// No connection, or credentials refused.
+        Unreachable = "unreachable",
+        /// No answer after the email was handed over: it may have been accepted.
+        Uncertain = "uncertain",
+        /// Stopped before the body: the claim was lost.
+        Withdrawn = "withdrawn",
+    }
+}
+
+impl ProviderResult {
+    /// Every value, in slot order.
+    pub(crate) const ALL: [Self; 7] = [
+        Self::Sent,
+        Self::Throttled,
+        Self::Transient,
+        Self::Permanent,
+        Self::Unreachable,
+        Self::Uncertain,
+        Self::Withdrawn,
+    ];
+}
+
+/// `provider="name",result="…"`: a provider's sends by result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct ProviderLabel {
+    /// The provider's name (`transport.providers`; a handful per instance).
+    pub provider: String,
+    /// What became of the send.
+    pub result: ProviderResult,
+}
+
+impl EncodeLabelSet for ProviderLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> std::fmt::Result {
+        ("provider", self.provider.as_str()).encode(encoder.encode_label())?;
+        (ProviderResult::NAME, Value(self.result)).encode(encoder.encode_label())
+    }
+}
+
+/// `provider="name"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ProviderName {
+    /// The provider's name.
+    pub provider: String,
+}

@@ -7,18 +7,21 @@ use std::time::Duration;
 use super::{Followed, Stop, Worker};
 use crate::contract::IdempotencyKey;
 use crate::inbox::Completion;
+use crate::mail::RouteId;
 use crate::work::{DeadKind, Next, Outcome};
 
 impl Worker {
     /// Carries out what the retry policy decided after `error`: records it under the
     /// claim `fence` (if this instance holds one) and names the outcome, or waits for
-    /// the dependency to answer and asks for another try.
+    /// the dependency to answer and asks for another try. A retry of a job `pinned`
+    /// to a route carries the route's name (`postie-provider`).
     pub(super) async fn follow(
         &self,
         next: Next,
         key: &IdempotencyKey,
         fence: Option<i64>,
         error: &str,
+        pinned: Option<RouteId>,
     ) -> Result<Followed, Stop> {
         Ok(match next {
             Next::Retry { step, attempt } => {
@@ -28,6 +31,7 @@ impl Worker {
                     step,
                     attempt,
                     error: error.to_string(),
+                    provider: pinned.map(|r| self.cx.mailer.routes().get(r).name.clone()),
                 })
             }
             Next::Defer { step } => {

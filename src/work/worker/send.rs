@@ -5,44 +5,52 @@ use std::time::Duration;
 use super::{Stop, Worker};
 use crate::contract::{EmailJob, IdempotencyKey};
 use crate::inbox::Completion;
-use crate::mail::{Clearance, SendError, Slot};
+use crate::mail::{Change, Clearance, RouteId, SendError, Sent, Slot};
 use crate::ops::backoff::Backoff;
 use crate::work::{now_ms, Outcome};
 
 impl Worker {
-    /// Builds and sends the email on `slot` while `clearance` holds; a reached relay
-    /// (any answer) closes the breaker's count.
+    /// Builds and sends the email through `route` while `clearance` holds, and counts
+    /// the result on the route's breaker: when it opens, its prober starts, and when
+    /// no route is left, consumption pauses.
     pub(super) async fn send(
         &self,
         slot: &Slot,
+        route: RouteId,
         job: &EmailJob,
         clearance: &Clearance,
-    ) -> Result<(), SendError> {
-        let message = self.cx.mailer.build(job)?;
+    ) -> Result<Sent, SendError> {
+        let mailer = &self.cx.mailer;
+        let message = mailer.build_for(job, route)?;
         let started = std::time::Instant::now();
-        let sent = self.cx.mailer.send(slot, &message, clearance).await;
+        let sent = mailer.send_through(slot, route, &message, clearance).await;
         self.cx
             .metrics()
             .smtp_send_seconds
             .observe(started.elapsed().as_secs_f64());
-        if !matches!(
-            sent,
-            Err(SendError::Unreachable(_) | SendError::Withdrawn(_))
-        ) {
-            self.cx.health.transport_reached();
+        let change = mailer
+            .routes()
+            .judge(route, sent.as_ref().err(), clearance.uncertain());
+        if let Change::Opened { all_open } = change {
+            self.spawn_transport_prober(route);
+            if all_open {
+                self.cx.health.transport_down();
+            }
         }
         sent
     }
 
-    /// Asks the relay until it answers, then closes the circuit.
-    pub(super) fn spawn_transport_prober(&self) {
+    /// Asks `route`'s transport until it answers, then closes its breaker (and the
+    /// transport circuit: a route is up again).
+    pub(super) fn spawn_transport_prober(&self, route: RouteId) {
         let (mailer, health) = (self.cx.mailer.clone(), self.cx.health.clone());
         let max = self.cx.settings.worker.outage_backoff_max;
         tokio::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(500), max);
             loop {
                 tokio::time::sleep(backoff.failed()).await;
-                if mailer.probe().await {
+                if mailer.probe(route).await {
+                    mailer.routes().recovered(route);
                     health.transport_recovered();
                     return;
                 }
@@ -58,14 +66,18 @@ impl Worker {
         takeover: bool,
         due_ms: i64,
         job: &EmailJob,
+        sent: &Sent,
     ) -> Result<Outcome, Stop> {
         let message_id = self.cx.mailer.message_id(job);
+        let provider = &self.cx.mailer.routes().get(sent.route).name;
         let lateness_ms = now_ms() - due_ms;
         let kept = self
             .db_durable("record sent", || {
                 let sent = Completion::Sent {
                     message_id: &message_id,
                     due_ms,
+                    provider,
+                    provider_message_id: sent.provider_message_id.as_deref(),
                 };
                 self.cx.inbox.complete(key.as_str(), fence, sent)
             })
