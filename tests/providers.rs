@@ -4,7 +4,8 @@
 //!
 //! - each provider: `POSTIE_PROVIDER_JOBS` jobs (500 by default) sent, the server
 //!   received exactly one request per key, with postie's Message-ID and the job's
-//!   header; every inbox row sent, no dead letter;
+//!   header; every inbox row sent and naming the provider and the id it answered
+//!   with; no dead letter;
 //! - a 40/s quota answered with each provider's 429: everything sent, nothing dead;
 //! - each provider's permanent rejections (invalid recipient, account suspended):
 //!   dead letters whose reason carries the provider's own text;
@@ -114,6 +115,27 @@ async fn bulk(provider: &str) {
     tokio::time::sleep(Duration::from_millis(500)).await;
     serving.stop().await;
     assert_once_each(&server, &keys).await;
+    // The inbox names the provider and the id it answered with, for each key.
+    let recorded: BTreeMap<String, (String, String)> = env
+        .db()
+        .await
+        .query(
+            "SELECT message_id, provider, provider_message_id FROM postie_inbox",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect();
+    for m in server.messages(false).await {
+        assert_eq!(
+            recorded.get(&m.message_id),
+            Some(&(provider.to_string(), m.provider_id.clone())),
+            "{provider}: the inbox records who sent {} and the provider's id",
+            m.message_id
+        );
+    }
     let sample = server.messages(true).await;
     let first = &sample[0];
     assert!(

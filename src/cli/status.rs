@@ -4,7 +4,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 
 use crate::broker;
-use crate::config::Settings;
+use crate::config::{SendRate, Settings};
 use crate::inbox::Inbox;
 
 /// Prints inbox counts by status and the depth of every queue.
@@ -17,15 +17,44 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     }
     out!("  duplicates suppressed: {}", counts.duplicates);
     out!("  leases taken over:     {}", counts.takeovers);
-    let limit = settings
-        .smtp
-        .rate_limit
-        .map_or("none".to_string(), |r| r.to_string());
+    let plans = settings.provider_plans()?;
+    let limit = |rate: Option<SendRate>| rate.map_or("none".to_string(), |r| r.to_string());
     let last_minute = inbox.sent_last_minute().await?;
     out!(
-        "send rate: {last_minute} sent in the last 60 s ({:.1}/s); limit {limit}",
-        last_minute as f64 / 60.0
+        "send rate: {last_minute} sent in the last 60 s ({:.1}/s); limit {}",
+        last_minute as f64 / 60.0,
+        match plans.as_slice() {
+            [one] => limit(one.rate_limit),
+            _ => "per transport".into(),
+        }
     );
+    let sends = inbox.sent_by_provider().await?;
+    out!("transports, in order of preference (sent in the last 60 s, last hour; limit):");
+    for plan in &plans {
+        let sent = sends
+            .iter()
+            .find(|s| s.provider.as_deref() == Some(plan.name.as_str()));
+        out!(
+            "  {:<16} {:>8} {:>8}   {}",
+            plan.name,
+            sent.map_or(0, |s| s.last_minute),
+            sent.map_or(0, |s| s.last_hour),
+            limit(plan.rate_limit)
+        );
+    }
+    for other in sends
+        .iter()
+        .filter(|s| !plans.iter().any(|p| s.provider.as_deref() == Some(p.name.as_str())))
+    {
+        out!(
+            "  {:<16} {:>8} {:>8}   (not configured here{})",
+            other.provider.as_deref().unwrap_or("(unrecorded)"),
+            other.last_minute,
+            other.last_hour,
+            if other.provider.is_none() { ": sent by an older postie" } else { "" }
+        );
+    }
+    out!("  each instance's breakers: postie_provider_circuit_open on /metrics");
 
     let topology = broker::resolve_topology(settings).await?;
     out!("delay mode: {}", topology.mode_name());

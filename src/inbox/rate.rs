@@ -49,4 +49,44 @@ impl Inbox {
             .await?;
         Ok(row.get(0))
     }
+
+    /// Emails recorded sent per transport (the `provider` column; `None` for rows
+    /// an older postie sent): in the last minute and in the last hour, fleet-wide.
+    pub(crate) async fn sent_by_provider(&self) -> Result<Vec<ProviderSends>, DbError> {
+        let client = self.pool.get().await?;
+        // updated_at bounds the scan to the finished-rows index; a sent row's
+        // updated_at is its sent_at.
+        let rows = client
+            .query(
+                "SELECT provider,
+                        count(*) FILTER (WHERE sent_at > now() - interval '60 seconds'),
+                        count(*)
+                   FROM postie_inbox
+                  WHERE status = 'sent' AND updated_at > now() - interval '1 hour'
+                    AND sent_at > now() - interval '1 hour'
+                  GROUP BY provider ORDER BY provider",
+                &[],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(ProviderSends {
+                    provider: row.try_get(0)?,
+                    last_minute: row.try_get(1)?,
+                    last_hour: row.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One transport's recent sends ([`Inbox::sent_by_provider`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ProviderSends {
+    /// The transport's name, `None` for rows sent before postie recorded it.
+    pub(crate) provider: Option<String>,
+    /// Sent in the last 60 s.
+    pub(crate) last_minute: i64,
+    /// Sent in the last hour.
+    pub(crate) last_hour: i64,
 }

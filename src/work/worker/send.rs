@@ -70,6 +70,11 @@ impl Worker {
     ) -> Result<Outcome, Stop> {
         let message_id = self.cx.mailer.message_id(job);
         let provider = &self.cx.mailer.routes().get(sent.route).name;
+        tracing::debug!(
+            %provider,
+            provider_message_id = sent.provider_message_id.as_deref().unwrap_or(""),
+            "the transport accepted the email"
+        );
         let lateness_ms = now_ms() - due_ms;
         let kept = self
             .db_durable("record sent", || {
