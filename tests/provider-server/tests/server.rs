@@ -1,0 +1,190 @@
+//! `postie-provider-server` as a process, over raw HTTP/1.1: each provider's send
+//! endpoint with its credentials, faults and quota.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{accepted_status, refused_status, Server, PROVIDERS};
+use serde_json::json;
+
+/// Each API accepts a well-formed, well-signed send, answers in its own shape and
+/// records the email.
+#[tokio::test]
+async fn each_provider_accepts_and_records_a_send() {
+    let server = Server::start();
+    for provider in PROVIDERS {
+        let reply = server
+            .send(provider, &format!("{provider}@example.com"))
+            .await;
+        assert_eq!(
+            reply.status,
+            accepted_status(provider),
+            "{provider}: {reply:?}"
+        );
+        let id = match provider {
+            "ses" => reply.json()["MessageId"].as_str().unwrap().to_string(),
+            "sendgrid" => reply.header("x-message-id").unwrap().to_string(),
+            "postmark" => {
+                let body = reply.json();
+                assert_eq!(body["ErrorCode"], 0);
+                assert_eq!(body["To"], "postmark@example.com");
+                body["MessageID"].as_str().unwrap().to_string()
+            }
+            _ => {
+                let body = reply.json();
+                assert_eq!(body["message"], "Queued. Thank you.");
+                let id = body["id"].as_str().unwrap().to_string();
+                assert!(id.ends_with(&format!("@{}>", common::DOMAIN)), "{id}");
+                id
+            }
+        };
+        assert!(!id.is_empty(), "{provider}");
+    }
+    let messages = server.control("GET", "/messages?raw=true", None).await;
+    let messages = messages.as_array().unwrap();
+    assert_eq!(messages.len(), 4);
+    for (n, (m, provider)) in messages.iter().zip(PROVIDERS).enumerate() {
+        assert_eq!(m["seq"], n as u64 + 1);
+        assert_eq!(m["provider"], provider);
+        assert_eq!(
+            m["message_id"],
+            format!("<{provider}.{provider}.example.com@postie.test>")
+        );
+        assert_eq!(m["to"], json!([format!("{provider}@example.com")]));
+        assert!(!m["raw"].as_str().unwrap().is_empty());
+    }
+    let stats = server.stats().await;
+    assert_eq!(stats["requests"], 4);
+    assert_eq!(stats["accepted"], 4);
+    assert_eq!(stats["auth_failed"], 0);
+}
+
+/// Wrong credentials get each provider's refusal, and nothing is recorded.
+#[tokio::test]
+async fn wrong_credentials_are_refused() {
+    let server = Server::start();
+    for provider in PROVIDERS {
+        let request = server.send_request(provider, "bob@example.com", false);
+        let reply = server.api(&request).await;
+        assert_eq!(
+            reply.status,
+            refused_status(provider),
+            "{provider}: {reply:?}"
+        );
+        if provider == "ses" {
+            assert_eq!(
+                reply.header("x-amzn-errortype"),
+                Some("SignatureDoesNotMatch")
+            );
+        }
+    }
+    let stats = server.stats().await;
+    assert_eq!(stats["requests"], 4);
+    assert_eq!(stats["auth_failed"], 4);
+    assert_eq!(stats["accepted"], 0);
+}
+
+/// A request without a recipient is each provider's bad request.
+#[tokio::test]
+async fn a_send_without_recipient_is_a_bad_request() {
+    let server = Server::start();
+    for (provider, status) in PROVIDERS.into_iter().zip([400, 400, 422, 400]) {
+        let reply = server.api(&server.send_request(provider, "", true)).await;
+        assert_eq!(reply.status, status, "{provider}: {reply:?}");
+    }
+    assert_eq!(server.stats().await["rejected"], 4);
+}
+
+/// Each fault action, on each provider: the provider's status, and its counter.
+#[tokio::test]
+async fn fault_rules_answer_in_each_providers_shape() {
+    let server = Server::start();
+    // (action, the statuses of ses, sendgrid, postmark, mailgun, the counter)
+    let cases = [
+        (
+            json!({"status": 503}),
+            [503, 503, 503, 503],
+            "server_errors",
+        ),
+        (json!({"throttle": true}), [429, 429, 429, 429], "throttled"),
+        (json!({"suspended": true}), [400, 403, 422, 403], "rejected"),
+        (json!({"reject": true}), [400, 400, 422, 400], "rejected"),
+    ];
+    for (action, statuses, counter) in cases {
+        for (provider, status) in PROVIDERS.into_iter().zip(statuses) {
+            server
+                .set_faults(json!([{"provider": provider, "to_contains": "bad", "action": action, "times": 1}]))
+                .await;
+            let before = server.stats().await[counter].as_u64().unwrap();
+            let reply = server.send(provider, "bad@example.com").await;
+            assert_eq!(reply.status, status, "{provider} {action}: {reply:?}");
+            assert_eq!(
+                server.stats().await[counter],
+                before + 1,
+                "{provider} {action}"
+            );
+            // `times: 1` is spent: the same request is accepted now.
+            let reply = server.send(provider, "bad@example.com").await;
+            assert_eq!(
+                reply.status,
+                accepted_status(provider),
+                "{provider} {action}"
+            );
+        }
+    }
+    let throttled = server.send_request("sendgrid", "x@example.com", true);
+    server
+        .set_faults(json!([{"action": {"throttle": true}}]))
+        .await;
+    let reply = server.api(&throttled).await;
+    assert_eq!(reply.header("x-ratelimit-remaining"), Some("0"));
+    // A rule for another recipient or provider does not fire.
+    server
+        .set_faults(json!([{"provider": "ses", "to_contains": "bad", "action": {"status": 500}}]))
+        .await;
+    assert_eq!(server.send("ses", "good@example.com").await.status, 200);
+    assert_eq!(server.send("postmark", "bad@example.com").await.status, 200);
+    assert_eq!(server.send("ses", "bad@example.com").await.status, 500);
+}
+
+/// `delay_ms` holds the reply, then accepts; `hang` never answers.
+#[tokio::test]
+async fn delay_and_hang() {
+    let server = Server::start();
+    server
+        .set_faults(json!([{"provider": "postmark", "action": {"delay_ms": 300}}]))
+        .await;
+    let started = Instant::now();
+    assert_eq!(server.send("postmark", "a@example.com").await.status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+
+    server
+        .set_faults(json!([{"provider": "mailgun", "action": {"hang": true}}]))
+        .await;
+    let request = server.send_request("mailgun", "a@example.com", true);
+    let reply = common::exchange_within(&server.api, &request, Duration::from_millis(500)).await;
+    assert!(reply.is_none(), "a hung request was answered: {reply:?}");
+    let stats = server.stats().await;
+    assert_eq!(stats["hung"], 1);
+    assert_eq!(stats["accepted"], 1);
+}
+
+/// Quota mode answers the provider's 429 beyond `per_second`.
+#[tokio::test]
+async fn quota_throttles_beyond_the_rate() {
+    let server = Server::start();
+    server
+        .control("PUT", "/quota", Some(json!({"per_second": 1})))
+        .await;
+    assert_eq!(server.send("ses", "a@example.com").await.status, 200);
+    let reply = server.send("ses", "b@example.com").await;
+    assert_eq!(reply.status, 429);
+    assert_eq!(
+        reply.header("x-amzn-errortype"),
+        Some("TooManyRequestsException")
+    );
+    let stats = server.stats().await;
+    assert_eq!(stats["accepted"], 1);
+    assert_eq!(stats["throttled"], 1);
+}
