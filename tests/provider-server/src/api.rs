@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequest, Path, State};
 use axum::http::{HeaderMap, Method, Uri};
 use axum::response::Response;
 use axum::routing::post;
@@ -18,15 +18,30 @@ use crate::reply::{reply, Reply};
 use crate::state::{Accepted, Action, AppState, Count, Provider};
 use crate::{mime, sigv4, MAILGUN_KEY, POSTMARK_TOKEN, SENDGRID_KEY, SES_ACCESS_KEY, SES_SECRET};
 
-type Shared = State<Arc<AppState>>;
+/// Each provider's send endpoint (Mailgun's names the sending domain).
+const SENDS: [(Provider, &str); 4] = [
+    (Provider::Ses, "/v2/email/outbound-emails"),
+    (Provider::Sendgrid, "/v3/mail/send"),
+    (Provider::Postmark, "/email"),
+    (Provider::Mailgun, "/v3/{domain}/messages.mime"),
+];
 
 /// The API router.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v2/email/outbound-emails", post(ses))
-        .route("/v3/mail/send", post(sendgrid))
-        .route("/email", post(postmark))
-        .route("/v3/{domain}/messages.mime", post(mailgun))
+    SENDS
+        .into_iter()
+        .fold(Router::new(), |router, (provider, path)| {
+            router.route(
+                path,
+                post(
+                    move |State(s): State<Arc<AppState>>,
+                          domain: Option<Path<String>>,
+                          req: Request| {
+                        handle(s, provider, req, domain.map(|Path(d)| d))
+                    },
+                ),
+            )
+        })
         .with_state(state)
 }
 
@@ -38,96 +53,29 @@ struct Request {
     body: Bytes,
 }
 
+impl<S: Send + Sync> FromRequest<S> for Request {
+    type Rejection = <Bytes as FromRequest<S>>::Rejection;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (method, uri, headers) = (
+            req.method().clone(),
+            req.uri().clone(),
+            req.headers().clone(),
+        );
+        Ok(Self {
+            method,
+            uri,
+            headers,
+            body: Bytes::from_request(req, state).await?,
+        })
+    }
+}
+
 /// What a valid request asks for.
 struct Parsed {
     message_id: String,
     to: Vec<String>,
     raw: String,
-}
-
-async fn ses(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Ses,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn sendgrid(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Sendgrid,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn postmark(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Postmark,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn mailgun(
-    State(s): Shared,
-    Path(domain): Path<String>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Mailgun,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        Some(domain),
-    )
-    .await
 }
 
 async fn handle(
@@ -150,28 +98,8 @@ async fn handle(
     };
     if let Some(action) = state.fault(provider, &parsed.to) {
         let first = parsed.to.first().map(String::as_str).unwrap_or("");
-        match action {
-            Action::Throttle(_) => {
-                state.count(Count::Throttled);
-                return reply(provider, Reply::Throttled);
-            }
-            Action::Status(status) => {
-                state.count(Count::ServerErrors);
-                return reply(provider, Reply::ServerError(status));
-            }
-            Action::Hang(_) => {
-                state.count(Count::Hung);
-                std::future::pending::<()>().await;
-            }
-            Action::DelayMs(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-            Action::Suspended(_) => {
-                state.count(Count::Rejected);
-                return reply(provider, Reply::Suspended);
-            }
-            Action::Reject(_) => {
-                state.count(Count::Rejected);
-                return reply(provider, Reply::Rejected(first));
-            }
+        if let Some(answer) = fault(&state, provider, action, first).await {
+            return answer;
         }
     }
     let id = provider_id(provider, domain.as_deref());
@@ -193,6 +121,33 @@ async fn handle(
             },
         ),
         None => reply(provider, Reply::Throttled),
+    }
+}
+
+/// What a fault rule's `action` makes of a request: `None` to go on as without it
+/// (`delay_ms`, after the delay), else its counter is bumped and this is the reply;
+/// a hang never returns.
+async fn fault(
+    state: &AppState,
+    provider: Provider,
+    action: Action,
+    first: &str,
+) -> Option<Response> {
+    let (count, answer) = match action {
+        Action::DelayMs(ms) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            return None;
+        }
+        Action::Hang(_) => (Count::Hung, None),
+        Action::Throttle(_) => (Count::Throttled, Some(Reply::Throttled)),
+        Action::Status(status) => (Count::ServerErrors, Some(Reply::ServerError(status))),
+        Action::Suspended(_) => (Count::Rejected, Some(Reply::Suspended)),
+        Action::Reject(_) => (Count::Rejected, Some(Reply::Rejected(first))),
+    };
+    state.count(count);
+    match answer {
+        Some(answer) => Some(reply(provider, answer)),
+        None => std::future::pending().await,
     }
 }
 
