@@ -1,5 +1,6 @@
-//! The four send endpoints: authentication, the request's shape, fault rules, the
-//! quota, and the record of what was accepted.
+//! The four send endpoints (authentication, the request's shape, fault rules, the
+//! quota, and the record of what was accepted) and the four account endpoints
+//! (authentication and fault rules).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, State};
 use axum::http::{HeaderMap, Method, Uri};
 use axum::response::Response;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::Router;
 use base64::Engine as _;
 use serde_json::Value;
@@ -18,30 +19,51 @@ use crate::reply::{reply, Reply};
 use crate::state::{Accepted, Action, AppState, Count, Provider};
 use crate::{mime, sigv4, MAILGUN_KEY, POSTMARK_TOKEN, SENDGRID_KEY, SES_ACCESS_KEY, SES_SECRET};
 
-/// Each provider's send endpoint (Mailgun's names the sending domain).
-const SENDS: [(Provider, &str); 4] = [
-    (Provider::Ses, "/v2/email/outbound-emails"),
-    (Provider::Sendgrid, "/v3/mail/send"),
-    (Provider::Postmark, "/email"),
-    (Provider::Mailgun, "/v3/{domain}/messages.mime"),
+/// Each provider's send endpoint and account endpoint (what postie's circuit-breaker
+/// probe asks); Mailgun's name the sending domain.
+const ENDPOINTS: [(Provider, &str, &str); 4] = [
+    (
+        Provider::Ses,
+        "/v2/email/outbound-emails",
+        "/v2/email/account",
+    ),
+    (Provider::Sendgrid, "/v3/mail/send", "/v3/scopes"),
+    (Provider::Postmark, "/email", "/server"),
+    (
+        Provider::Mailgun,
+        "/v3/{domain}/messages.mime",
+        "/v3/domains/{domain}",
+    ),
 ];
+
+type Shared = State<Arc<AppState>>;
 
 /// The API router.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    SENDS
+    ENDPOINTS
         .into_iter()
-        .fold(Router::new(), |router, (provider, path)| {
-            router.route(
-                path,
-                post(
-                    move |State(s): State<Arc<AppState>>,
-                          domain: Option<Path<String>>,
-                          req: Request| {
-                        handle(s, provider, req, domain.map(|Path(d)| d))
-                    },
-                ),
-            )
-        })
+        .fold(
+            Router::new(),
+            |router, (provider, send_path, probe_path)| {
+                router
+                    .route(
+                        send_path,
+                        post(
+                            move |State(s): Shared, domain: Option<Path<String>>, req: Request| {
+                                handle(s, provider, req, domain.map(|Path(d)| d))
+                            },
+                        ),
+                    )
+                    .route(
+                        probe_path,
+                        get(
+                            move |State(s): Shared, domain: Option<Path<String>>, req: Request| {
+                                probe(s, provider, req, domain.map(|Path(d)| d))
+                            },
+                        ),
+                    )
+            },
+        )
         .with_state(state)
 }
 
@@ -96,9 +118,9 @@ async fn handle(
             return reply(provider, Reply::BadRequest(&why));
         }
     };
-    if let Some(action) = state.fault(provider, &parsed.to) {
+    if let Some(action) = state.fault(provider, false, &parsed.to) {
         let first = parsed.to.first().map(String::as_str).unwrap_or("");
-        if let Some(answer) = fault(&state, provider, action, first).await {
+        if let Some(answer) = fault(Some(&state), provider, action, first).await {
             return answer;
         }
     }
@@ -124,11 +146,34 @@ async fn handle(
     }
 }
 
+/// An account request (postie's circuit-breaker probe): the send endpoint's
+/// credentials, the rules with `probe`, and the provider's account answer. Counted as
+/// `probes` only.
+async fn probe(
+    state: Arc<AppState>,
+    provider: Provider,
+    req: Request,
+    domain: Option<String>,
+) -> Response {
+    state.count(Count::Probes);
+    if let Err((kind, message)) = authenticate(provider, &req) {
+        return reply(provider, Reply::Unauthorized(kind, &message));
+    }
+    if let Some(action) = state.fault(provider, true, &[]) {
+        if let Some(answer) = fault(None, provider, action, "").await {
+            return answer;
+        }
+    }
+    let sent = state.accepted_last_day(provider);
+    let domain = domain.as_deref().unwrap_or("");
+    reply(provider, Reply::Account { domain, sent })
+}
+
 /// What a fault rule's `action` makes of a request: `None` to go on as without it
-/// (`delay_ms`, after the delay), else its counter is bumped and this is the reply;
-/// a hang never returns.
+/// (`delay_ms`, after the delay), else its counter in `counters` (none for probes) is
+/// bumped and this is the reply; a hang never returns.
 async fn fault(
-    state: &AppState,
+    counters: Option<&AppState>,
     provider: Provider,
     action: Action,
     first: &str,
@@ -144,7 +189,9 @@ async fn fault(
         Action::Suspended(_) => (Count::Rejected, Some(Reply::Suspended)),
         Action::Reject(_) => (Count::Rejected, Some(Reply::Rejected(first))),
     };
-    state.count(count);
+    if let Some(state) = counters {
+        state.count(count);
+    }
     match answer {
         Some(answer) => Some(reply(provider, answer)),
         None => std::future::pending().await,

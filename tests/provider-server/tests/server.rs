@@ -1,5 +1,5 @@
 //! `postie-provider-server` as a process, over raw HTTP/1.1: each provider's send
-//! endpoint with its credentials, faults and quota.
+//! endpoint with its credentials, faults and quota; its account endpoint (the probe's).
 
 mod common;
 
@@ -187,4 +187,116 @@ async fn quota_throttles_beyond_the_rate() {
     let stats = server.stats().await;
     assert_eq!(stats["accepted"], 1);
     assert_eq!(stats["throttled"], 1);
+}
+
+/// Each account endpoint (postie's circuit-breaker probe) answers 200 in its
+/// provider's shape with the right credentials, and the provider's refusal with wrong
+/// ones or none; probes count as `probes`, not as sends.
+#[tokio::test]
+async fn account_endpoints_check_credentials() {
+    let server = Server::start();
+    assert_eq!(server.send("ses", "a@example.com").await.status, 200);
+    assert_eq!(server.send("postmark", "a@example.com").await.status, 200);
+    for provider in PROVIDERS {
+        let reply = server.probe(provider).await;
+        assert_eq!(reply.status, 200, "{provider}: {reply:?}");
+        let expected = match provider {
+            "ses" => json!({
+                "SendingEnabled": true,
+                "ProductionAccessEnabled": true,
+                "SendQuota": {"Max24HourSend": 50000.0, "MaxSendRate": 14.0, "SentLast24Hours": 1.0},
+            }),
+            "sendgrid" => json!({"scopes": ["mail.send"]}),
+            "postmark" => json!({"ID": 1, "Name": "postie-test"}),
+            _ => json!({"domain": {"name": common::DOMAIN, "state": "active"}}),
+        };
+        assert_eq!(reply.json(), expected, "{provider}");
+
+        let wrong = server.api(&server.probe_request(provider, false)).await;
+        assert_eq!(
+            wrong.status,
+            refused_status(provider),
+            "{provider}: {wrong:?}"
+        );
+        let mut bare = server.probe_request(provider, true);
+        bare.headers.retain(|(name, _)| {
+            !matches!(name.as_str(), "authorization" | "x-postmark-server-token")
+        });
+        let none = server.api(&bare).await;
+        assert_eq!(
+            none.status,
+            refused_status(provider),
+            "{provider}: {none:?}"
+        );
+    }
+    let wrong = server.api(&server.probe_request("ses", false)).await;
+    assert_eq!(
+        wrong.header("x-amzn-errortype"),
+        Some("SignatureDoesNotMatch")
+    );
+    assert_eq!(
+        wrong.json()["message"]
+            .as_str()
+            .map(|m| m.contains("signature")),
+        Some(true)
+    );
+
+    let stats = server.stats().await;
+    assert_eq!(stats["probes"], 13);
+    assert_eq!(stats["requests"], 2);
+    assert_eq!(stats["accepted"], 2);
+    assert_eq!(stats["auth_failed"], 0);
+}
+
+/// A rule with `"probe": true` applies to the account endpoints and not to sends;
+/// one without it, to sends and not to the account endpoints.
+#[tokio::test]
+async fn probe_faults_hit_probes_not_sends() {
+    let server = Server::start();
+    server
+        .set_faults(json!([{"provider": "sendgrid", "probe": true, "action": {"status": 503}}]))
+        .await;
+    assert_eq!(
+        server.control("GET", "/faults", None).await[0]["probe"],
+        true
+    );
+    assert_eq!(server.probe("sendgrid").await.status, 503);
+    assert_eq!(server.send("sendgrid", "a@example.com").await.status, 202);
+    assert_eq!(server.probe("postmark").await.status, 200);
+
+    server
+        .set_faults(json!([{"action": {"status": 503}}]))
+        .await;
+    assert_eq!(
+        server.control("GET", "/faults", None).await[0]["probe"],
+        false
+    );
+    for provider in PROVIDERS {
+        assert_eq!(server.probe(provider).await.status, 200, "{provider}");
+    }
+    assert_eq!(server.send("sendgrid", "b@example.com").await.status, 503);
+
+    // A hung probe, once; then the probe is answered again.
+    server
+        .set_faults(json!([{"probe": true, "action": {"hang": true}, "times": 1}]))
+        .await;
+    let request = server.probe_request("ses", true);
+    let reply = common::exchange_within(&server.api, &request, Duration::from_millis(500)).await;
+    assert!(reply.is_none(), "a hung probe was answered: {reply:?}");
+    assert_eq!(server.probe("ses").await.status, 200);
+    assert_eq!(server.send("ses", "c@example.com").await.status, 200);
+
+    // A throttle rule for probes answers the provider's 429.
+    server
+        .set_faults(json!([{"provider": "mailgun", "probe": true, "action": {"throttle": true}}]))
+        .await;
+    assert_eq!(server.probe("mailgun").await.status, 429);
+
+    // Fault answers to probes bump no send counter.
+    let stats = server.stats().await;
+    assert_eq!(stats["probes"], 9);
+    assert_eq!(stats["requests"], 3);
+    assert_eq!(stats["server_errors"], 1);
+    assert_eq!(stats["hung"], 0);
+    assert_eq!(stats["throttled"], 0);
 }
