@@ -28,6 +28,14 @@
 //! `GET /messages[?raw=true]`, `GET /stats` read what happened (`requests` and the
 //! other counters are about sends; account requests count as `probes` alone).
 //!
+//! Down mode, a provider that refuses connections (`down.rs`): `PUT /down` with
+//! `{"seconds": N}` (fractions allowed) closes the API listener at once (a connect is
+//! refused: `ECONNREFUSED`) and every open API connection, hung ones included; after
+//! N seconds the API listens again on the same address. A new `PUT /down` replaces the
+//! window; `{"seconds": 0}` or `DELETE /down` brings the API back at once. Each answers
+//! once it holds, with `{"down": bool}`, as `GET /down` does. Messages, counters, fault
+//! rules and the quota are kept. The control API is never down.
+//!
 //! On startup it prints one line, `api=127.0.0.1:PORT control=127.0.0.1:PORT`, and
 //! serves until killed.
 
@@ -35,6 +43,7 @@
 
 mod api;
 mod control;
+mod down;
 mod mime;
 mod reply;
 mod sigv4;
@@ -91,8 +100,10 @@ async fn main() -> anyhow::Result<()> {
         );
         let _ = out.flush();
     }
-    let api_task = tokio::spawn(axum::serve(api, api::router(state.clone())).into_future());
-    let control_task = tokio::spawn(axum::serve(control, control::router(state)).into_future());
+    let (switch, api) = down::server(api, api::router(state.clone()))?;
+    let api_task = tokio::spawn(api.run());
+    let control_task =
+        tokio::spawn(axum::serve(control, control::router(state, switch)).into_future());
     tokio::select! {
         res = api_task => res.context("API task")?.context("API server")?,
         res = control_task => res.context("control task")?.context("control server")?,

@@ -1,12 +1,16 @@
 //! `postie-provider-server` as a process, over raw HTTP/1.1: each provider's send
-//! endpoint with its credentials, faults and quota; its account endpoint (the probe's).
+//! endpoint with its credentials, faults and quota; its account endpoint (the probe's);
+//! down mode.
 
 mod common;
 
+use std::io::ErrorKind;
 use std::time::{Duration, Instant};
 
-use common::{accepted_status, refused_status, Server, PROVIDERS};
+use common::{accepted_status, refused_status, Request, Server, PROVIDERS};
 use serde_json::json;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
 
 /// Each API accepts a well-formed, well-signed send, answers in its own shape and
 /// records the email.
@@ -299,4 +303,184 @@ async fn probe_faults_hit_probes_not_sends() {
     assert_eq!(stats["server_errors"], 1);
     assert_eq!(stats["hung"], 0);
     assert_eq!(stats["throttled"], 0);
+}
+
+/// Whether a connect to `addr` is refused at the TCP level (`ECONNREFUSED`).
+async fn refused(addr: &str) -> bool {
+    match TcpStream::connect(addr).await {
+        Ok(_) => false,
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => true,
+        Err(e) => panic!("connect {addr}: {e}"),
+    }
+}
+
+/// Polls `GET /down` until it reads `down`.
+async fn wait_down(server: &Server, down: bool, within: Duration) {
+    let deadline = Instant::now() + within;
+    while server.control("GET", "/down", None).await["down"] != down {
+        assert!(
+            Instant::now() < deadline,
+            "still not down={down} after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `PUT /down`: connects are refused while down, and after the window the same
+/// address serves again, with the messages, counters, fault rules and quota kept.
+#[tokio::test]
+async fn down_refuses_connections_for_the_window_then_serves_again() {
+    let server = Server::start();
+    server
+        .set_faults(json!([{"provider": "ses", "to_contains": "bad", "action": {"status": 503}}]))
+        .await;
+    server
+        .control("PUT", "/quota", Some(json!({"per_second": 100})))
+        .await;
+    assert_eq!(server.send("postmark", "a@example.com").await.status, 200);
+    assert_eq!(
+        server.control("GET", "/down", None).await,
+        json!({"down": false})
+    );
+
+    let started = Instant::now();
+    let reply = server
+        .control("PUT", "/down", Some(json!({"seconds": 1})))
+        .await;
+    assert_eq!(reply, json!({"down": true}));
+    assert_eq!(
+        server.control("GET", "/down", None).await,
+        json!({"down": true})
+    );
+    assert!(
+        refused(&server.api).await,
+        "a connect while down was accepted"
+    );
+    assert!(refused(&server.api).await);
+
+    wait_down(&server, false, Duration::from_secs(5)).await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "back after {:?}",
+        started.elapsed()
+    );
+    assert!(!refused(&server.api).await);
+    assert_eq!(server.send("postmark", "b@example.com").await.status, 200);
+    assert_eq!(server.send("ses", "bad@example.com").await.status, 503);
+    assert_eq!(server.probe("sendgrid").await.status, 200);
+
+    let messages = server.control("GET", "/messages", None).await;
+    assert_eq!(messages.as_array().unwrap().len(), 2);
+    let stats = server.stats().await;
+    assert_eq!(stats["requests"], 3);
+    assert_eq!(stats["accepted"], 2);
+    assert_eq!(stats["server_errors"], 1);
+    assert_eq!(
+        server.control("GET", "/quota", None).await["per_second"],
+        100
+    );
+}
+
+/// `DELETE /down` and `{"seconds": 0}` end the window at once; a new window replaces
+/// the current one; a window that is not a number of seconds is refused.
+#[tokio::test]
+async fn come_back_ends_the_window_at_once() {
+    let server = Server::start();
+    server
+        .control("PUT", "/down", Some(json!({"seconds": 600})))
+        .await;
+    assert!(refused(&server.api).await);
+    let reply = server.control("DELETE", "/down", None).await;
+    assert_eq!(reply, json!({"down": false}));
+    assert_eq!(server.send("sendgrid", "a@example.com").await.status, 202);
+
+    server
+        .control("PUT", "/down", Some(json!({"seconds": 600})))
+        .await;
+    // Replaces the 600 s window with a shorter one.
+    server
+        .control("PUT", "/down", Some(json!({"seconds": 0.2})))
+        .await;
+    assert!(refused(&server.api).await);
+    wait_down(&server, false, Duration::from_secs(5)).await;
+    assert_eq!(server.send("sendgrid", "b@example.com").await.status, 202);
+
+    server
+        .control("PUT", "/down", Some(json!({"seconds": 600})))
+        .await;
+    let reply = server
+        .control("PUT", "/down", Some(json!({"seconds": 0})))
+        .await;
+    assert_eq!(reply, json!({"down": false}));
+    assert_eq!(server.send("sendgrid", "c@example.com").await.status, 202);
+    // Coming back while up changes nothing.
+    assert_eq!(
+        server.control("DELETE", "/down", None).await,
+        json!({"down": false})
+    );
+
+    for bad in [json!({"seconds": -1}), json!({}), json!({"seconds": "5"})] {
+        let request = Request::new("PUT", "/down").json(&bad);
+        let reply = common::exchange(&server.control, &request).await;
+        assert_eq!(reply.status, 400, "{bad}");
+    }
+    assert_eq!(server.stats().await["accepted"], 3);
+}
+
+/// Reads from `stream` until the server closes it: `true` when it did within `wait`
+/// without sending anything (EOF or a reset).
+async fn closed_without_reply(stream: &mut TcpStream, wait: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    match tokio::time::timeout(wait, stream.read(&mut buf)).await {
+        Ok(Ok(0)) => true,
+        Ok(Ok(n)) => panic!(
+            "the server answered: {:?}",
+            String::from_utf8_lossy(&buf[..n])
+        ),
+        Ok(Err(e)) => matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
+        Err(_) => false,
+    }
+}
+
+/// Going down closes every open API connection: one whose request hangs (a `hang`
+/// fault), and an idle one. The address serves again afterwards.
+#[tokio::test]
+async fn going_down_closes_open_connections() {
+    let server = Server::start();
+    server
+        .set_faults(json!([{"provider": "postmark", "action": {"hang": true}}]))
+        .await;
+    let mut hung = TcpStream::connect(&server.api).await.unwrap();
+    let request = server.send_request("postmark", "a@example.com", true);
+    hung.write_all(&request.bytes(&server.api)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.stats().await["hung"] != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the hang"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut idle = TcpStream::connect(&server.api).await.unwrap();
+    assert!(!closed_without_reply(&mut hung, Duration::from_millis(200)).await);
+
+    server
+        .control("PUT", "/down", Some(json!({"seconds": 600})))
+        .await;
+    assert!(
+        closed_without_reply(&mut hung, Duration::from_secs(2)).await,
+        "the hung connection is still open"
+    );
+    assert!(
+        closed_without_reply(&mut idle, Duration::from_secs(2)).await,
+        "the idle connection is still open"
+    );
+    assert!(refused(&server.api).await);
+
+    server.control("DELETE", "/down", None).await;
+    server.control("DELETE", "/faults", None).await;
+    assert_eq!(server.send("postmark", "b@example.com").await.status, 200);
+    let stats = server.stats().await;
+    assert_eq!(stats["hung"], 1);
+    assert_eq!(stats["accepted"], 1);
 }
