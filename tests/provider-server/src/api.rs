@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Path, State};
+use axum::extract::{FromRequest, FromRequestParts as _, Path, State};
 use axum::http::{HeaderMap, Method, Uri};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use base64::Engine as _;
@@ -48,19 +48,11 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
                 router
                     .route(
                         send_path,
-                        post(
-                            move |State(s): Shared, domain: Option<Path<String>>, req: Request| {
-                                handle(s, provider, req, domain.map(|Path(d)| d))
-                            },
-                        ),
+                        post(move |State(s): Shared, req: Request| send(s, provider, req)),
                     )
                     .route(
                         probe_path,
-                        get(
-                            move |State(s): Shared, domain: Option<Path<String>>, req: Request| {
-                                probe(s, provider, req, domain.map(|Path(d)| d))
-                            },
-                        ),
+                        get(move |State(s): Shared, req: Request| probe(s, provider, req)),
                     )
             },
         )
@@ -73,22 +65,33 @@ struct Request {
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
+    /// Mailgun's sending domain, from the path.
+    domain: Option<String>,
 }
 
 impl<S: Send + Sync> FromRequest<S> for Request {
-    type Rejection = <Bytes as FromRequest<S>>::Rejection;
+    type Rejection = Response;
 
-    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let domain = <Option<Path<String>>>::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?
+            .map(|Path(domain)| domain);
         let (method, uri, headers) = (
-            req.method().clone(),
-            req.uri().clone(),
-            req.headers().clone(),
+            parts.method.clone(),
+            parts.uri.clone(),
+            parts.headers.clone(),
         );
+        let body = Bytes::from_request(axum::extract::Request::from_parts(parts, body), state)
+            .await
+            .map_err(IntoResponse::into_response)?;
         Ok(Self {
             method,
             uri,
             headers,
-            body: Bytes::from_request(req, state).await?,
+            body,
+            domain,
         })
     }
 }
@@ -100,12 +103,9 @@ struct Parsed {
     raw: String,
 }
 
-async fn handle(
-    state: Arc<AppState>,
-    provider: Provider,
-    req: Request,
-    domain: Option<String>,
-) -> Response {
+/// A send request: credentials, the request's shape, the rules without `probe`, the
+/// quota, and the record.
+async fn send(state: Arc<AppState>, provider: Provider, req: Request) -> Response {
     state.count(Count::Requests);
     if let Err((kind, message)) = authenticate(provider, &req) {
         state.count(Count::AuthFailed);
@@ -124,7 +124,7 @@ async fn handle(
             return answer;
         }
     }
-    let id = provider_id(provider, domain.as_deref());
+    let id = provider_id(provider, req.domain.as_deref());
     let accepted = Accepted {
         seq: 0,
         provider,
@@ -149,12 +149,7 @@ async fn handle(
 /// An account request (postie's circuit-breaker probe): the send endpoint's
 /// credentials, the rules with `probe`, and the provider's account answer. Counted as
 /// `probes` only.
-async fn probe(
-    state: Arc<AppState>,
-    provider: Provider,
-    req: Request,
-    domain: Option<String>,
-) -> Response {
+async fn probe(state: Arc<AppState>, provider: Provider, req: Request) -> Response {
     state.count(Count::Probes);
     if let Err((kind, message)) = authenticate(provider, &req) {
         return reply(provider, Reply::Unauthorized(kind, &message));
@@ -165,7 +160,7 @@ async fn probe(
         }
     }
     let sent = state.accepted_last_day(provider);
-    let domain = domain.as_deref().unwrap_or("");
+    let domain = req.domain.as_deref().unwrap_or("");
     reply(provider, Reply::Account { domain, sent })
 }
 
