@@ -1,6 +1,7 @@
 //! Client for the `postie-provider-server` process (tests/provider-server): build it,
 //! start it, name the `smtp.url` of each provider's API on it, read what it accepted,
-//! inject faults and set its quota. Like the SMTP sink ([`super::sink`]), it is a
+//! inject faults (on sends, or with `"probe": true` on the account endpoints postie's
+//! circuit-breaker probe asks), set its quota and take its API down. Like the SMTP sink ([`super::sink`]), it is a
 //! workspace crate of its own that the tests build once per test process.
 
 use std::io::BufRead;
@@ -55,6 +56,9 @@ pub struct ProviderStats {
     pub rejected: u64,
     pub auth_failed: u64,
     pub hung: u64,
+    /// Requests to the account endpoints (the probe's); not in `requests`.
+    #[serde(default)]
+    pub probes: u64,
 }
 
 /// The executable, built on first use (`POSTIE_PROVIDER_SERVER` names one instead).
@@ -198,6 +202,20 @@ impl ProviderServer {
         );
     }
 
+    async fn delete(&self, path: &str) {
+        let status = self
+            .http
+            .delete(format!("http://{}{path}", self.control))
+            .send()
+            .await
+            .expect("provider server control")
+            .status();
+        assert!(
+            status.is_success(),
+            "the provider server refused DELETE {path}: {status}"
+        );
+    }
+
     /// Everything accepted so far (with the raw request if `raw`).
     pub async fn messages(&self, raw: bool) -> Vec<ProviderMessage> {
         self.get(&format!("/messages?raw={raw}")).await
@@ -217,6 +235,20 @@ impl ProviderServer {
     pub async fn set_quota(&self, per_second: Option<u32>) {
         self.put("/quota", serde_json::json!({ "per_second": per_second }))
             .await;
+    }
+
+    /// Takes the provider APIs down for `seconds`: connects are refused (ECONNREFUSED)
+    /// and open connections, hung ones included, are closed; then the same address
+    /// serves again, with what was recorded, the faults and the quota kept. Returns once
+    /// the API is down (0: once it is back). A new call replaces the window.
+    pub async fn go_down(&self, seconds: u64) {
+        self.put("/down", serde_json::json!({ "seconds": seconds }))
+            .await;
+    }
+
+    /// Ends a [`ProviderServer::go_down`] window now; returns once the API listens.
+    pub async fn come_back(&self) {
+        self.delete("/down").await;
     }
 }
 

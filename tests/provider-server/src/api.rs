@@ -1,15 +1,16 @@
-//! The four send endpoints: authentication, the request's shape, fault rules, the
-//! quota, and the record of what was accepted.
+//! The four send endpoints (authentication, the request's shape, fault rules, the
+//! quota, and the record of what was accepted) and the four account endpoints
+//! (authentication and fault rules).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequest, FromRequestParts as _, Path, State};
 use axum::http::{HeaderMap, Method, Uri};
-use axum::response::Response;
-use axum::routing::post;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use axum::Router;
 use base64::Engine as _;
 use serde_json::Value;
@@ -18,15 +19,43 @@ use crate::reply::{reply, Reply};
 use crate::state::{Accepted, Action, AppState, Count, Provider};
 use crate::{mime, sigv4, MAILGUN_KEY, POSTMARK_TOKEN, SENDGRID_KEY, SES_ACCESS_KEY, SES_SECRET};
 
+/// Each provider's send endpoint and account endpoint (what postie's circuit-breaker
+/// probe asks); Mailgun's name the sending domain.
+const ENDPOINTS: [(Provider, &str, &str); 4] = [
+    (
+        Provider::Ses,
+        "/v2/email/outbound-emails",
+        "/v2/email/account",
+    ),
+    (Provider::Sendgrid, "/v3/mail/send", "/v3/scopes"),
+    (Provider::Postmark, "/email", "/server"),
+    (
+        Provider::Mailgun,
+        "/v3/{domain}/messages.mime",
+        "/v3/domains/{domain}",
+    ),
+];
+
 type Shared = State<Arc<AppState>>;
 
 /// The API router.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v2/email/outbound-emails", post(ses))
-        .route("/v3/mail/send", post(sendgrid))
-        .route("/email", post(postmark))
-        .route("/v3/{domain}/messages.mime", post(mailgun))
+    ENDPOINTS
+        .into_iter()
+        .fold(
+            Router::new(),
+            |router, (provider, send_path, probe_path)| {
+                router
+                    .route(
+                        send_path,
+                        post(move |State(s): Shared, req: Request| send(s, provider, req)),
+                    )
+                    .route(
+                        probe_path,
+                        get(move |State(s): Shared, req: Request| probe(s, provider, req)),
+                    )
+            },
+        )
         .with_state(state)
 }
 
@@ -36,6 +65,35 @@ struct Request {
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
+    /// Mailgun's sending domain, from the path.
+    domain: Option<String>,
+}
+
+impl<S: Send + Sync> FromRequest<S> for Request {
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let domain = <Option<Path<String>>>::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?
+            .map(|Path(domain)| domain);
+        let (method, uri, headers) = (
+            parts.method.clone(),
+            parts.uri.clone(),
+            parts.headers.clone(),
+        );
+        let body = Bytes::from_request(axum::extract::Request::from_parts(parts, body), state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self {
+            method,
+            uri,
+            headers,
+            body,
+            domain,
+        })
+    }
 }
 
 /// What a valid request asks for.
@@ -45,97 +103,9 @@ struct Parsed {
     raw: String,
 }
 
-async fn ses(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Ses,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn sendgrid(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Sendgrid,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn postmark(
-    State(s): Shared,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Postmark,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        None,
-    )
-    .await
-}
-
-async fn mailgun(
-    State(s): Shared,
-    Path(domain): Path<String>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(
-        s,
-        Provider::Mailgun,
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-        },
-        Some(domain),
-    )
-    .await
-}
-
-async fn handle(
-    state: Arc<AppState>,
-    provider: Provider,
-    req: Request,
-    domain: Option<String>,
-) -> Response {
+/// A send request: credentials, the request's shape, the rules without `probe`, the
+/// quota, and the record.
+async fn send(state: Arc<AppState>, provider: Provider, req: Request) -> Response {
     state.count(Count::Requests);
     if let Err((kind, message)) = authenticate(provider, &req) {
         state.count(Count::AuthFailed);
@@ -148,33 +118,13 @@ async fn handle(
             return reply(provider, Reply::BadRequest(&why));
         }
     };
-    if let Some(action) = state.fault(provider, &parsed.to) {
+    if let Some(action) = state.fault(provider, false, &parsed.to) {
         let first = parsed.to.first().map(String::as_str).unwrap_or("");
-        match action {
-            Action::Throttle(_) => {
-                state.count(Count::Throttled);
-                return reply(provider, Reply::Throttled);
-            }
-            Action::Status(status) => {
-                state.count(Count::ServerErrors);
-                return reply(provider, Reply::ServerError(status));
-            }
-            Action::Hang(_) => {
-                state.count(Count::Hung);
-                std::future::pending::<()>().await;
-            }
-            Action::DelayMs(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
-            Action::Suspended(_) => {
-                state.count(Count::Rejected);
-                return reply(provider, Reply::Suspended);
-            }
-            Action::Reject(_) => {
-                state.count(Count::Rejected);
-                return reply(provider, Reply::Rejected(first));
-            }
+        if let Some(answer) = fault(Some(&state), provider, action, first).await {
+            return answer;
         }
     }
-    let id = provider_id(provider, domain.as_deref());
+    let id = provider_id(provider, req.domain.as_deref());
     let accepted = Accepted {
         seq: 0,
         provider,
@@ -193,6 +143,53 @@ async fn handle(
             },
         ),
         None => reply(provider, Reply::Throttled),
+    }
+}
+
+/// An account request (postie's circuit-breaker probe): the send endpoint's
+/// credentials, the rules with `probe`, and the provider's account answer. Counted as
+/// `probes` only.
+async fn probe(state: Arc<AppState>, provider: Provider, req: Request) -> Response {
+    state.count(Count::Probes);
+    if let Err((kind, message)) = authenticate(provider, &req) {
+        return reply(provider, Reply::Unauthorized(kind, &message));
+    }
+    if let Some(action) = state.fault(provider, true, &[]) {
+        if let Some(answer) = fault(None, provider, action, "").await {
+            return answer;
+        }
+    }
+    let sent = state.accepted_last_day(provider);
+    let domain = req.domain.as_deref().unwrap_or("");
+    reply(provider, Reply::Account { domain, sent })
+}
+
+/// What a fault rule's `action` makes of a request: `None` to go on as without it
+/// (`delay_ms`, after the delay), else its counter in `counters` (none for probes) is
+/// bumped and this is the reply; a hang never returns.
+async fn fault(
+    counters: Option<&AppState>,
+    provider: Provider,
+    action: Action,
+    first: &str,
+) -> Option<Response> {
+    let (count, answer) = match action {
+        Action::DelayMs(ms) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            return None;
+        }
+        Action::Hang(_) => (Count::Hung, None),
+        Action::Throttle(_) => (Count::Throttled, Some(Reply::Throttled)),
+        Action::Status(status) => (Count::ServerErrors, Some(Reply::ServerError(status))),
+        Action::Suspended(_) => (Count::Rejected, Some(Reply::Suspended)),
+        Action::Reject(_) => (Count::Rejected, Some(Reply::Rejected(first))),
+    };
+    if let Some(state) = counters {
+        state.count(count);
+    }
+    match answer {
+        Some(answer) => Some(reply(provider, answer)),
+        None => std::future::pending().await,
     }
 }
 

@@ -1,12 +1,16 @@
 //! `postie-provider-server`: an in-memory HTTP server speaking the send APIs of four
-//! email providers, for postie's integration tests:
+//! email providers, and the account endpoint of each that postie's circuit-breaker
+//! probe asks, for postie's integration tests:
 //!
-//! | provider | endpoint | credentials |
-//! |---|---|---|
-//! | Amazon SES v2 `SendEmail` | `POST /v2/email/outbound-emails`, JSON with `Content.Raw.Data` (base64 MIME) | SigV4, recomputed here with [`SES_ACCESS_KEY`]/[`SES_SECRET`] |
-//! | SendGrid v3 | `POST /v3/mail/send`, JSON (personalizations, from, content, headers) | `Authorization: Bearer` [`SENDGRID_KEY`] |
-//! | Postmark | `POST /email`, JSON (From, To, TextBody/HtmlBody, Headers) | `X-Postmark-Server-Token:` [`POSTMARK_TOKEN`] |
-//! | Mailgun | `POST /v3/<domain>/messages.mime`, multipart form with `to` and `message` | HTTP Basic `api:`[`MAILGUN_KEY`] |
+//! | provider | send endpoint | account endpoint (probe) | credentials |
+//! |---|---|---|---|
+//! | Amazon SES v2 | `SendEmail`: `POST /v2/email/outbound-emails`, JSON with `Content.Raw.Data` (base64 MIME) | `GetAccount`: `GET /v2/email/account` → `{"SendingEnabled": true, "ProductionAccessEnabled": true, "SendQuota": {"Max24HourSend": 50000.0, "MaxSendRate": 14.0, "SentLast24Hours": n}}` (n: SES sends accepted in the last 24 h) | SigV4, recomputed here with [`SES_ACCESS_KEY`]/[`SES_SECRET`] (a GET's payload hash is the empty string's) |
+//! | SendGrid v3 | `POST /v3/mail/send`, JSON (personalizations, from, content, headers) | `GET /v3/scopes` → `{"scopes": ["mail.send"]}` | `Authorization: Bearer` [`SENDGRID_KEY`] |
+//! | Postmark | `POST /email`, JSON (From, To, TextBody/HtmlBody, Headers) | `GET /server` → `{"ID": 1, "Name": "postie-test"}` | `X-Postmark-Server-Token:` [`POSTMARK_TOKEN`] |
+//! | Mailgun | `POST /v3/<domain>/messages.mime`, multipart form with `to` and `message` | `GET /v3/domains/<domain>` → `{"domain": {"name": "<domain>", "state": "active"}}` | HTTP Basic `api:`[`MAILGUN_KEY`] |
+//!
+//! Wrong credentials get the provider's refusal (SES 403, the others 401) from either
+//! endpoint.
 //!
 //! It records every accepted request (the email's Message-ID, the id it answered
 //! with, the recipients, the raw MIME or JSON) and answers in each provider's own
@@ -17,9 +21,20 @@
 //! `{"status": N}` (a server error), `{"hang": true}` (never answer, after reading the
 //! request), `{"delay_ms": N}` (a slow reply), `{"suspended": true}` (the provider's
 //! account-suspended rejection) or `{"reject": true}` (its invalid-recipient
-//! rejection). `PUT /quota` with `{"per_second": R}` answers the provider's 429 to
+//! rejection). A rule applies to sends, or with `"probe": true` to the account
+//! endpoints instead (which have no recipient: such a rule has no `to_contains`).
+//! `PUT /quota` with `{"per_second": R}` answers the provider's 429 to
 //! requests beyond R accepted in any second (`{"per_second": null}`: off).
-//! `GET /messages[?raw=true]`, `GET /stats` read what happened.
+//! `GET /messages[?raw=true]`, `GET /stats` read what happened (`requests` and the
+//! other counters are about sends; account requests count as `probes` alone).
+//!
+//! Down mode, a provider that refuses connections (`down.rs`): `PUT /down` with
+//! `{"seconds": N}` (fractions allowed) closes the API listener at once (a connect is
+//! refused: `ECONNREFUSED`) and every open API connection, hung ones included; after
+//! N seconds the API listens again on the same address. A new `PUT /down` replaces the
+//! window; `{"seconds": 0}` or `DELETE /down` brings the API back at once. Each answers
+//! once it holds, with `{"down": bool}`, as `GET /down` does. Messages, counters, fault
+//! rules and the quota are kept. The control API is never down.
 //!
 //! On startup it prints one line, `api=127.0.0.1:PORT control=127.0.0.1:PORT`, and
 //! serves until killed.
@@ -28,6 +43,7 @@
 
 mod api;
 mod control;
+mod down;
 mod mime;
 mod reply;
 mod sigv4;
@@ -84,8 +100,10 @@ async fn main() -> anyhow::Result<()> {
         );
         let _ = out.flush();
     }
-    let api_task = tokio::spawn(axum::serve(api, api::router(state.clone())).into_future());
-    let control_task = tokio::spawn(axum::serve(control, control::router(state)).into_future());
+    let (switch, api) = down::server(api, api::router(state.clone()))?;
+    let api_task = tokio::spawn(api.run());
+    let control_task =
+        tokio::spawn(axum::serve(control, control::router(state, switch)).into_future());
     tokio::select! {
         res = api_task => res.context("API task")?.context("API server")?,
         res = control_task => res.context("control task")?.context("control server")?,

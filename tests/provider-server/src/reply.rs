@@ -1,5 +1,5 @@
-//! Each provider's answers, in its own shapes: the success body and id, and its
-//! documented error bodies and headers for throttling, server errors, permanent
+//! Each provider's answers, in its own shapes: the success body and id, the account
+//! endpoint's body, and its documented error bodies and headers for throttling, server errors, permanent
 //! rejections and refused credentials. The texts follow the providers' documentation
 //! where it gives them (SES's exception names and messages, SendGrid's `errors` list
 //! and rate-limit headers, Postmark's `ErrorCode`/`Message`, Mailgun's `message`).
@@ -26,6 +26,9 @@ pub(crate) enum Reply<'a> {
     BadRequest(&'a str),
     /// Credentials refused: (SES's error type, message).
     Unauthorized(&'a str, &'a str),
+    /// The account endpoint's answer: the account (Mailgun: the `domain`) may send;
+    /// `sent` emails in the last 24 hours (SES).
+    Account { domain: &'a str, sent: u64 },
 }
 
 fn respond(status: u16, headers: &[(&str, String)], body: Option<Value>) -> Response {
@@ -86,6 +89,19 @@ fn ses(reply: Reply<'_>) -> Response {
         ),
         Reply::BadRequest(why) => error(400, "BadRequestException", why),
         Reply::Unauthorized(kind, message) => error(403, kind, message),
+        Reply::Account { sent, .. } => respond(
+            200,
+            &[],
+            Some(json!({
+                "SendingEnabled": true,
+                "ProductionAccessEnabled": true,
+                "SendQuota": {
+                    "Max24HourSend": 50000.0,
+                    "MaxSendRate": 14.0,
+                    "SentLast24Hours": sent as f64,
+                },
+            })),
+        ),
     }
 }
 
@@ -126,6 +142,7 @@ fn sendgrid(reply: Reply<'_>) -> Response {
             "The provided authorization grant is invalid, expired, or revoked",
             Value::Null,
         ),
+        Reply::Account { .. } => respond(200, &[], Some(json!({ "scopes": ["mail.send"] }))),
     }
 }
 
@@ -168,6 +185,7 @@ fn postmark(reply: Reply<'_>) -> Response {
             10,
             "The Server Token you provided in the X-Postmark-Server-Token request header was invalid.",
         ),
+        Reply::Account { .. } => respond(200, &[], Some(json!({ "ID": 1, "Name": "postie-test" }))),
     }
 }
 
@@ -194,5 +212,10 @@ fn mailgun(reply: Reply<'_>) -> Response {
         Reply::Rejected(to) => error(400, &format!("to parameter is not a valid address: {to}")),
         Reply::BadRequest(why) => error(400, why),
         Reply::Unauthorized(..) => (StatusCode::UNAUTHORIZED, "Forbidden").into_response(),
+        Reply::Account { domain, .. } => respond(
+            200,
+            &[],
+            Some(json!({ "domain": { "name": domain, "state": "active" } })),
+        ),
     }
 }

@@ -73,7 +73,9 @@ fn hmac(key: &[u8], data: &str) -> Vec<u8> {
 }
 
 /// The canonical request of SigV4 (for a path and query without characters to encode,
-/// which is all SES's `SendEmail` uses).
+/// which is all SES's `SendEmail` and `GetAccount` use). The payload hash is
+/// `x-amz-content-sha256` when sent, else the body's SHA-256 (that of the empty string
+/// for a GET).
 fn canonical_request(
     method: &Method,
     uri: &Uri,
@@ -108,6 +110,20 @@ fn canonical_request(
         uri.path(),
         query.join("&")
     )
+}
+
+/// The signature of canonical request `creq` under `auth`'s scope, made at `amz_date`.
+fn signature(secret: &str, auth: &Authorization<'_>, amz_date: &str, creq: &str) -> String {
+    let string_to_sign = format!(
+        "AWS4-HMAC-SHA256\n{amz_date}\n{}\n{}",
+        auth.scope,
+        hex::encode(Sha256::digest(creq.as_bytes()))
+    );
+    let mut key = hmac(format!("AWS4{secret}").as_bytes(), auth.date);
+    for part in [auth.region, auth.service, "aws4_request"] {
+        key = hmac(&key, part);
+    }
+    hex::encode(hmac(&key, &string_to_sign))
 }
 
 /// Checks the request's signature against `access_key`/`secret`, as SES `service`.
@@ -151,17 +167,7 @@ pub(crate) fn verify(
         ));
     }
     let creq = canonical_request(method, uri, headers, auth.signed_headers, body);
-    let string_to_sign = format!(
-        "AWS4-HMAC-SHA256\n{amz_date}\n{}\n{}",
-        auth.scope,
-        hex::encode(Sha256::digest(creq.as_bytes()))
-    );
-    let mut key = hmac(format!("AWS4{secret}").as_bytes(), auth.date);
-    for part in [auth.region, auth.service, "aws4_request"] {
-        key = hmac(&key, part);
-    }
-    let expected = hex::encode(hmac(&key, &string_to_sign));
-    if expected != auth.signature {
+    if signature(secret, &auth, amz_date, &creq) != auth.signature {
         return Err(refuse(
             "SignatureDoesNotMatch",
             "The request signature we calculated does not match the signature you provided. \
@@ -169,4 +175,44 @@ pub(crate) fn verify(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE_AUTHORIZATION: &str = "AWS4-HMAC-SHA256 \
+        Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, \
+        SignedHeaders=host;x-amz-date, \
+        Signature=5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31";
+
+    /// AWS's SigV4 test suite, `get-vanilla`: a GET without a body (its payload hash is
+    /// the empty string's) has AWS's published signature here too.
+    #[test]
+    fn get_vanilla_has_the_published_signature() {
+        let mut headers = HeaderMap::new();
+        headers.insert("host", "example.amazonaws.com".parse().unwrap());
+        headers.insert("x-amz-date", "20150830T123600Z".parse().unwrap());
+        let auth = parse(EXAMPLE_AUTHORIZATION).unwrap();
+        let creq = canonical_request(
+            &Method::GET,
+            &"/".parse().unwrap(),
+            &headers,
+            auth.signed_headers,
+            b"",
+        );
+        assert!(
+            creq.ends_with("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+            "{creq}"
+        );
+        assert_eq!(
+            signature(
+                "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+                &auth,
+                "20150830T123600Z",
+                &creq
+            ),
+            auth.signature
+        );
+    }
 }

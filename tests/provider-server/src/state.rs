@@ -64,9 +64,14 @@ pub(crate) struct FaultRule {
     /// Only requests to this API (any when absent).
     #[serde(default)]
     pub(crate) provider: Option<Provider>,
-    /// Only requests with a recipient containing this text.
+    /// Only requests with a recipient containing this text (so never a probe, which
+    /// has no recipient).
     #[serde(default)]
     pub(crate) to_contains: Option<String>,
+    /// The rule applies to the account endpoints (postie's circuit-breaker probe)
+    /// instead of the send endpoints.
+    #[serde(default)]
+    pub(crate) probe: bool,
     /// What to do.
     pub(crate) action: Action,
     /// How many more times it fires (forever when absent).
@@ -77,7 +82,8 @@ pub(crate) struct FaultRule {
 /// Counters (`GET /stats`), per provider and in all.
 #[derive(Debug, Default, Clone, Serialize)]
 pub(crate) struct Stats {
-    /// Requests that reached a send handler.
+    /// Requests that reached a send handler. The other counters are about these
+    /// alone, not about probes.
     pub(crate) requests: u64,
     /// Requests accepted and recorded.
     pub(crate) accepted: u64,
@@ -91,6 +97,8 @@ pub(crate) struct Stats {
     pub(crate) auth_failed: u64,
     /// Requests never answered.
     pub(crate) hung: u64,
+    /// Requests that reached an account endpoint (whatever the answer).
+    pub(crate) probes: u64,
 }
 
 /// At most `per_second` accepted in any second; the rest get the provider's 429.
@@ -125,6 +133,7 @@ pub(crate) enum Count {
     Rejected,
     AuthFailed,
     Hung,
+    Probes,
 }
 
 impl AppState {
@@ -141,15 +150,18 @@ impl AppState {
             Count::Rejected => &mut stats.rejected,
             Count::AuthFailed => &mut stats.auth_failed,
             Count::Hung => &mut stats.hung,
+            Count::Probes => &mut stats.probes,
         };
         *counter += 1;
     }
 
-    /// The first active rule for `provider` matching one of `to`, counted down.
-    pub(crate) fn fault(&self, provider: Provider, to: &[String]) -> Option<Action> {
+    /// The first active rule for `provider`'s sends (account requests when `probe`)
+    /// matching one of `to`, counted down.
+    pub(crate) fn fault(&self, provider: Provider, probe: bool, to: &[String]) -> Option<Action> {
         let mut inner = self.lock();
         let rule = inner.rules.iter_mut().find(|rule| {
             rule.times != Some(0)
+                && rule.probe == probe
                 && rule.provider.is_none_or(|p| p == provider)
                 && rule
                     .to_contains
@@ -200,6 +212,16 @@ impl AppState {
                 a
             })
             .collect()
+    }
+
+    /// How many emails `provider` accepted in the last 24 hours.
+    pub(crate) fn accepted_last_day(&self, provider: Provider) -> u64 {
+        let since = chrono::Utc::now().timestamp_millis() - 24 * 3600 * 1000;
+        self.lock()
+            .accepted
+            .iter()
+            .filter(|a| a.provider == provider && a.received_at_ms > since)
+            .count() as u64
     }
 
     pub(crate) fn stats(&self) -> Stats {
