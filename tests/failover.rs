@@ -37,7 +37,10 @@ fn named(url: String, name: &str) -> SecretString {
 async fn sent(env: &TestEnv) -> i64 {
     let db = env.db().await;
     match db
-        .query_one("SELECT count(*) FROM postie_inbox WHERE status = 'sent'", &[])
+        .query_one(
+            "SELECT count(*) FROM postie_inbox WHERE status = 'sent'",
+            &[],
+        )
         .await
     {
         Ok(row) => row.get(0),
@@ -67,7 +70,11 @@ async fn recorded(env: &TestEnv) -> BTreeMap<String, (String, String)> {
 
 /// Every key accepted exactly once across `servers`, and the inbox naming the
 /// server (by provider name) and its id for each.
-async fn assert_once_across(env: &TestEnv, keys: &[String], servers: &[(&str, &[ProviderMessage])]) {
+async fn assert_once_across(
+    env: &TestEnv,
+    keys: &[String],
+    servers: &[(&str, &[ProviderMessage])],
+) {
     let mut per_id: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (name, messages) in servers {
         for m in *messages {
@@ -167,11 +174,18 @@ async fn the_primary_refusing_mid_run_fails_over_to_the_secondary_and_takes_traf
     let after = metrics(port).await;
     serving.stop().await;
 
-    let (p, s) = (primary.messages(false).await, secondary.messages(false).await);
+    let (p, s) = (
+        primary.messages(false).await,
+        secondary.messages(false).await,
+    );
     assert_once_across(&env, &keys, &[("primary", &p), ("secondary", &s)]).await;
     assert_eq!(p.len() + s.len(), n);
     let in_window = |m: &&ProviderMessage| m.received_at_ms >= down_at && m.received_at_ms < up_at;
-    assert_eq!(p.iter().filter(in_window).count(), 0, "the primary was down");
+    assert_eq!(
+        p.iter().filter(in_window).count(),
+        0,
+        "the primary was down"
+    );
     let secondary_in_window = s.iter().filter(in_window).count();
     assert!(
         secondary_in_window > 0,
@@ -183,7 +197,10 @@ async fn the_primary_refusing_mid_run_fails_over_to_the_secondary_and_takes_traf
     let secondary_after = s.iter().filter(|m| m.received_at_ms >= settled).count();
     let primary_after = p.iter().filter(|m| m.received_at_ms >= up_at).count();
     assert_eq!(secondary_after, 0, "the primary takes traffic back");
-    assert!(primary_after > 0, "jobs published after the outage went to the primary");
+    assert!(
+        primary_after > 0,
+        "jobs published after the outage went to the primary"
+    );
     let secondary_before = s.iter().filter(|m| m.received_at_ms < down_at).count();
     assert_eq!(secondary_before, 0, "nothing failed over before the outage");
     assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
@@ -196,7 +213,11 @@ async fn the_primary_refusing_mid_run_fails_over_to_the_secondary_and_takes_traf
     };
     assert_eq!(open(&during, "primary"), Some(1.0), "{during}");
     assert_eq!(open(&during, "secondary"), Some(0.0), "{during}");
-    assert_eq!(sample(&during, "postie_consumer_paused"), Some(0.0), "{during}");
+    assert_eq!(
+        sample(&during, "postie_consumer_paused"),
+        Some(0.0),
+        "{during}"
+    );
     assert_eq!(open(&after, "primary"), Some(0.0), "{after}");
     let sent_by = |text: &str, provider: &str| {
         sample(
@@ -228,7 +249,12 @@ async fn the_primary_refusing_mid_run_fails_over_to_the_secondary_and_takes_traf
             .collect::<Vec<_>>()
     };
     assert_eq!(line("primary")[2], p.len().to_string(), "{}", status.stdout);
-    assert_eq!(line("secondary")[2], s.len().to_string(), "{}", status.stdout);
+    assert_eq!(
+        line("secondary")[2],
+        s.len().to_string(),
+        "{}",
+        status.stdout
+    );
 
     let timeline = |m: &[ProviderMessage]| {
         per_second(m, started_ms)
@@ -255,8 +281,14 @@ async fn the_primary_refusing_mid_run_fails_over_to_the_secondary_and_takes_traf
             .min()
             .map_or(0.0, |t| (t - started_ms) as f64 / 1e3),
     );
-    eprintln!("FIGURES failover timeline primary (s:sent): {}", timeline(&p));
-    eprintln!("FIGURES failover timeline secondary (s:sent): {}", timeline(&s));
+    eprintln!(
+        "FIGURES failover timeline primary (s:sent): {}",
+        timeline(&p)
+    );
+    eprintln!(
+        "FIGURES failover timeline secondary (s:sent): {}",
+        timeline(&s)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,7 +329,10 @@ async fn a_send_that_hangs_after_its_request_is_retried_on_the_same_provider_onl
     .await;
     serving.stop().await;
 
-    let (p, s) = (primary.messages(false).await, secondary.messages(false).await);
+    let (p, s) = (
+        primary.messages(false).await,
+        secondary.messages(false).await,
+    );
     let keys: Vec<String> = hung.iter().chain(&calm).cloned().collect();
     assert_once_across(&env, &keys, &[("primary", &p), ("secondary", &s)]).await;
     let by_secondary: BTreeSet<&str> = s.iter().map(|m| m.message_id.as_str()).collect();

@@ -42,16 +42,21 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
             limit(plan.rate_limit)
         );
     }
-    for other in sends
-        .iter()
-        .filter(|s| !plans.iter().any(|p| s.provider.as_deref() == Some(p.name.as_str())))
-    {
+    for other in sends.iter().filter(|s| {
+        !plans
+            .iter()
+            .any(|p| s.provider.as_deref() == Some(p.name.as_str()))
+    }) {
         out!(
             "  {:<16} {:>8} {:>8}   (not configured here{})",
             other.provider.as_deref().unwrap_or("(unrecorded)"),
             other.last_minute,
             other.last_hour,
-            if other.provider.is_none() { ": sent by an older postie" } else { "" }
+            if other.provider.is_none() {
+                ": sent by an older postie"
+            } else {
+                ""
+            }
         );
     }
     out!("  each instance's breakers: postie_provider_circuit_open on /metrics");

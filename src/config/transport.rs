@@ -197,7 +197,9 @@ mod tests {
         assert!(matches!(&plans[1].transport, SmtpTransport::Relay(e) if e.port == 2525));
         let passwords = s.passwords();
         assert!(
-            ["key-one", "key-two"].iter().all(|k| passwords.iter().any(|p| p == k)),
+            ["key-one", "key-two"]
+                .iter()
+                .all(|k| passwords.iter().any(|p| p == k)),
             "each provider's key is scrubbed: {passwords:?}"
         );
     }
@@ -214,12 +216,18 @@ mod tests {
             "POSTIE__TRANSPORT__PROVIDERS",
             "smtp://127.0.0.1:25?name=a,smtp://127.0.0.1:26?name=a",
         )]);
-        assert!(e.contains("transport.providers[1]") && e.contains("taken"), "{e}");
+        assert!(
+            e.contains("transport.providers[1]") && e.contains("taken"),
+            "{e}"
+        );
         let e = error(&[(
             "POSTIE__TRANSPORT__PROVIDERS",
             "smtp://127.0.0.1:25,smtp://127.0.0.1:26?rate_limit=fast",
         )]);
-        assert!(e.contains("transport.providers[1]") && e.contains("14/s"), "{e}");
+        assert!(
+            e.contains("transport.providers[1]") && e.contains("14/s"),
+            "{e}"
+        );
         let e = error(&[(
             "POSTIE__TRANSPORT__PROVIDERS",
             "sendgrid://apikey:s3cret@api.sendgrid.com?endpoint=ftp://x",

@@ -23,8 +23,8 @@ mod message;
 mod route;
 mod smtp;
 
-pub(crate) use route::{Change, Routes};
 pub use route::RouteId;
+pub(crate) use route::{Change, Routes};
 
 use crate::config::{ProviderPlan, SmtpSettings, SmtpTransport};
 use crate::contract::EmailJob;
@@ -247,12 +247,12 @@ impl Mailer {
                     Arc::new(api::ApiTransport::new(endpoint, settings)?)
                 }
             };
-            routes.push((
-                plan.name.clone(),
+            routes.push(route::RouteSpec {
+                name: plan.name.clone(),
                 transport,
-                plan.rate_limit,
-                plan.rate_burst,
-            ));
+                rate_limit: plan.rate_limit,
+                rate_burst: plan.rate_burst,
+            });
         }
         anyhow::ensure!(!routes.is_empty(), "no transport is configured");
         Ok(Self {

@@ -63,6 +63,14 @@ pub(crate) enum Change {
     },
 }
 
+/// What a route is built from.
+pub(super) struct RouteSpec {
+    pub(super) name: String,
+    pub(super) transport: Arc<dyn Transport>,
+    pub(super) rate_limit: Option<SendRate>,
+    pub(super) rate_burst: Option<u32>,
+}
+
 /// The routes of an instance, in order of preference.
 pub(crate) struct Routes {
     routes: Vec<Route>,
@@ -72,14 +80,16 @@ pub(crate) struct Routes {
 impl Routes {
     /// `routes` (at least one), whose breakers open after `threshold` definite
     /// failures in a row; their metrics resolved in `metrics`.
-    pub(super) fn new(
-        routes: Vec<(String, Arc<dyn Transport>, Option<SendRate>, Option<u32>)>,
-        threshold: u32,
-        metrics: &Metrics,
-    ) -> Self {
+    pub(super) fn new(routes: Vec<RouteSpec>, threshold: u32, metrics: &Metrics) -> Self {
         let routes = routes
             .into_iter()
-            .map(|(name, transport, rate_limit, rate_burst)| {
+            .map(|spec| {
+                let RouteSpec {
+                    name,
+                    transport,
+                    rate_limit,
+                    rate_burst,
+                } = spec;
                 let label = |result| ProviderLabel {
                     provider: name.clone(),
                     result,
@@ -151,7 +161,7 @@ impl Routes {
             return Change::None;
         }
         let failures = route.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if failures < self.threshold || !route.up.send_if_modified(|up| std::mem::take(up)) {
+        if failures < self.threshold || !route.up.send_if_modified(std::mem::take) {
             return Change::None;
         }
         route.counted.open.set(1);
@@ -242,7 +252,12 @@ mod tests {
     fn routes(names: &[&str], metrics: &Metrics) -> Routes {
         let routes = names
             .iter()
-            .map(|n| (n.to_string(), Arc::new(Idle) as Arc<dyn Transport>, None, None))
+            .map(|n| RouteSpec {
+                name: n.to_string(),
+                transport: Arc::new(Idle),
+                rate_limit: None,
+                rate_burst: None,
+            })
             .collect();
         Routes::new(routes, 2, metrics)
     }
@@ -257,7 +272,10 @@ mod tests {
         assert_eq!(r.choose(), primary);
         assert_eq!(r.judge(primary, Some(&refused), false), Change::None);
         // Any answer ends the count.
-        assert_eq!(r.judge(primary, Some(&SendError::Transient("451".into())), false), Change::None);
+        assert_eq!(
+            r.judge(primary, Some(&SendError::Transient("451".into())), false),
+            Change::None
+        );
         assert_eq!(r.judge(primary, Some(&refused), false), Change::None);
         assert_eq!(
             r.judge(primary, Some(&hung), true),
@@ -273,9 +291,16 @@ mod tests {
             Change::Opened { all_open: true }
         );
         assert!(!r.any_up());
-        assert_eq!(r.choose(), primary, "none up: the primary, and consumption pauses");
+        assert_eq!(
+            r.choose(),
+            primary,
+            "none up: the primary, and consumption pauses"
+        );
         assert!(r.recovered(primary));
-        assert!(!r.recovered(primary), "closing a closed breaker changes nothing");
+        assert!(
+            !r.recovered(primary),
+            "closing a closed breaker changes nothing"
+        );
         assert_eq!(r.choose(), primary, "the primary takes traffic back");
         let text = metrics.render();
         for line in [

@@ -492,7 +492,11 @@ mod tests {
         else {
             panic!("a retry is republished");
         };
-        assert_eq!(provider(&next.headers).as_deref(), Some("ses"), "kept on later retries");
+        assert_eq!(
+            provider(&next.headers).as_deref(),
+            Some("ses"),
+            "kept on later retries"
+        );
         // A step beyond this topology's ladder has no retry queue to settle into;
         // the counter still takes it, past its cached children.
         metrics.retries.inc(Step(40));

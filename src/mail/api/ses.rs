@@ -90,7 +90,13 @@ impl Ses {
 
     /// The signed `GetAccount` request: the breaker's probe (it also proves the key).
     pub(super) fn account_request(&self) -> Result<HttpRequest, SendError> {
-        self.signed(HttpRequest::get(&self.account), "GET", &self.account, &[], None)
+        self.signed(
+            HttpRequest::get(&self.account),
+            "GET",
+            &self.account,
+            &[],
+            None,
+        )
     }
 
     /// `request` with the SigV4 headers for `method url`, `body` and `header`.
@@ -130,8 +136,9 @@ impl Ses {
             .build()
             .map_err(|e| failed(&e))?
             .into();
-        let signable = SignableRequest::new(method, url, header.into_iter(), SignableBody::Bytes(body))
-        .map_err(|e| failed(&e))?;
+        let signable =
+            SignableRequest::new(method, url, header.into_iter(), SignableBody::Bytes(body))
+                .map_err(|e| failed(&e))?;
         let (instructions, _) = sign(signable, &params)
             .map_err(|e| failed(&e))?
             .into_parts();
