@@ -61,7 +61,7 @@ impl Worker {
                     .await?;
                 }
                 let reason = match kind {
-                    DeadKind::Permanent => format!("SMTP refused the email: {error}"),
+                    DeadKind::Permanent => format!("the transport refused the email: {error}"),
                     DeadKind::Exhausted => {
                         format!("gave up after {attempts} attempts; last error: {error}")
                     }
