@@ -8,7 +8,8 @@
 //!   each and its id; `/metrics` and `postie status` show each provider;
 //! - sends that hang after the request was written may have been accepted: they are
 //!   retried on the primary only, even while the primary is down and everything
-//!   else goes to the secondary.
+//!   else goes to the secondary;
+//! - each provider held to its own `rate_limit=`.
 //!
 //! Each test prints `FIGURES` lines (run with `--nocapture`).
 
@@ -357,5 +358,107 @@ async fn a_send_that_hangs_after_its_request_is_retried_on_the_same_provider_onl
         "FIGURES failover hang: 3 sends hung at the primary, then it refused for 8 s: \
          the 3 sent once each by the primary after it came back, 0 through the secondary; \
          {calm_by_secondary}/20 other jobs failed over meanwhile; 0 duplicates, 0 dead"
+    );
+}
+
+/// The most accepted within any one second (a sliding window over arrival times).
+fn busiest_second(messages: &[ProviderMessage]) -> usize {
+    let mut at: Vec<i64> = messages.iter().map(|m| m.received_at_ms).collect();
+    at.sort_unstable();
+    let mut most = 0;
+    let mut start = 0;
+    for end in 0..at.len() {
+        while at[end] - at[start] >= 1_000 {
+            start += 1;
+        }
+        most = most.max(end - start + 1);
+    }
+    most
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_provider_keeps_its_own_rate_limit() {
+    let env = TestEnv::new("failover-rate").await;
+    let primary = ProviderServer::start().await;
+    let secondary = ProviderServer::start().await;
+    let mut settings = env.settings();
+    settings.transport.providers = vec![
+        named(
+            format!("{}&rate_limit=10/s", primary.url("sendgrid")),
+            "primary",
+        ),
+        named(
+            format!("{}&rate_limit=40/s", secondary.url("ses")),
+            "secondary",
+        ),
+    ];
+    let serving = env.serve(settings);
+    let first: Vec<String> = (0..30).map(|i| format!("slow-{i}")).collect();
+    let bodies: Vec<Value> = first
+        .iter()
+        .map(|k| job(k, &format!("{k}@example.com")))
+        .collect();
+    env.publish_many(&bodies).await;
+    let envr = &env;
+    eventually("30 sent through the primary", WAIT, || async move {
+        (sent(envr).await == 30).then_some(())
+    })
+    .await;
+    // The primary down for longer than the rest takes: the secondary at its own rate.
+    primary.go_down(60).await;
+    let rest: Vec<String> = (0..160).map(|i| format!("fast-{i}")).collect();
+    let bodies: Vec<Value> = rest
+        .iter()
+        .map(|k| job(k, &format!("{k}@example.com")))
+        .collect();
+    env.publish_many(&bodies).await;
+    eventually("190 sent", WAIT, || async move {
+        (sent(envr).await == 190).then_some(())
+    })
+    .await;
+    serving.stop().await;
+    primary.come_back().await;
+    let (p, s) = (
+        primary.messages(false).await,
+        secondary.messages(false).await,
+    );
+    let keys: Vec<String> = first.iter().chain(&rest).cloned().collect();
+    assert_once_across(&env, &keys, &[("primary", &p), ("secondary", &s)]).await;
+    assert_eq!(p.len(), 30, "the first 30 went through the primary");
+    let (p_most, s_most) = (busiest_second(&p), busiest_second(&s));
+    // One second's worth may go at once after an idle spell (the burst), then the pace.
+    assert!(
+        p_most <= 10 + 10,
+        "the primary's 10/s: {p_most} in one second"
+    );
+    assert!(
+        s_most <= 40 + 40,
+        "the secondary's 40/s: {s_most} in one second"
+    );
+    assert!(
+        s_most > 10 + 10,
+        "the secondary is not held to the primary's 10/s: {s_most} in its busiest second"
+    );
+    let span = |m: &[ProviderMessage]| {
+        let (lo, hi) = m.iter().fold((i64::MAX, i64::MIN), |(lo, hi), m| {
+            (lo.min(m.received_at_ms), hi.max(m.received_at_ms))
+        });
+        (hi - lo) as f64 / 1e3
+    };
+    assert!(
+        span(&p) >= 1.5,
+        "30 at 10/s after a burst of 10: {}s",
+        span(&p)
+    );
+    assert!(
+        span(&s) >= 2.5,
+        "160 at 40/s after a burst of 40: {}s",
+        span(&s)
+    );
+    eprintln!(
+        "FIGURES failover rates: primary rate_limit=10/s: 30 in {:.1}s, busiest second {p_most}; \
+         secondary rate_limit=40/s (primary down): 160 in {:.1}s, busiest second {s_most}",
+        span(&p),
+        span(&s)
     );
 }

@@ -205,6 +205,12 @@ impl Route {
         let _ = up.wait_for(|up| *up).await;
     }
 
+    /// Resolves once its breaker is open.
+    pub(crate) async fn wait_down(&self) {
+        let mut up = self.up.subscribe();
+        let _ = up.wait_for(|up| !*up).await;
+    }
+
     fn count(&self, result: ProviderResult) {
         self.counted.results[result as usize].inc();
     }

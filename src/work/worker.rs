@@ -271,10 +271,15 @@ impl Worker {
         let key = &job.key;
         let route = self.route(admitted).await?;
         let limiter = &self.limiters[route.0];
+        let pinned = admitted.pin.get().is_some();
         // The send rate: waited for before the claim, holding nothing. The turn
-        // is kept until this turn's send attempt has ended.
+        // is kept until this turn's send attempt has ended. A job that may go
+        // elsewhere stops waiting for a route whose breaker opens meanwhile.
         let _turn = tokio::select! {
             _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+            _ = self.cx.mailer.routes().get(route).wait_down(), if !pinned => {
+                return Ok(Followed::TryAgain);
+            }
             turn = async {
                 limiter.pace().await;
                 self.db("rate limit", || limiter.fleet_token()).await
@@ -322,10 +327,22 @@ impl Worker {
     }
 
     /// The route this turn sends through: the job's pinned route (waiting, holding
-    /// nothing, while its breaker is open), else the first whose breaker is closed.
+    /// nothing, while its breaker is open), else the first whose breaker is closed
+    /// (waiting, while every one is open, for the transport circuit to close).
     async fn route(&self, admitted: &Admitted) -> Result<RouteId, Stop> {
         let routes = self.cx.mailer.routes();
         let Some(pinned) = admitted.pin.get() else {
+            while !routes.any_up() {
+                tokio::select! {
+                    _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                    _ = async {
+                        self.cx.health.wait_dependencies_up().await;
+                        // The circuit is marked open just after the last breaker
+                        // opens: a moment for it, rather than a busy loop.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    } => {}
+                }
+            }
             return Ok(routes.choose());
         };
         let route = routes.get(pinned);
