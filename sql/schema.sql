@@ -19,7 +19,8 @@
 CREATE TABLE postie_inbox (
     key          text        PRIMARY KEY,
     status       text        NOT NULL CHECK (status IN
-                 ('scheduled', 'sending', 'sent', 'retrying', 'dead', 'cancelled', 'throttled')),
+                 ('scheduled', 'sending', 'sent', 'retrying', 'dead', 'cancelled', 'throttled',
+                  'suppressed')),  -- 0012: suppressed
     owner        text,                    -- instance holding the claim while 'sending'
     lease_until  timestamptz,             -- claim is exclusive until then
     fence        bigint      NOT NULL DEFAULT 1,  -- +1 on every claim; completions must match
@@ -55,6 +56,9 @@ CREATE INDEX postie_inbox_finished_updated ON postie_inbox (updated_at)
 -- The reconciler's frontier: scheduled jobs a worker holds (0009).
 CREATE INDEX postie_inbox_arrived_due ON postie_inbox (due_at)
     WHERE status = 'scheduled' AND arrived_at IS NOT NULL;
+-- Suppressed rows by age, for retention (0012).
+CREATE INDEX postie_inbox_suppressed_updated ON postie_inbox (updated_at)
+    WHERE status = 'suppressed';
 
 -- Recent sends per (type, recipient), for the per-type throttle's window (0002).
 CREATE TABLE postie_throttle (
@@ -62,6 +66,36 @@ CREATE TABLE postie_throttle (
     recipient  text NOT NULL,
     sends      timestamptz[] NOT NULL,
     PRIMARY KEY (kind, recipient)
+);
+
+-- Suppressed addresses (0012): per address and scope ('*' or a job type), why,
+-- from what, until when; every add and remove in the audit; bare 5xx strikes.
+CREATE TABLE postie_suppression (
+    address    text        NOT NULL,
+    scope      text        NOT NULL DEFAULT '*',
+    reason     text        NOT NULL
+               CHECK (reason IN ('hard_bounce', 'complaint', 'unsubscribe', 'manual')),
+    source     text        NOT NULL,
+    evidence   text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz,
+    PRIMARY KEY (address, scope)
+);
+
+CREATE TABLE postie_suppression_audit (
+    id       bigserial   PRIMARY KEY,
+    address  text        NOT NULL,
+    scope    text        NOT NULL,
+    action   text        NOT NULL CHECK (action IN ('add', 'remove')),
+    reason   text,
+    source   text        NOT NULL,
+    evidence text,
+    at       timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE postie_suppression_strikes (
+    address text          PRIMARY KEY,
+    strikes timestamptz[] NOT NULL
 );
 
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
@@ -79,7 +113,7 @@ CREATE TABLE postie_migrations (
     checksum   text
 );
 
--- The claim (0010; 0001, 0002 and 0008 before it). Outcomes:
+-- The claim (0012: 0010's with 'suppressed' claimable; 0001, 0002 and 0008 before it). Outcomes:
 --   'claimed'   : the caller owns the key under the returned fence; prior_status is
 --                 'new', 'claimable' (the fast path) or the status it had ('sending':
 --                 taken over from an expired lease, the known duplicate window);
@@ -110,7 +144,7 @@ BEGIN
        SET status = 'sending', owner = p_owner, lease_until = lease,
            fence = i.fence + 1, revision = p_revision, updated_at = now()
      WHERE i.key = p_key
-       AND i.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled')
+       AND i.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled', 'suppressed')
        AND p_revision >= i.revision
        AND (i.cancelled_through IS NULL OR p_revision > i.cancelled_through)
     RETURNING i.fence, i.attempts INTO r.fence, r.attempts;
@@ -137,7 +171,7 @@ BEGIN
         RETURN QUERY SELECT 'cancelled'::text, r.fence, r.attempts, r.status, 0::bigint;
     ELSIF p_revision < r.revision THEN
         RETURN QUERY SELECT 'stale'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF r.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled')
+    ELSIF r.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled', 'suppressed')
        OR (r.status = 'sending' AND r.lease_until <= clock_timestamp()) THEN
         UPDATE postie_inbox i
            SET status = 'sending', owner = p_owner, lease_until = lease,

@@ -10,6 +10,7 @@ mod prune;
 mod publish;
 mod serve;
 mod status;
+mod suppression;
 mod topology;
 
 use std::path::PathBuf;
@@ -61,6 +62,13 @@ pub enum Command {
         #[command(subcommand)]
         command: dlq::DlqCommand,
     },
+    /// The suppression list: addresses postie does not send to (hard bounces,
+    /// complaints, unsubscribes, manual entries).
+    Suppression {
+        /// What to do with the list.
+        #[command(subcommand)]
+        command: suppression::SuppressionCommand,
+    },
 }
 
 /// Runs `command`.
@@ -75,5 +83,6 @@ pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Pending(args) => pending::run(&settings, &args).await,
         Command::Prune(args) => prune::run(&settings, &args).await,
         Command::Dlq { command } => dlq::run(&settings, command).await,
+        Command::Suppression { command } => suppression::run(&settings, command).await,
     }
 }

@@ -67,6 +67,8 @@ pub struct Settings {
     pub otel: OtelSettings,
     /// Retention of finished inbox rows and the pruning that enforces it.
     pub inbox: InboxSettings,
+    /// The suppression list: hard bounces and what else postie does not send to.
+    pub suppression: SuppressionSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -106,6 +108,7 @@ impl Settings {
                 .with_list_parse_key("smtp.throttle_patterns")
                 .with_list_parse_key("topology.drain_prefixes")
                 .with_list_parse_key("transport.providers")
+                .with_list_parse_key("suppression.hard_bounce_codes")
                 .try_parsing(true)
                 .source(env),
         );

@@ -46,6 +46,9 @@ pub struct EmailJob {
     pub headers: Vec<(String, String)>,
     /// Reschedule revision (default 0): a newer revision of the key supersedes this one.
     pub revision: i32,
+    /// `ignore_suppression`: send even to suppressed recipients (a password reset to
+    /// an address that once complained); logged when it matters. Default false.
+    pub ignore_suppression: bool,
 }
 
 impl EmailJob {
@@ -197,6 +200,8 @@ struct RawJob<'a> {
     headers: BTreeMap<String, String>,
     #[serde(default)]
     revision: Option<i32>,
+    #[serde(default)]
+    ignore_suppression: Option<bool>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -365,6 +370,7 @@ impl EmailJob {
             html: raw.html,
             headers,
             revision,
+            ignore_suppression: raw.ignore_suppression.unwrap_or(false),
         })
     }
 }

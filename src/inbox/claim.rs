@@ -55,6 +55,11 @@ pub enum Completion<'a> {
     },
     /// Dropped by its type's throttle (drop policy): `throttled`, the body dropped.
     Throttled,
+    /// Every recipient is suppressed: `suppressed`, the body dropped, never sent.
+    Suppressed {
+        /// Which recipients, and why.
+        why: &'a str,
+    },
     /// Given back without an SMTP attempt (the throttle's defer policy, a pause before
     /// the send): `retrying`, no attempt counted.
     Unclaimed {
@@ -126,6 +131,7 @@ impl<'a> Completion<'a> {
             Self::Retrying { error } => row(Status::Retrying, 1, Some(error), false),
             Self::Dead { error } => row(Status::Dead, 1, Some(error), true),
             Self::Throttled => row(Status::Throttled, 0, Some("throttled (drop policy)"), true),
+            Self::Suppressed { why } => row(Status::Suppressed, 0, Some(why), true),
             Self::Unclaimed { why } => row(Status::Retrying, 0, Some(why), false),
         }
     }
@@ -302,6 +308,15 @@ mod tests {
                 Status::Throttled,
                 0,
                 Some("throttled (drop policy)"),
+                true,
+            ),
+            (
+                Completion::Suppressed {
+                    why: "a@x: hard_bounce",
+                },
+                Status::Suppressed,
+                0,
+                Some("a@x: hard_bounce"),
                 true,
             ),
             (

@@ -46,6 +46,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (9, "0009_reconcile_arrived"),
     (10, "0010_one_claim_function"),
     (11, "0011_provider"),
+    (12, "0012_suppression"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -19,6 +19,7 @@ mod queries;
 mod rate;
 mod reconcile;
 mod status;
+mod suppression;
 mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
@@ -27,6 +28,7 @@ pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
 pub(crate) use reconcile::Overdue;
 pub(crate) use status::Status;
+pub use suppression::{normalise, Suppress, Suppression, SuppressionReason};
 
 use crate::config::{DatabaseSettings, DbPlan, DbTls};
 use crate::endpoint::redact_url;

@@ -18,6 +18,9 @@ use super::{DbError, Inbox};
 /// Statuses that are finished (see [`super::Status::in_flight`]); only these are pruned.
 const FINISHED: &str = "status IN ('sent', 'dead', 'cancelled', 'throttled')";
 
+/// Jobs that ended with every recipient suppressed (0012), pruned as finished rows.
+const SUPPRESSED: &str = "status = 'suppressed'";
+
 /// A cancel of a key never seen as a job (`postie_cancel`'s insert): no claim ever
 /// recorded an attempt or an error, and the relay never scheduled it.
 const TOMBSTONE: &str =
@@ -108,19 +111,29 @@ impl Inbox {
             DateTime<Utc>,
         ) = (row.get(0), row.get(1), row.get(2));
         drop(client);
-        for (tombstones, cutoff) in [(false, finished_cutoff), (true, tombstone_cutoff)] {
-            let class = if tombstones {
-                TOMBSTONE.to_string()
-            } else {
-                format!("{FINISHED} AND NOT {TOMBSTONE}")
-            };
+        // Each class through its own partial index: finished rows (0004's), then
+        // suppressed rows (0012's), then tombstones.
+        let classes = [
+            (
+                format!("{FINISHED} AND NOT {TOMBSTONE}"),
+                finished_cutoff,
+                false,
+            ),
+            (SUPPRESSED.to_string(), finished_cutoff, false),
+            (
+                format!("{FINISHED} AND {TOMBSTONE}"),
+                tombstone_cutoff,
+                true,
+            ),
+        ];
+        for (class, cutoff, tombstones) in classes {
             let n = self
                 .prune_inbox(&class, cutoff, plan, &mut pruned.statements)
                 .await?;
             if tombstones {
-                pruned.tombstones = n;
+                pruned.tombstones += n;
             } else {
-                pruned.finished = n;
+                pruned.finished += n;
             }
         }
         pruned.throttle = self
@@ -130,8 +143,9 @@ impl Inbox {
         Ok(pruned)
     }
 
-    /// Deletes rows of `class` last changed before `cutoff`, oldest first, walking
-    /// the finished index upwards from the last batch's newest row.
+    /// Deletes rows of `class` (a predicate its partial index answers) last changed
+    /// before `cutoff`, oldest first, walking the index upwards from the last batch's
+    /// newest row.
     async fn prune_inbox(
         &self,
         class: &str,
@@ -140,7 +154,7 @@ impl Inbox {
         statements: &mut u64,
     ) -> Result<u64, DbError> {
         let client = self.pool.get().await?;
-        let candidates = format!("{FINISHED} AND {class} AND updated_at < $1");
+        let candidates = format!("{class} AND updated_at < $1");
         if plan.dry_run {
             let n: i64 = client
                 .query_one(

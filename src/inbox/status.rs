@@ -22,11 +22,14 @@ pub enum Status {
     Cancelled,
     /// Dropped by a per-type throttle.
     Throttled,
+    /// Every recipient suppressed (hard bounce, complaint, unsubscribe, manual): never
+    /// sent.
+    Suppressed,
 }
 
 impl Status {
     /// Every status, in the order `postie status` lists them.
-    pub(crate) const ALL: [Status; 8] = [
+    pub(crate) const ALL: [Status; 9] = [
         Self::New,
         Self::Scheduled,
         Self::Sending,
@@ -35,6 +38,7 @@ impl Status {
         Self::Dead,
         Self::Cancelled,
         Self::Throttled,
+        Self::Suppressed,
     ];
 
     /// The value of the `status` column.
@@ -48,6 +52,7 @@ impl Status {
             Self::Dead => "dead",
             Self::Cancelled => "cancelled",
             Self::Throttled => "throttled",
+            Self::Suppressed => "suppressed",
         }
     }
 

@@ -18,6 +18,7 @@ use lettre::Message;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod api;
+pub(crate) mod bounce;
 mod file;
 mod message;
 mod route;
@@ -80,6 +81,8 @@ pub struct Clearance(Arc<Flags>);
 struct Flags {
     withdrawn: AtomicBool,
     uncertain: AtomicBool,
+    /// The recipient the relay refused at RCPT TO, with its reply.
+    refused: std::sync::Mutex<Option<(String, String)>>,
 }
 
 impl Clearance {
@@ -112,6 +115,21 @@ impl Clearance {
     /// refused: it may have been accepted.
     pub(crate) fn uncertain(&self) -> bool {
         self.0.uncertain.load(Ordering::Relaxed)
+    }
+
+    /// Notes that the relay refused `recipient` at RCPT TO with `reply`.
+    pub(crate) fn refuse(&self, recipient: String, reply: String) {
+        *self.0.refused.lock().unwrap_or_else(|e| e.into_inner()) = Some((recipient, reply));
+    }
+
+    /// The recipient the relay refused at RCPT TO, with its reply (for the
+    /// suppression list's hard bounces).
+    pub(crate) fn refused(&self) -> Option<(String, String)> {
+        self.0
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

@@ -20,7 +20,7 @@ mod labels;
 
 pub use labels::{
     Counters, DeadReason, Dependency, Label, LabelValue, ProviderLabel, ProviderName,
-    ProviderResult, Pruned, RelayRoute, Step, ThrottlePolicy,
+    ProviderResult, Pruned, RelayRoute, Step, Suppressed, ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -168,6 +168,12 @@ declare! {
             => "throttled", "Jobs over their type's throttle, by policy";
         cancelled: Counter
             => "cancelled", "Jobs skipped because a cancel covers them";
+        jobs_suppressed: Counters<Suppressed>
+            => "jobs_suppressed", "Jobs never sent because every recipient is suppressed, by the first one's reason";
+        recipients_suppressed: Counters<Suppressed>
+            => "recipients_suppressed", "Recipients left out of a job's envelope because they are suppressed, by reason";
+        suppressions_added: Counters<Suppressed>
+            => "suppressions_added", "Addresses postie put on the suppression list from a relay's reply, by reason";
         stale: Counter
             => "stale", "Jobs skipped because a newer revision exists";
         pending: Gauge

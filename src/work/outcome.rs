@@ -10,7 +10,7 @@ use lapin::types::FieldTable;
 use crate::contract::{readable, IdempotencyKey};
 use crate::headers::{self, HEADER_DUE_AT, HEADER_X_DELAY};
 use crate::inbox::Cancelled;
-use crate::ops::metrics::{DeadReason, Metrics, Step, ThrottlePolicy};
+use crate::ops::metrics::{DeadReason, Metrics, Step, Suppressed, ThrottlePolicy};
 use crate::topology::{Topology, ROUTING_KEY};
 
 use super::now_ms;
@@ -98,6 +98,15 @@ pub(crate) enum Outcome {
         /// Retry queue index.
         step: usize,
     },
+    /// Every recipient is suppressed: recorded `suppressed`, acked, never sent.
+    Suppressed {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Which recipients and why, for the log.
+        why: String,
+        /// The first recipient's reason, for the counter.
+        reason: Suppressed,
+    },
     /// A transient failure: retry queue `step`, with `attempt` failures so far.
     Retry {
         /// The job's key.
@@ -139,6 +148,7 @@ impl Outcome {
             Self::Throttled { .. } => "throttled",
             Self::Deferred { .. } => "deferred",
             Self::Retry { .. } => "retry",
+            Self::Suppressed { .. } => "suppressed",
             Self::DeadLetter { .. } => "dead_letter",
         }
     }
@@ -204,6 +214,11 @@ impl Outcome {
             Self::Cancelled { .. } => {
                 tracing::info!("cancelled; not sent");
                 metrics.cancelled.inc();
+                Disposition::Ack
+            }
+            Self::Suppressed { why, reason, .. } => {
+                tracing::info!(recipients = %why, "every recipient is suppressed; not sent");
+                metrics.jobs_suppressed.inc(*reason);
                 Disposition::Ack
             }
             Self::Stale { .. } => {
@@ -276,7 +291,8 @@ impl Outcome {
             | Self::CancelRequest { key, .. }
             | Self::Throttled { key, .. }
             | Self::Deferred { key, .. }
-            | Self::Retry { key, .. } => Some(key),
+            | Self::Retry { key, .. }
+            | Self::Suppressed { key, .. } => Some(key),
             Self::DeadLetter { key, .. } => key.as_ref(),
         }
     }

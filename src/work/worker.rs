@@ -32,6 +32,7 @@ mod due;
 mod follow;
 mod lease;
 mod send;
+mod suppress;
 mod throttle;
 
 use super::context::SharedContext;
@@ -356,7 +357,7 @@ impl Worker {
         Ok(pinned)
     }
 
-    /// One attempt under a claim: the job type's throttle, a lease long enough for the
+    /// One attempt under a claim: the suppression list, the job type's throttle, a lease long enough for the
     /// send, the send, and its record (or what the policy makes of its failure).
     async fn attempt(
         &self,
@@ -380,6 +381,16 @@ impl Worker {
         if takeover {
             tracing::warn!(key = %key, "took over an expired claim: the previous owner may have sent this email");
         }
+        // Suppressed recipients left out before anything counts the send.
+        let kept;
+        let job: &EmailJob = match self.check_suppression(job, fence).await? {
+            suppress::Checked::Clear => job,
+            suppress::Checked::Some(without) => {
+                kept = without;
+                &kept
+            }
+            suppress::Checked::All(outcome) => return Ok(Followed::Outcome(outcome)),
+        };
         if let Some(outcome) = self.throttle(job, fence, *due_ms).await? {
             return Ok(Followed::Outcome(outcome));
         }
@@ -412,7 +423,17 @@ impl Worker {
                 if matches!(error, SendError::Throttled(_)) {
                     limiter.throttled();
                 }
-                let next = self.policy.next(self.failure(&error), *failed_so_far);
+                let mut failure = self.failure(&error);
+                let recipients = job.to.len() + job.cc.len() + job.bcc.len();
+                if matches!(error, SendError::Permanent(_))
+                    && self.note_bounce(route, &held.clearance).await?
+                    && recipients > 1
+                {
+                    // A hard bounce of one recipient: the others may still take it,
+                    // and the retry leaves the suppressed one out.
+                    failure = Failure::Transient;
+                }
+                let next = self.policy.next(failure, *failed_so_far);
                 self.follow(next, key, Some(fence), error.detail(), pin.get())
                     .await
             }

@@ -119,9 +119,11 @@ impl SmtpRelay {
             let group = EnvelopeGroup { mail, envelope };
             let first = connection.command(group);
             self.first_reply(first).await?;
-            for _ in envelope.to() {
+            for to in envelope.to() {
                 let rcpt = connection.read_response();
-                self.bounded("RCPT TO", self.step, rcpt).await?;
+                let replied = self.bounded("RCPT TO", self.step, rcpt).await;
+                refused(clearance, to, &replied);
+                replied?;
             }
             let data = connection.read_response();
             self.bounded("DATA", self.step, data).await?;
@@ -129,7 +131,9 @@ impl SmtpRelay {
             self.first_reply(connection.command(mail)).await?;
             for to in envelope.to() {
                 let rcpt = connection.command(Rcpt::new(to.clone(), vec![]));
-                self.bounded("RCPT TO", self.step, rcpt).await?;
+                let replied = self.bounded("RCPT TO", self.step, rcpt).await;
+                refused(clearance, to, &replied);
+                replied?;
             }
             clearance.check()?;
             let data = connection.command(Data);
@@ -174,6 +178,13 @@ impl SmtpRelay {
             }
             Err(_) => Err(Failed::Later(super::no_answer("MAIL FROM", self.step))),
         }
+    }
+}
+
+/// Notes on `clearance` a recipient the relay refused for good at RCPT TO.
+fn refused<T>(clearance: &Clearance, to: &lettre::Address, replied: &Result<T, SendError>) {
+    if let Err(SendError::Permanent(reply)) = replied {
+        clearance.refuse(to.to_string(), reply.clone());
     }
 }
 

@@ -201,6 +201,20 @@ impl LabelValue for Step {
 }
 
 label_enum! {
+    /// Why a recipient is on the suppression list (`reason`).
+    Suppressed, "reason" {
+        /// No such mailbox (5.1.1 …), or bare 5xx strikes.
+        HardBounce = "hard_bounce",
+        /// A spam complaint.
+        Complaint = "complaint",
+        /// An unsubscribe.
+        Unsubscribe = "unsubscribe",
+        /// An operator's entry.
+        Manual = "manual",
+    }
+}
+
+label_enum! {
     /// What became of one send through a provider (`result`).
     ProviderResult, "result" {
         /// Accepted.

@@ -1,0 +1,292 @@
+//! The suppression list (issue 30) end to end: a real RabbitMQ, a real PostgreSQL and
+//! the SMTP test server answering RCPT TO as a receiving server would.
+//!
+//! - `550 5.1.1`: the address is suppressed; the next job to it ends `suppressed`
+//!   (acked, never sent, never dead-lettered); a job to it and another address goes to
+//!   the other only; a hard bounce of one of two recipients retries for the other;
+//! - `550 5.7.1 … low reputation`, `552 5.2.2`, `452 4.2.2`: never suppress;
+//! - a bare `550` twice within the window suppresses (the strikes);
+//! - `ignore_suppression` sends to a suppressed address and says so in the log;
+//! - `postie suppression add|list|remove` (a scope of one job type, an expiry).
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{eventually, job, message_id, TestEnv};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Live suppression rows: (address, scope, reason, source, evidence).
+async fn suppressions(env: &TestEnv) -> Vec<(String, String, String, String, String)> {
+    match env
+        .db()
+        .await
+        .query(
+            "SELECT address, scope, reason, source, coalesce(evidence, '') FROM postie_suppression \
+              ORDER BY address, scope",
+            &[],
+        )
+        .await
+    {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// A job to several recipients.
+fn job_to(key: &str, to: &[&str]) -> Value {
+    let mut body = job(key, to[0]);
+    body["to"] = json!(to);
+    body
+}
+
+async fn status(env: &TestEnv, key: &str) -> Option<String> {
+    env.inbox_row(key).await.map(|r| r.status)
+}
+
+/// The sink's envelope recipients of `key`'s email, if it got one.
+async fn delivered_to(env: &TestEnv, key: &str) -> Vec<Vec<String>> {
+    let id = message_id(key);
+    env.sink
+        .messages(false)
+        .await
+        .into_iter()
+        .filter(|m| m.message_id == id)
+        .map(|m| m.rcpt_to)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hard_bounce_suppresses_the_address_for_the_jobs_after_it() {
+    let env = TestEnv::new("supp-hard").await;
+    env.sink
+        .set_faults(json!([
+            {"stage": "rcpt", "rcpt_contains": "gone", "action": {"reply": "550 5.1.1 <gone@example.com>: no such user"}},
+            {"stage": "rcpt", "rcpt_contains": "left", "action": {"reply": "550 5.1.1 user unknown"}}
+        ]))
+        .await;
+    let serving = env.serve(env.settings());
+
+    // The bounce itself: dead-lettered as a permanent refusal, the address suppressed.
+    env.publish(&job("sh-first", "gone@example.com")).await;
+    env.wait_for_status("sh-first", "dead", WAIT).await;
+    let rows = suppressions(&env).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let (address, scope, reason, source, evidence) = &rows[0];
+    assert_eq!(
+        (
+            address.as_str(),
+            scope.as_str(),
+            reason.as_str(),
+            source.as_str()
+        ),
+        ("gone@example.com", "*", "hard_bounce", "smtp")
+    );
+    assert!(evidence.contains("5.1.1"), "{evidence}");
+
+    // The next job to it: never sent, not dead, acked.
+    env.publish(&job("sh-next", "Gone@Example.com")).await;
+    env.wait_for_status("sh-next", "suppressed", WAIT).await;
+    let row = env.inbox_row("sh-next").await.unwrap();
+    assert_eq!(row.attempts, 0, "no SMTP attempt");
+
+    // To it and another: the other only.
+    env.publish(&job_to(
+        "sh-both",
+        &["gone@example.com", "kept@example.com"],
+    ))
+    .await;
+    env.wait_for_status("sh-both", "sent", WAIT).await;
+    assert_eq!(
+        delivered_to(&env, "sh-both").await,
+        [vec!["kept@example.com".to_string()]]
+    );
+
+    // A hard bounce of one of two recipients: retried for the other, who gets it once.
+    env.publish(&job_to(
+        "sh-split",
+        &["left@example.com", "stays@example.com"],
+    ))
+    .await;
+    env.wait_for_status("sh-split", "sent", WAIT).await;
+    assert_eq!(
+        delivered_to(&env, "sh-split").await,
+        [vec!["stays@example.com".to_string()]]
+    );
+    assert_eq!(suppressions(&env).await.len(), 2);
+    serving.stop().await;
+
+    let dead = env.take_dead_letters().await;
+    assert_eq!(dead.len(), 1, "only the first bounce is a dead letter");
+    assert!(dead[0].reason().contains("5.1.1"), "{}", dead[0].reason());
+    assert_eq!(
+        env.depth(env.topology.send_queue()).await,
+        0,
+        "everything acked"
+    );
+    assert!(delivered_to(&env, "sh-next").await.is_empty());
+    eprintln!(
+        "FIGURES suppression hard bounce: 550 5.1.1 suppressed the address; the next job ended suppressed \
+         with 0 attempts, a job to it and another reached the other only, a bounce of one of two \
+         recipients was retried for the other; 1 dead letter (the bounce itself)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_full_mailbox_and_transient_refusals_never_suppress_and_bare_550s_strike() {
+    let env = TestEnv::new("supp-never").await;
+    env.sink
+        .set_faults(json!([
+            {"stage": "rcpt", "rcpt_contains": "policy", "action": {"reply": "550 5.7.1 Our system has detected that this message is likely unsolicited: low reputation"}},
+            {"stage": "rcpt", "rcpt_contains": "full", "action": {"reply": "552 5.2.2 mailbox full"}},
+            {"stage": "rcpt", "rcpt_contains": "later", "action": {"reply": "452 4.2.2 over quota"}, "times": 1},
+            {"stage": "rcpt", "rcpt_contains": "bare", "action": {"reply": "550 no such user here"}}
+        ]))
+        .await;
+    let serving = env.serve(env.settings());
+    for (key, to) in [
+        ("sn-policy", "policy@example.com"),
+        ("sn-full", "full@example.com"),
+        ("sn-later", "later@example.com"),
+        ("sn-bare-1", "bare@example.com"),
+    ] {
+        env.publish(&job(key, to)).await;
+    }
+    for (key, want) in [
+        ("sn-policy", "dead"),
+        ("sn-full", "dead"),
+        ("sn-later", "sent"),
+        ("sn-bare-1", "dead"),
+    ] {
+        env.wait_for_status(key, want, WAIT).await;
+    }
+    assert!(
+        suppressions(&env).await.is_empty(),
+        "5.7.1, 5.2.2, 4.2.2 and one bare 550 suppress nothing"
+    );
+    // The second bare 550 within the window: suppressed; the third job never goes.
+    env.publish(&job("sn-bare-2", "bare@example.com")).await;
+    env.wait_for_status("sn-bare-2", "dead", WAIT).await;
+    let envr = &env;
+    eventually("the strikes suppress", WAIT, || async move {
+        (suppressions(envr).await.len() == 1).then_some(())
+    })
+    .await;
+    let rows = suppressions(&env).await;
+    assert_eq!(
+        (rows[0].0.as_str(), rows[0].2.as_str()),
+        ("bare@example.com", "hard_bounce")
+    );
+    assert!(rows[0].4.contains("2 permanent failures"), "{}", rows[0].4);
+    env.publish(&job("sn-bare-3", "bare@example.com")).await;
+    env.wait_for_status("sn-bare-3", "suppressed", WAIT).await;
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_manage_the_list_and_a_job_may_override_it() {
+    let env = TestEnv::new("supp-cli").await;
+    env.postie(&["migrate"]).unwrap();
+    let add = env
+        .postie(&[
+            "suppression",
+            "add",
+            "Ann@Example.com",
+            "--reason",
+            "complaint",
+            "--note",
+            "ARF report 42",
+        ])
+        .unwrap();
+    assert!(add.contains("suppressed"), "{add}");
+    let again = env
+        .postie(&[
+            "suppression",
+            "add",
+            "ann@example.com",
+            "--reason",
+            "complaint",
+        ])
+        .unwrap();
+    assert!(again.contains("already"), "{again}");
+    // A scope of one job type, and an entry that has already expired.
+    env.postie(&[
+        "suppression",
+        "add",
+        "bob@example.com",
+        "--scope",
+        "newsletter",
+    ])
+    .unwrap();
+    env.postie(&["suppression", "add", "cat@example.com", "--expires", "1ms"])
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let list = env.postie(&["suppression", "list"]).unwrap();
+    assert!(
+        list.contains("ann@example.com\t*\tcomplaint\tcli"),
+        "{list}"
+    );
+    assert!(
+        list.contains("bob@example.com\tnewsletter\tmanual"),
+        "{list}"
+    );
+    assert!(!list.contains("cat@example.com"), "expired: {list}");
+    assert!(list.contains("2 suppressed"), "{list}");
+
+    let mut postie = env.spawn_process(&[("RUST_LOG", "info")]);
+    let mut to_bob = job("so-bob-order", "bob@example.com");
+    to_bob["type"] = json!("order");
+    let mut to_bob_news = job("so-bob-news", "bob@example.com");
+    to_bob_news["type"] = json!("newsletter");
+    let mut override_ann = job("so-ann-reset", "ann@example.com");
+    override_ann["ignore_suppression"] = json!(true);
+    for body in [
+        job("so-ann", "ann@example.com"),
+        to_bob,
+        to_bob_news,
+        override_ann,
+        job("so-cat", "cat@example.com"),
+    ] {
+        env.publish(&body).await;
+    }
+    for (key, want) in [
+        ("so-ann", "suppressed"),
+        ("so-bob-order", "sent"),
+        ("so-bob-news", "suppressed"),
+        ("so-ann-reset", "sent"),
+        ("so-cat", "sent"),
+    ] {
+        env.wait_for_status(key, want, WAIT).await;
+    }
+    postie.terminate(Duration::from_secs(20));
+    let log = postie.log();
+    assert!(
+        log.contains("ignore_suppression") && log.contains("ann@example.com: complaint"),
+        "the override is logged:\n{log}"
+    );
+    let removed = env
+        .postie(&["suppression", "remove", "ann@example.com"])
+        .unwrap();
+    assert!(removed.contains("1 entry removed"), "{removed}");
+    let audit: i64 = env
+        .db()
+        .await
+        .query_one(
+            "SELECT count(*) FROM postie_suppression_audit WHERE address = 'ann@example.com'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        audit, 2,
+        "one add (the repeat changed nothing) and one remove"
+    );
+    let status = env.postie(&["status"]).unwrap();
+    assert!(status.contains("suppressed"), "{status}");
+}
