@@ -1,7 +1,8 @@
 //! Transports side by side: the same N jobs (POSTIE_BENCH_N, 5,000 by default)
 //! pre-published to the send queue and drained by one `postie serve` process, once per
 //! transport (`smtp` to the SMTP sink, then `ses`, `sendgrid`, `postmark` and `mailgun`
-//! to the provider test server), all in one run so that the rows are comparable.
+//! to the provider test server), all in one run so that the rows are comparable; SMTP
+//! also without the suppression list's lookup, first and last (A B … B A).
 //!
 //! Each row is timed from postie's start until the test server has accepted N emails
 //! and gives emails/s, postie's CPU ms per email (its own `/proc` accounting),
@@ -26,8 +27,28 @@ use support::bench::{
 use support::providers::ProviderServer;
 use support::{job, message_id, TestEnv};
 
-/// The transports, in the order they run.
-const TRANSPORTS: [&str; 5] = ["smtp", "ses", "sendgrid", "postmark", "mailgun"];
+/// The runs, in order: (label, transport, extra settings). SMTP with and without the
+/// suppression check runs first and last, A B … B A, so that drift over the run
+/// does not pass for the check's cost.
+const RUNS: [Run; 8] = [
+    ("smtp", "smtp", &[]),
+    ("smtp, no suppression check", "smtp", NO_CHECK),
+    ("ses", "ses", &[]),
+    ("sendgrid", "sendgrid", &[]),
+    ("postmark", "postmark", &[]),
+    ("mailgun", "mailgun", &[]),
+    ("smtp, no suppression check (again)", "smtp", NO_CHECK),
+    ("smtp (again)", "smtp", &[]),
+];
+
+/// A run: its label, its transport, settings of its own.
+type Run = (&'static str, &'static str, Settings);
+
+/// `POSTIE__…` settings.
+type Settings = &'static [(&'static str, &'static str)];
+
+/// The suppression list's lookup off (issue 30's figure: the check's cost).
+const NO_CHECK: &[(&str, &str)] = &[("POSTIE__SUPPRESSION__ENABLED", "false")];
 
 /// Key prefix of the jobs (as `tests/bench.rs`'s end-to-end runs).
 const KEY_PREFIX: &str = "e2e";
@@ -155,7 +176,12 @@ impl Row {
 /// `n` jobs pre-published to the send queue of a fresh world, then drained by one
 /// `postie serve` process sending through `transport`: timed from its start until the
 /// test server has accepted `n` emails.
-async fn run_transport(transport: &'static str, n: usize) -> Row {
+async fn run_transport(
+    label: &'static str,
+    transport: &'static str,
+    settings: &[(&str, &str)],
+    n: usize,
+) -> Row {
     let (env, sink_pid) = started_child(
         "postie-smtp-sin",
         TestEnv::new(&format!("benchtx-{transport}")),
@@ -189,6 +215,7 @@ async fn run_transport(transport: &'static str, n: usize) -> Row {
     };
     let mut extra = extra_postie_env();
     extra.push(("POSTIE__SMTP__URL".into(), url));
+    extra.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let extra: Vec<(&str, &str)> = extra
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -236,7 +263,7 @@ async fn run_transport(transport: &'static str, n: usize) -> Row {
     let _ = conn.close(200, "done".into()).await;
     drop(server);
     Row {
-        transport,
+        transport: label,
         n,
         cpu,
         postie_cpu_s,
@@ -297,10 +324,10 @@ fn markdown(n: usize, rows: &[Row]) -> String {
 async fn bench_transports() {
     let n = env_usize("POSTIE_BENCH_N", 5_000);
     let mut rows = Vec::new();
-    for transport in TRANSPORTS {
-        let row = run_transport(transport, n).await;
+    for (label, transport, settings) in RUNS {
+        let row = run_transport(label, transport, settings, n).await;
         println!(
-            "{transport}: {:.0} emails/s, postie {:.3} CPU ms/email, lost {}, duplicates {}",
+            "{label}: {:.0} emails/s, postie {:.3} CPU ms/email, lost {}, duplicates {}",
             row.rate(),
             row.postie_ms_per_email(),
             row.lost,

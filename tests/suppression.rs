@@ -45,10 +45,6 @@ fn job_to(key: &str, to: &[&str]) -> Value {
     body
 }
 
-async fn status(env: &TestEnv, key: &str) -> Option<String> {
-    env.inbox_row(key).await.map(|r| r.status)
-}
-
 /// The sink's envelope recipients of `key`'s email, if it got one.
 async fn delivered_to(env: &TestEnv, key: &str) -> Vec<Vec<String>> {
     let id = message_id(key);
