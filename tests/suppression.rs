@@ -7,7 +7,8 @@
 //! - `550 5.7.1 … low reputation`, `552 5.2.2`, `452 4.2.2`: never suppress;
 //! - a bare `550` twice within the window suppresses (the strikes);
 //! - `ignore_suppression` sends to a suppressed address and says so in the log;
-//! - `postie suppression add|list|remove` (a scope of one job type, an expiry).
+//! - `postie suppression add|list|remove` (a scope of one job type, an expiry), and an
+//!   entry added while postie runs reaching it within seconds (its filter's refresh).
 
 mod support;
 
@@ -259,6 +260,11 @@ async fn operators_manage_the_list_and_a_job_may_override_it() {
     ] {
         env.wait_for_status(key, want, WAIT).await;
     }
+    // Added while postie runs: its filter reads new entries every second.
+    env.postie(&["suppression", "add", "dan@example.com"]).unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    env.publish(&job("so-dan", "dan@example.com")).await;
+    env.wait_for_status("so-dan", "suppressed", WAIT).await;
     postie.terminate(Duration::from_secs(20));
     let log = postie.log();
     assert!(

@@ -42,6 +42,9 @@ pub struct Inbox {
     direct: (tokio_postgres::Config, Option<MakeRustlsConnect>),
     /// Completions are recorded in batches (`complete.rs`).
     completer: complete::Completer,
+    /// The suppressed addresses' filter, started by the first check
+    /// (`suppression/filter.rs`); its refresh ends once every clone is dropped.
+    suppression_filter: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<suppression::Filter>>>,
 }
 
 impl Inbox {
@@ -76,6 +79,7 @@ impl Inbox {
             pool,
             direct: (pg, tls),
             completer: complete::Completer::new(settings.statement_timeout),
+            suppression_filter: Default::default(),
         })
     }
 

@@ -11,6 +11,10 @@ use std::time::Duration;
 
 use super::{DbError, Inbox};
 
+mod filter;
+
+pub(crate) use filter::Filter;
+
 /// Why an address is suppressed (the `reason` column).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SuppressionReason {
@@ -94,11 +98,22 @@ pub fn normalise(address: &str) -> String {
 impl Inbox {
     /// The suppressed among `addresses` (normalised) for a job of type `kind`, each
     /// with its reason.
+    ///
+    /// The filter answers first (no statement when none of them can be on the list);
+    /// it is started on the first call.
     pub(crate) async fn suppressed(
         &self,
         addresses: &[String],
         kind: &str,
     ) -> Result<Vec<(String, SuppressionReason)>, DbError> {
+        let filter = self.suppression_filter.get_or_init(|| {
+            let filter = std::sync::Arc::new(Filter::new(filter::CAPACITY));
+            filter.spawn_refresh(self.pool.clone());
+            filter
+        });
+        if !filter.may_hold_any(addresses) {
+            return Ok(Vec::new());
+        }
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
@@ -140,6 +155,9 @@ impl Inbox {
             )
             .await?;
         let lasts = s.lasts.map(|d| d.as_secs_f64());
+        if let Some(filter) = self.suppression_filter.get() {
+            filter.insert(&normalise(s.address));
+        }
         let added = client
             .execute(
                 &stmt,
