@@ -482,7 +482,10 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// Every series name postie's `/metrics` can show: counters with `_total`,
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
-    use postie::ops::metrics::{DeadReason, Dependency, Metrics, QueueLabel, RelayRoute, Step};
+    use postie::ops::metrics::{
+        DeadReason, Dependency, Metrics, ProviderLabel, ProviderName, ProviderResult, QueueLabel,
+        RelayRoute, Step,
+    };
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
     metrics.retries.inc(Step(0));
@@ -495,6 +498,20 @@ fn exported_series() -> BTreeSet<String> {
         })
         .set(1);
     metrics.reconnected(Dependency::Rabbitmq);
+    let provider = || "smtp".to_string();
+    metrics
+        .provider_sends
+        .get_or_create(&ProviderLabel {
+            provider: provider(),
+            result: ProviderResult::Sent,
+        })
+        .inc();
+    metrics
+        .provider_circuit_open
+        .get_or_create(&ProviderName {
+            provider: provider(),
+        })
+        .set(0);
     let rendered = metrics.render();
     let mut out = BTreeSet::new();
     for line in rendered.lines() {

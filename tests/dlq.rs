@@ -32,7 +32,10 @@ async fn list_shows_dead_letters_without_consuming_and_replay_moves_only_matchin
     let settings = env.settings();
     let (envr, settingsr) = (&env, &settings);
     env.sink
-        .set_faults(json!([{"stage": "rcpt", "rcpt_contains": "nobody", "action": {"reply": "550 5.1.1 no such user"}}]))
+        // 5.7.1, a policy refusal: a refusal that a fix on the receiving side lifts and
+        // that does not suppress the address (a 5.1.1 would: replaying its job would
+        // then end `suppressed` until `postie suppression remove`).
+        .set_faults(json!([{"stage": "rcpt", "rcpt_contains": "nobody", "action": {"reply": "550 5.7.1 rejected by policy"}}]))
         .await;
     let serving = env.serve(env.settings());
     env.publish(&job("k-nobody-1", "nobody1@example.com")).await;

@@ -261,7 +261,8 @@ async fn operators_manage_the_list_and_a_job_may_override_it() {
         env.wait_for_status(key, want, WAIT).await;
     }
     // Added while postie runs: its filter reads new entries every second.
-    env.postie(&["suppression", "add", "dan@example.com"]).unwrap();
+    env.postie(&["suppression", "add", "dan@example.com"])
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     env.publish(&job("so-dan", "dan@example.com")).await;
     env.wait_for_status("so-dan", "suppressed", WAIT).await;

@@ -17,6 +17,51 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     }
     out!("  duplicates suppressed: {}", counts.duplicates);
     out!("  leases taken over:     {}", counts.takeovers);
+    transports(settings, &inbox).await?;
+
+    let topology = broker::resolve_topology(settings).await?;
+    out!("delay mode: {}", topology.mode_name());
+    let conn = broker::connect(
+        &settings.amqp.addresses()?,
+        "postie-status",
+        settings.amqp.connect_timeout,
+    )
+    .await
+    .map(|c| c.connection)?;
+    out!("queues (ready messages, consumers):");
+    let mut channel = conn.create_channel().await?;
+    for queue in topology.queues() {
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .await
+        {
+            Ok(q) => out!(
+                "  {queue:<24} {:>8} {:>4}",
+                q.message_count(),
+                q.consumer_count()
+            ),
+            Err(_) => {
+                out!("  {queue:<24} (missing: run `postie topology`)");
+                // A failed passive declare closes the channel.
+                channel = conn.create_channel().await?;
+            }
+        }
+    }
+    let _ = channel.close(200, "done".into()).await;
+    for old in &settings.topology.drain_prefixes {
+        drain_check(settings, &conn, old).await?;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// The fleet's send rate, then each transport in order of preference with its sends
+/// over the last minute and hour and its limit.
+async fn transports(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
     let plans = settings.provider_plans()?;
     let limit = |rate: Option<SendRate>| rate.map_or("none".to_string(), |r| r.to_string());
     let last_minute = inbox.sent_last_minute().await?;
@@ -60,44 +105,6 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
         );
     }
     out!("  each instance's breakers: postie_provider_circuit_open on /metrics");
-
-    let topology = broker::resolve_topology(settings).await?;
-    out!("delay mode: {}", topology.mode_name());
-    let conn = broker::connect(
-        &settings.amqp.addresses()?,
-        "postie-status",
-        settings.amqp.connect_timeout,
-    )
-    .await
-    .map(|c| c.connection)?;
-    out!("queues (ready messages, consumers):");
-    let mut channel = conn.create_channel().await?;
-    for queue in topology.queues() {
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        match channel
-            .queue_declare(queue.as_str().into(), options, FieldTable::default())
-            .await
-        {
-            Ok(q) => out!(
-                "  {queue:<24} {:>8} {:>4}",
-                q.message_count(),
-                q.consumer_count()
-            ),
-            Err(_) => {
-                out!("  {queue:<24} (missing: run `postie topology`)");
-                // A failed passive declare closes the channel.
-                channel = conn.create_channel().await?;
-            }
-        }
-    }
-    let _ = channel.close(200, "done".into()).await;
-    for old in &settings.topology.drain_prefixes {
-        drain_check(settings, &conn, old).await?;
-    }
-    let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
 

@@ -24,6 +24,7 @@ mod provider;
 mod rate;
 mod sections;
 mod smtp;
+mod suppression;
 mod transport;
 mod validate;
 
@@ -35,6 +36,7 @@ pub(crate) use provider::{ApiEndpoint, ApiProvider};
 pub use rate::SendRate;
 pub use sections::*;
 pub(crate) use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
+pub use suppression::SuppressionSettings;
 pub(crate) use transport::ProviderPlan;
 pub use transport::TransportSettings;
 pub(crate) use validate::SmtpTransport;

@@ -8,12 +8,15 @@
 use lapin::types::FieldTable;
 
 use crate::contract::{readable, IdempotencyKey};
-use crate::headers::{self, HEADER_DUE_AT, HEADER_X_DELAY};
+use crate::headers;
 use crate::inbox::Cancelled;
-use crate::ops::metrics::{DeadReason, Metrics, Step, Suppressed, ThrottlePolicy};
-use crate::topology::{Topology, ROUTING_KEY};
+use crate::ops::metrics::{DeadReason, Metrics, Suppressed};
+use crate::topology::Topology;
 
-use super::now_ms;
+mod dispositions;
+
+pub(crate) use dispositions::dead_letter;
+use dispositions::{acked, retry, retry_later, sent, throttled, wait_until};
 
 /// Why a job is dead-lettered, as a stable label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,26 +209,17 @@ impl Outcome {
                 metrics.emails_sent.inc();
                 Disposition::Ack
             }
-            Self::Duplicate { .. } => {
-                tracing::info!("already sent; duplicate suppressed");
-                metrics.duplicates_suppressed.inc();
-                Disposition::Ack
-            }
-            Self::Cancelled { .. } => {
-                tracing::info!("cancelled; not sent");
-                metrics.cancelled.inc();
-                Disposition::Ack
-            }
+            Self::Duplicate { .. } => acked(
+                &metrics.duplicates_suppressed,
+                "already sent; duplicate suppressed",
+            ),
+            Self::Cancelled { .. } => acked(&metrics.cancelled, "cancelled; not sent"),
             Self::Suppressed { why, reason, .. } => {
                 tracing::info!(recipients = %why, "every recipient is suppressed; not sent");
                 metrics.jobs_suppressed.inc(*reason);
                 Disposition::Ack
             }
-            Self::Stale { .. } => {
-                tracing::info!("a newer revision exists; skipped");
-                metrics.stale.inc();
-                Disposition::Ack
-            }
+            Self::Stale { .. } => acked(&metrics.stale, "a newer revision exists; skipped"),
             Self::CancelRequest { cancelled, .. } => {
                 tracing::info!(prior_status = %cancelled.prior_status, covers = cancelled.covers, "cancel recorded");
                 Disposition::Ack
@@ -250,13 +244,14 @@ impl Outcome {
                 error,
                 provider,
                 ..
-            } => {
-                let error = readable(error, 1_000);
-                tracing::warn!(step, attempt, error = %error, "transient failure; will retry");
-                metrics.retries.inc(Step(*step as u32));
-                let headers = retry_headers(original, *attempt, &error, provider.as_deref());
-                Disposition::Republish(retry(topology, *step, headers))
-            }
+            } => retry_later(
+                metrics,
+                topology,
+                original,
+                (*step, *attempt),
+                error,
+                provider,
+            ),
             Self::DeadLetter {
                 kind,
                 reason,
@@ -309,116 +304,12 @@ impl DeadKind {
     }
 }
 
-/// [`Outcome::Sent`]: counted, with its lateness and any takeover.
-fn sent(metrics: &Metrics, takeover: bool, lateness_ms: i64) -> Disposition {
-    tracing::info!(takeover, lateness_ms, "sent");
-    metrics.emails_sent.inc();
-    if takeover {
-        metrics.takeovers.inc();
-    }
-    metrics
-        .lateness_seconds
-        .observe(lateness_ms as f64 / 1000.0);
-    Disposition::Ack
-}
-
-/// [`Outcome::Throttled`]: dropped (acked), or back to wait until `until_ms`.
-fn throttled(
-    metrics: &Metrics,
-    topology: &Topology,
-    original: Option<&FieldTable>,
-    until_ms: Option<i64>,
-) -> Disposition {
-    tracing::info!(?until_ms, "throttled");
-    let Some(until) = until_ms else {
-        metrics.throttled.inc(ThrottlePolicy::Drop);
-        return Disposition::Ack;
-    };
-    metrics.throttled.inc(ThrottlePolicy::Defer);
-    let left = (until - now_ms()).max(0);
-    Disposition::Republish(wait_until(topology, original, until, left))
-}
-
-/// Back through the contract exchange, stamped with its due time: the relay (ladder)
-/// reads the due time; the plugin reads `x-delay`, set to what is left.
-fn wait_until(
-    topology: &Topology,
-    original: Option<&FieldTable>,
-    due_ms: i64,
-    left_ms: i64,
-) -> Target {
-    let mut headers = headers::without(original, &[]);
-    headers::set_int(&mut headers, HEADER_DUE_AT, due_ms);
-    headers::set_int(&mut headers, HEADER_X_DELAY, left_ms);
-    Target {
-        exchange: topology.delayed_exchange().to_owned(),
-        routing_key: ROUTING_KEY.to_string(),
-        headers,
-    }
-}
-
-/// To retry queue `step`.
-fn retry(topology: &Topology, step: usize, headers: FieldTable) -> Target {
-    Target {
-        exchange: topology.retry_exchange().to_owned(),
-        routing_key: topology.retry_queue(step).to_owned(),
-        headers,
-    }
-}
-
-/// The original headers with the attempt count and the last error.
-fn retry_headers(
-    original: Option<&FieldTable>,
-    attempt: u32,
-    error: &str,
-    provider: Option<&str>,
-) -> FieldTable {
-    let mut headers = headers::without(original, &[]);
-    headers::set_int(&mut headers, headers::HEADER_ATTEMPT, i64::from(attempt));
-    headers::set_text(&mut headers, headers::HEADER_LAST_ERROR, error);
-    if let Some(provider) = provider {
-        headers::set_text(&mut headers, headers::HEADER_PROVIDER, provider);
-    }
-    headers
-}
-
-/// A dead letter: the original headers, the reason, and no retry counter (so that a
-/// replay starts a fresh cycle).
-pub(crate) fn dead_letter(
-    topology: &Topology,
-    original: Option<&FieldTable>,
-    kind: DeadKind,
-    reason: &str,
-    attempts: u32,
-) -> Target {
-    let mut headers = headers::without(original, &[headers::HEADER_ATTEMPT]);
-    headers::set_text(
-        &mut headers,
-        headers::HEADER_DEAD_REASON,
-        &readable(reason, 1_000),
-    );
-    headers::set_text(&mut headers, headers::HEADER_DEAD_KIND, kind.as_str());
-    headers::set_text(
-        &mut headers,
-        headers::HEADER_DEAD_AT,
-        &chrono::Utc::now().to_rfc3339(),
-    );
-    headers::set_int(
-        &mut headers,
-        headers::HEADER_DEAD_ATTEMPTS,
-        i64::from(attempts),
-    );
-    Target {
-        exchange: topology.dead_exchange().to_owned(),
-        routing_key: ROUTING_KEY.to_string(),
-        headers,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::{DelayMode, DelaySettings, TopologySettings};
+    use crate::ops::metrics::{Step, ThrottlePolicy};
+    use crate::work::now_ms;
 
     fn topology() -> Topology {
         let settings = TopologySettings::default();

@@ -31,6 +31,7 @@ mod db;
 mod due;
 mod follow;
 mod lease;
+mod route;
 mod send;
 mod suppress;
 mod throttle;
@@ -72,34 +73,7 @@ struct Admitted {
     job: Box<EmailJob>,
     due_ms: i64,
     failed_so_far: u32,
-    pin: Pin,
-}
-
-/// The route a job must stay on because a send through it may have been accepted
-/// (`mail::route`): from the delivery's `postie-provider` header, or set by a send
-/// of this delivery that ended uncertain. Never unset.
-#[derive(Default)]
-struct Pin(std::sync::atomic::AtomicUsize);
-
-impl Pin {
-    const NONE: usize = usize::MAX;
-
-    fn new(route: Option<RouteId>) -> Self {
-        Self(std::sync::atomic::AtomicUsize::new(
-            route.map_or(Self::NONE, |r| r.0),
-        ))
-    }
-
-    fn get(&self) -> Option<RouteId> {
-        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
-            Self::NONE => None,
-            route => Some(RouteId(route)),
-        }
-    }
-
-    fn set(&self, route: RouteId) {
-        self.0.store(route.0, std::sync::atomic::Ordering::Relaxed);
-    }
+    pin: route::Pin,
 }
 
 /// A claim taken for one attempt.
@@ -259,7 +233,7 @@ impl Worker {
             job,
             due_ms,
             failed_so_far,
-            pin: Pin::new(pin),
+            pin: route::Pin::new(pin),
         }))
     }
 
@@ -325,36 +299,6 @@ impl Worker {
                 self.attempt(admitted, route, slot, claimed).await
             }
         }
-    }
-
-    /// The route this turn sends through: the job's pinned route (waiting, holding
-    /// nothing, while its breaker is open), else the first whose breaker is closed
-    /// (waiting, while every one is open, for the transport circuit to close).
-    async fn route(&self, admitted: &Admitted) -> Result<RouteId, Stop> {
-        let routes = self.cx.mailer.routes();
-        let Some(pinned) = admitted.pin.get() else {
-            while !routes.any_up() {
-                tokio::select! {
-                    _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                    _ = async {
-                        self.cx.health.wait_dependencies_up().await;
-                        // The circuit is marked open just after the last breaker
-                        // opens: a moment for it, rather than a busy loop.
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    } => {}
-                }
-            }
-            return Ok(routes.choose());
-        };
-        let route = routes.get(pinned);
-        if !route.is_up() {
-            tracing::info!(key = %admitted.job.key, provider = %route.name, "waiting for the provider this job may already have reached");
-            tokio::select! {
-                _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                _ = route.wait_up() => {}
-            }
-        }
-        Ok(pinned)
     }
 
     /// One attempt under a claim: the suppression list, the job type's throttle, a lease long enough for the
@@ -437,24 +381,6 @@ impl Worker {
                 self.follow(next, key, Some(fence), error.detail(), pin.get())
                     .await
             }
-        }
-    }
-
-    /// What a send error is to the retry policy. An unreachable transport pauses the
-    /// job while some route is up (it goes through the next one, or waits for its
-    /// pinned one), and holds it once every route's breaker is open.
-    fn failure(&self, error: &SendError) -> Failure {
-        match error {
-            SendError::Permanent(_) => Failure::Refused,
-            // Another instance holds the key now: it has its own copy of the job.
-            SendError::Withdrawn(_) => Failure::LeaseBusy {
-                remaining: self.cx.settings.worker.lease,
-            },
-            SendError::Transient(_) => Failure::Transient,
-            SendError::Throttled(_) => Failure::Throttled,
-            SendError::Unreachable(_) => Failure::Unreachable {
-                circuit_open: !self.cx.mailer.routes().any_up(),
-            },
         }
     }
 

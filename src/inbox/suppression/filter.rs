@@ -33,6 +33,9 @@ pub(crate) const CAPACITY: usize = 1_000_000;
 /// The filter's bits, swapped whole on a rebuild.
 pub(crate) struct Filter {
     bits: std::sync::RwLock<Arc<Bits>>,
+    /// The bits a rebuild is filling, which this instance's inserts also go to (so
+    /// that an address suppressed while the table is read is not lost in the swap).
+    building: std::sync::Mutex<Option<Arc<Bits>>>,
     capacity: usize,
     ready: AtomicBool,
 }
@@ -79,6 +82,7 @@ impl Filter {
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
             bits: std::sync::RwLock::new(Arc::new(Bits::new(capacity))),
+            building: std::sync::Mutex::new(None),
             capacity,
             ready: AtomicBool::new(false),
         }
@@ -99,6 +103,10 @@ impl Filter {
 
     /// Notes an address (normalised) just suppressed.
     pub(crate) fn insert(&self, address: &str) {
+        let building = self.building.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(next) = building.as_ref() {
+            next.insert(address);
+        }
         self.bits().insert(address);
     }
 
@@ -134,12 +142,40 @@ impl Filter {
         });
     }
 
-    /// Reads the live rows added since `since` (all when `None`, into fresh bits);
-    /// the database's time of the read.
+    /// Reads the live rows added since `since`, or all of them into fresh bits that
+    /// replace the current ones (`None`); the database's time of the read.
     async fn refresh(
         &self,
         pool: &Pool,
         since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<chrono::DateTime<chrono::Utc>, DbError> {
+        let bits = match since {
+            Some(_) => self.bits(),
+            None => {
+                let next = Arc::new(Bits::new(self.capacity));
+                *self.building.lock().unwrap_or_else(|e| e.into_inner()) = Some(next.clone());
+                next
+            }
+        };
+        let read = self.read(pool, since, &bits).await;
+        if since.is_none() {
+            let mut building = self.building.lock().unwrap_or_else(|e| e.into_inner());
+            if read.is_ok() {
+                *self.bits.write().unwrap_or_else(|e| e.into_inner()) = bits;
+                self.ready.store(true, Ordering::Release);
+            }
+            *building = None;
+        }
+        read
+    }
+
+    /// Reads the live rows added since `since` (all when `None`) into `bits`; the
+    /// database's time of the read.
+    async fn read(
+        &self,
+        pool: &Pool,
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        bits: &Bits,
     ) -> Result<chrono::DateTime<chrono::Utc>, DbError> {
         let client = pool.get().await?;
         let read_at: chrono::DateTime<chrono::Utc> =
@@ -152,16 +188,8 @@ impl Filter {
                 &[&since],
             )
             .await?;
-        let bits = match since {
-            Some(_) => self.bits(),
-            None => Arc::new(Bits::new(self.capacity)),
-        };
         for row in &rows {
             bits.insert(row.get(0));
-        }
-        if since.is_none() {
-            *self.bits.write().unwrap_or_else(|e| e.into_inner()) = bits;
-            self.ready.store(true, Ordering::Release);
         }
         Ok(read_at)
     }
@@ -187,5 +215,10 @@ mod tests {
         );
         let filter = Filter::new(100);
         assert!(filter.may_hold_any(&["a@x".into()]), "not loaded: maybe");
+        // An address suppressed while a rebuild reads the table is in the new bits.
+        let next = Arc::new(Bits::new(100));
+        *filter.building.lock().unwrap() = Some(next.clone());
+        filter.insert("late@x");
+        assert!(next.may_contain("late@x") && filter.bits().may_contain("late@x"));
     }
 }

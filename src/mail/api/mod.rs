@@ -19,11 +19,10 @@
 
 use std::time::Duration;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -33,8 +32,11 @@ use crate::config::{ApiEndpoint, ApiProvider, SmtpSettings};
 
 mod mailgun;
 mod postmark;
+mod request;
 mod sendgrid;
 mod ses;
+
+pub(super) use request::HttpRequest;
 
 /// A provider's reply: status, headers and body (at most what `smtp.timeout` let us read).
 pub(super) struct Reply {
@@ -75,75 +77,6 @@ pub(super) fn failure(name: &str, reply: &Reply, throttle: bool, detail: &str) -
         408 | 500..=599 => SendError::Transient(text),
         400..=499 => SendError::Permanent(text),
         _ => SendError::Transient(text),
-    }
-}
-
-/// A request as the provider modules build it (POST, or GET for the probe).
-pub(super) struct HttpRequest {
-    method: Method,
-    url: String,
-    headers: Vec<(http::HeaderName, HeaderValue)>,
-    body: Vec<u8>,
-}
-
-impl HttpRequest {
-    pub(super) fn post(url: &str) -> Self {
-        Self::new(Method::POST, url)
-    }
-
-    pub(super) fn get(url: &str) -> Self {
-        Self::new(Method::GET, url)
-    }
-
-    fn new(method: Method, url: &str) -> Self {
-        Self {
-            method,
-            url: url.to_string(),
-            headers: Vec::new(),
-            body: Vec::new(),
-        }
-    }
-
-    /// Adds a header; one that is not valid is dropped (the provider then refuses the
-    /// request, which is classed like any refusal). `authorization` and
-    /// `x-amz-security-token` are marked sensitive.
-    pub(super) fn header(self, name: &str, value: impl AsRef<str>) -> Self {
-        let secret = matches!(name, "authorization" | "x-amz-security-token");
-        self.with_header(name, value.as_ref(), secret)
-    }
-
-    /// A header holding a secret: marked sensitive (hidden from `Debug`, never indexed).
-    pub(super) fn secret_header(self, name: &str, value: &str) -> Self {
-        self.with_header(name, value, true)
-    }
-
-    fn with_header(mut self, name: &str, value: &str, secret: bool) -> Self {
-        let name = http::HeaderName::from_bytes(name.as_bytes());
-        if let (Ok(name), Ok(mut value)) = (name, HeaderValue::from_str(value)) {
-            value.set_sensitive(secret);
-            self.headers.push((name, value));
-        }
-        self
-    }
-
-    pub(super) fn bearer_auth(self, token: &str) -> Self {
-        self.secret_header("authorization", &format!("Bearer {token}"))
-    }
-
-    pub(super) fn basic_auth(self, user: &str, password: &str) -> Self {
-        let pair = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        self.secret_header("authorization", &format!("Basic {pair}"))
-    }
-
-    pub(super) fn json(self, body: &serde_json::Value) -> Self {
-        let mut request = self.header("content-type", "application/json");
-        request.body = body.to_string().into_bytes();
-        request
-    }
-
-    pub(super) fn body(mut self, body: Vec<u8>) -> Self {
-        self.body = body;
-        self
     }
 }
 

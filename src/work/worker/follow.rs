@@ -7,7 +7,8 @@ use std::time::Duration;
 use super::{Followed, Stop, Worker};
 use crate::contract::IdempotencyKey;
 use crate::inbox::Completion;
-use crate::mail::RouteId;
+use crate::mail::{RouteId, SendError};
+use crate::work::policy::Failure;
 use crate::work::{DeadKind, Next, Outcome};
 
 impl Worker {
@@ -131,5 +132,23 @@ impl Worker {
             .await?;
         }
         Ok(())
+    }
+
+    /// What a send error is to the retry policy. An unreachable transport pauses the
+    /// job while some route is up (it goes through the next one, or waits for its
+    /// pinned one), and holds it once every route's breaker is open.
+    pub(super) fn failure(&self, error: &SendError) -> Failure {
+        match error {
+            SendError::Permanent(_) => Failure::Refused,
+            // Another instance holds the key now: it has its own copy of the job.
+            SendError::Withdrawn(_) => Failure::LeaseBusy {
+                remaining: self.cx.settings.worker.lease,
+            },
+            SendError::Transient(_) => Failure::Transient,
+            SendError::Throttled(_) => Failure::Throttled,
+            SendError::Unreachable(_) => Failure::Unreachable {
+                circuit_open: !self.cx.mailer.routes().any_up(),
+            },
+        }
     }
 }
