@@ -11,12 +11,12 @@ build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sin
 
 test: ## the whole test suite; first installs/starts what it needs (scripts/test-setup.sh)
 	bash scripts/test-setup.sh
-	$(CARGO) test --locked --workspace --all-targets
+	$(CARGO) test --locked --workspace --all-targets --no-fail-fast
 
 test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673)
 	bash scripts/test-setup.sh
 	bash scripts/rabbitmq-4.sh start
-	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets --no-fail-fast
 
 demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh
