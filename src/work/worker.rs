@@ -301,8 +301,9 @@ impl Worker {
         }
     }
 
-    /// One attempt under a claim: the suppression list, the job type's throttle, a lease long enough for the
-    /// send, the send, and its record (or what the policy makes of its failure).
+    /// One attempt under a claim: the suppression list, the job type's throttle, a lease
+    /// long enough for the send, the send, and its record (or what the policy makes of
+    /// its failure).
     async fn attempt(
         &self,
         admitted: &Admitted,

@@ -178,18 +178,19 @@ impl Filter {
         bits: &Bits,
     ) -> Result<chrono::DateTime<chrono::Utc>, DbError> {
         let client = pool.get().await?;
-        let read_at: chrono::DateTime<chrono::Utc> =
-            client.query_one("SELECT now()", &[]).await?.get(0);
-        let rows = client
-            .query(
-                "SELECT DISTINCT address FROM postie_suppression
-                  WHERE ($1::timestamptz IS NULL OR created_at >= $1)
-                    AND (expires_at IS NULL OR expires_at > now())",
+        // The read's time and the rows in one statement (one snapshot, one round trip).
+        let row = client
+            .query_one(
+                "SELECT now(), ARRAY(SELECT DISTINCT address FROM postie_suppression
+                                      WHERE ($1::timestamptz IS NULL OR created_at >= $1)
+                                        AND (expires_at IS NULL OR expires_at > now()))",
                 &[&since],
             )
             .await?;
-        for row in &rows {
-            bits.insert(row.get(0));
+        let read_at: chrono::DateTime<chrono::Utc> = row.get(0);
+        let addresses: Vec<&str> = row.get(1);
+        for address in addresses {
+            bits.insert(address);
         }
         Ok(read_at)
     }
