@@ -188,31 +188,29 @@ impl ProviderServer {
     }
 
     async fn put(&self, path: &str, body: Value) {
-        let status = self
-            .http
-            .put(format!("http://{}{path}", self.control))
-            .json(&body)
-            .send()
-            .await
-            .expect("provider server control")
-            .status();
-        assert!(
-            status.is_success(),
-            "the provider server refused {path}: {status}"
-        );
+        let request = self.http.put(self.control_url(path)).json(&body);
+        self.control(request, path).await;
     }
 
     async fn delete(&self, path: &str) {
-        let status = self
-            .http
-            .delete(format!("http://{}{path}", self.control))
+        let request = self.http.delete(self.control_url(path));
+        self.control(request, &format!("DELETE {path}")).await;
+    }
+
+    fn control_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.control)
+    }
+
+    /// Sends a control request (`what`, for the failure) and asserts it was taken.
+    async fn control(&self, request: reqwest::RequestBuilder, what: &str) {
+        let status = request
             .send()
             .await
             .expect("provider server control")
             .status();
         assert!(
             status.is_success(),
-            "the provider server refused DELETE {path}: {status}"
+            "the provider server refused {what}: {status}"
         );
     }
 
