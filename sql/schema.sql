@@ -45,7 +45,10 @@ CREATE TABLE postie_inbox (
     reconciled    integer NOT NULL DEFAULT 0,  -- re-publishes by the reconciler
     -- 0011: who sent it
     provider            text,             -- the transport that accepted the email
-    provider_message_id text              -- the id its API answered with (NULL for SMTP)
+    provider_message_id text,             -- the id its API answered with (NULL for SMTP)
+    -- 0013: what became of it after the 250
+    feedback    text CHECK (feedback IN ('bounced', 'complained')),
+    feedback_at timestamptz
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
@@ -59,6 +62,12 @@ CREATE INDEX postie_inbox_arrived_due ON postie_inbox (due_at)
 -- Suppressed rows by age, for retention (0012).
 CREATE INDEX postie_inbox_suppressed_updated ON postie_inbox (updated_at)
     WHERE status = 'suppressed';
+
+-- A notification's email, by its Message-ID or by the provider's id (0013).
+CREATE INDEX postie_inbox_message_id ON postie_inbox (message_id)
+    WHERE message_id IS NOT NULL;
+CREATE INDEX postie_inbox_provider_message_id ON postie_inbox (provider_message_id)
+    WHERE provider_message_id IS NOT NULL;
 
 -- Recent sends per (type, recipient), for the per-type throttle's window (0002).
 CREATE TABLE postie_throttle (
@@ -97,6 +106,22 @@ CREATE TABLE postie_suppression_strikes (
     address text          PRIMARY KEY,
     strikes timestamptz[] NOT NULL
 );
+
+-- Bounces and complaints (0013): one row per (source, notification_id, address), so
+-- a replayed notification inserts nothing; the job's key and type when matched.
+CREATE TABLE postie_feedback (
+    id              bigserial   PRIMARY KEY,
+    source          text        NOT NULL,
+    notification_id text        NOT NULL,
+    kind            text        NOT NULL CHECK (kind IN ('bounce', 'complaint')),
+    address         text        NOT NULL,
+    key             text,
+    type            text,
+    evidence        text        NOT NULL,
+    received_at     timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (source, notification_id, address)
+);
+CREATE INDEX postie_feedback_received ON postie_feedback (received_at);
 
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
 CREATE TABLE postie_rate_limit (

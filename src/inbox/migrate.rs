@@ -47,6 +47,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (10, "0010_one_claim_function"),
     (11, "0011_provider"),
     (12, "0012_suppression"),
+    (13, "0013_feedback"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.
