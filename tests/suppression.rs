@@ -293,3 +293,149 @@ async fn operators_manage_the_list_and_a_job_may_override_it() {
     let status = env.postie(&["status"]).unwrap();
     assert!(status.contains("suppressed"), "{status}");
 }
+
+/// `postie suppression export` writes the list as CSV, which `import` reads back (a
+/// second import adds nothing); a provider's export (`email`, `reason` in its words)
+/// is understood; a file with one bad row is refused whole, naming its line.
+#[tokio::test]
+async fn the_list_goes_out_and_comes_back_as_csv() {
+    let env = TestEnv::new("supp-csv").await;
+    env.postie(&["migrate"]).unwrap();
+    env.postie(&[
+        "suppression",
+        "add",
+        "ann@example.com",
+        "--reason",
+        "complaint",
+        "--note",
+        "ARF, report 7",
+    ])
+    .unwrap();
+    env.postie(&[
+        "suppression",
+        "add",
+        "bob@example.com",
+        "--scope",
+        "newsletter",
+        "--expires",
+        "30d",
+    ])
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("postie-supp-csv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exported = dir.join("list.csv");
+    env.postie(&[
+        "suppression",
+        "export",
+        "--file",
+        exported.to_str().unwrap(),
+    ])
+    .unwrap();
+    let text = std::fs::read_to_string(&exported).unwrap();
+    assert!(
+        text.starts_with("address,scope,reason,source,created_at,expires_at,evidence\n"),
+        "{text}"
+    );
+    assert!(text.contains("ann@example.com,*,complaint,cli,"), "{text}");
+    assert!(text.contains("\"ARF, report 7\""), "quoted: {text}");
+    assert!(
+        text.contains("bob@example.com,newsletter,manual,cli,"),
+        "{text}"
+    );
+    assert_eq!(text.lines().count(), 3, "{text}");
+
+    // Emptied, then read back: the same rows, the expiry kept.
+    env.postie(&["suppression", "remove", "ann@example.com"])
+        .unwrap();
+    env.postie(&["suppression", "remove", "bob@example.com"])
+        .unwrap();
+    assert!(suppressions(&env).await.is_empty());
+    let path = exported.to_str().unwrap();
+    let first = env.postie(&["suppression", "import", path]).unwrap();
+    assert!(first.contains("2 rows read: 2 added"), "{first}");
+    let again = env.postie(&["suppression", "import", path]).unwrap();
+    assert!(again.contains("2 rows read: 0 added"), "{again}");
+    let rows = suppressions(&env).await;
+    assert_eq!(
+        rows,
+        vec![
+            (
+                "ann@example.com".into(),
+                "*".into(),
+                "complaint".into(),
+                "import".into(),
+                "ARF, report 7".into()
+            ),
+            (
+                "bob@example.com".into(),
+                "newsletter".into(),
+                "manual".into(),
+                "import".into(),
+                String::new()
+            ),
+        ]
+    );
+    let expires: i64 = env
+        .db()
+        .await
+        .query_one(
+            "SELECT count(*) FROM postie_suppression WHERE address = 'bob@example.com' \
+               AND expires_at > now() + interval '29 days'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(expires, 1, "the expiry came back");
+
+    // A provider's export, its own column names and words.
+    let provider = dir.join("provider.csv");
+    std::fs::write(&provider, "Email,Reason,Created\nCat@Example.com,bounce,1700000000\ndan@example.com,spamreport,1700000001\n").unwrap();
+    let out = env
+        .postie(&[
+            "suppression",
+            "import",
+            provider.to_str().unwrap(),
+            "--source",
+            "sendgrid-export",
+        ])
+        .unwrap();
+    assert!(out.contains("2 added"), "{out}");
+    let rows = suppressions(&env).await;
+    assert!(
+        rows.contains(&(
+            "cat@example.com".into(),
+            "*".into(),
+            "hard_bounce".into(),
+            "sendgrid-export".into(),
+            String::new()
+        )),
+        "{rows:?}"
+    );
+    assert!(
+        rows.contains(&(
+            "dan@example.com".into(),
+            "*".into(),
+            "complaint".into(),
+            "sendgrid-export".into(),
+            String::new()
+        )),
+        "{rows:?}"
+    );
+
+    // One bad row: refused whole, nothing added.
+    let bad = dir.join("bad.csv");
+    std::fs::write(&bad, "email\neve@example.com\nnobody-at-all\n").unwrap();
+    let refused = env
+        .postie(&["suppression", "import", bad.to_str().unwrap()])
+        .unwrap_err();
+    assert!(
+        refused.contains("line 3") && refused.contains("nobody-at-all"),
+        "{refused}"
+    );
+    assert!(!suppressions(&env)
+        .await
+        .iter()
+        .any(|r| r.0 == "eve@example.com"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

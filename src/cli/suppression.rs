@@ -1,11 +1,15 @@
-//! `postie suppression list|add|remove`: the addresses postie does not send to.
+//! `postie suppression list|add|remove|import|export`: the addresses postie does not
+//! send to.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Subcommand;
 
 use crate::config::Settings;
 use crate::inbox::{Inbox, Suppress, SuppressionReason};
+
+mod csv_file;
 
 /// What to do with the suppression list.
 #[derive(Subcommand)]
@@ -44,6 +48,36 @@ pub enum SuppressionCommand {
         #[arg(long)]
         scope: Option<String>,
     },
+    /// Add the addresses of a CSV file (a header row; see `export` for the columns, or
+    /// a provider's export with an `email` column), all or none: one bad row refuses
+    /// the file.
+    Import {
+        /// The CSV file; `-` reads standard input.
+        file: PathBuf,
+        /// The reason of rows without one.
+        #[arg(long, default_value = "manual")]
+        reason: String,
+        /// The source named in the audit trail.
+        #[arg(long, default_value = "import")]
+        source: String,
+        /// Refuse a file of more rows than this (the file is read whole first).
+        #[arg(long, default_value_t = 1_000_000)]
+        max_rows: usize,
+    },
+    /// Write the live list as CSV (address, scope, reason, source, created_at,
+    /// expires_at, evidence), which `import` reads back.
+    Export {
+        /// The file to write; default: standard output.
+        #[arg(long)]
+        file: Option<PathBuf>,
+    },
+}
+
+/// `--reason`'s word as a reason.
+fn reason_arg(reason: &str) -> anyhow::Result<SuppressionReason> {
+    SuppressionReason::parse(reason).ok_or_else(|| {
+        anyhow::anyhow!("--reason {reason:?}: one of hard_bounce, complaint, unsubscribe, manual")
+    })
 }
 
 /// Runs `command` against the inbox database.
@@ -74,11 +108,7 @@ pub(super) async fn run(settings: &Settings, command: SuppressionCommand) -> any
             note,
             expires,
         } => {
-            let reason = SuppressionReason::parse(&reason).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "--reason {reason:?}: one of hard_bounce, complaint, unsubscribe, manual"
-                )
-            })?;
+            let reason = reason_arg(&reason)?;
             anyhow::ensure!(address.contains('@'), "{address:?} is not an email address");
             let added = inbox
                 .suppress(Suppress {
@@ -106,6 +136,50 @@ pub(super) async fn run(settings: &Settings, command: SuppressionCommand) -> any
                 if removed == 1 { "y" } else { "ies" }
             );
         }
+        SuppressionCommand::Import {
+            file,
+            reason,
+            source,
+            max_rows,
+        } => import(&inbox, &file, reason_arg(&reason)?, &source, max_rows).await?,
+        SuppressionCommand::Export { file } => {
+            let rows = match file {
+                Some(path) => {
+                    let out = std::fs::File::create(&path)
+                        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+                    csv_file::export(&inbox, std::io::BufWriter::new(out)).await?
+                }
+                None => {
+                    csv_file::export(&inbox, std::io::BufWriter::new(std::io::stdout())).await?
+                }
+            };
+            eprintln!("{rows} suppressed addresses exported");
+        }
     }
+    Ok(())
+}
+
+/// `postie suppression import`: reads and checks the whole file, then adds it in one
+/// transaction.
+async fn import(
+    inbox: &Inbox,
+    file: &std::path::Path,
+    reason: SuppressionReason,
+    source: &str,
+    max_rows: usize,
+) -> anyhow::Result<()> {
+    let entries = if file.as_os_str() == "-" {
+        csv_file::read(std::io::stdin().lock(), reason, max_rows)?
+    } else {
+        let input = std::fs::File::open(file)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
+        csv_file::read(std::io::BufReader::new(input), reason, max_rows)?
+    };
+    let added = inbox.suppress_many(&entries, source).await?;
+    out!(
+        "{} rows read: {added} added, {} unchanged (already on the list, or repeated in the file)",
+        entries.len(),
+        entries.len() as u64 - added
+    );
     Ok(())
 }

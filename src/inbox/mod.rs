@@ -28,7 +28,9 @@ pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
 pub(crate) use reconcile::Overdue;
 pub(crate) use status::Status;
-pub use suppression::{normalise, Suppress, Suppression, SuppressionReason};
+pub use suppression::{
+    normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
+};
 
 use crate::config::{DatabaseSettings, DbPlan, DbTls};
 use crate::endpoint::redact_url;

@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use super::{DbError, Inbox};
 
+mod bulk;
 mod filter;
 
+pub use bulk::Entry;
 pub(crate) use filter::Filter;
 
 /// Why an address is suppressed (the `reason` column).
@@ -93,6 +95,21 @@ pub struct Suppress<'a> {
 /// case-sensitive in theory, never in practice at the providers this list mirrors).
 pub fn normalise(address: &str) -> String {
     address.trim().to_lowercase()
+}
+
+/// A row of `postie_suppression` as the list's readers select it (address, scope,
+/// reason, source, evidence, created_at and expires_at as text); `None` for a reason
+/// this postie does not know.
+fn read_row(r: &tokio_postgres::Row) -> Option<Suppression> {
+    Some(Suppression {
+        address: r.get(0),
+        scope: r.get(1),
+        reason: SuppressionReason::parse(r.get(2))?,
+        source: r.get(3),
+        evidence: r.get(4),
+        created_at: r.get(5),
+        expires_at: r.get(6),
+    })
 }
 
 impl Inbox {
@@ -218,20 +235,7 @@ impl Inbox {
                 &[&address, &limit],
             )
             .await?;
-        Ok(rows
-            .iter()
-            .filter_map(|r| {
-                Some(Suppression {
-                    address: r.get(0),
-                    scope: r.get(1),
-                    reason: SuppressionReason::parse(r.get(2))?,
-                    source: r.get(3),
-                    evidence: r.get(4),
-                    created_at: r.get(5),
-                    expires_at: r.get(6),
-                })
-            })
-            .collect())
+        Ok(rows.iter().filter_map(read_row).collect())
     }
 
     /// Counts a bare 5xx strike against `address` (those older than `window`
