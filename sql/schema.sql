@@ -48,7 +48,9 @@ CREATE TABLE postie_inbox (
     provider_message_id text,             -- the id its API answered with (NULL for SMTP)
     -- 0013: what became of it after the 250
     feedback    text CHECK (feedback IN ('bounced', 'complained')),
-    feedback_at timestamptz
+    feedback_at timestamptz,
+    -- 0015: the job's type, for the bounce and complaint rates per type
+    type        text
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
@@ -122,6 +124,15 @@ CREATE TABLE postie_feedback (
     UNIQUE (source, notification_id, address)
 );
 CREATE INDEX postie_feedback_received ON postie_feedback (received_at);
+
+-- Emails sent per job type and minute (0015), added by each instance every few
+-- seconds; with postie_feedback, the bounce and complaint rates per type.
+CREATE TABLE postie_send_tally (
+    minute timestamptz NOT NULL,
+    type   text        NOT NULL,
+    sent   bigint      NOT NULL,
+    PRIMARY KEY (minute, type)
+);
 
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
 CREATE TABLE postie_rate_limit (

@@ -141,14 +141,46 @@ async fn in_flight_rows_are_never_pruned_and_prune_reports_what_it_deletes() {
         .await
         .unwrap();
 
+    // The rates' rows: kept for their day (and feedback as long as finished jobs),
+    // then pruned.
+    env.db()
+        .await
+        .batch_execute(
+            "INSERT INTO postie_send_tally (minute, type, sent) VALUES
+                 (now() - interval '3 days', 'order', 5), (date_trunc('minute', now()), 'order', 7);
+             INSERT INTO postie_feedback (source, notification_id, kind, address, evidence, received_at)
+                 VALUES ('smtp', 'old', 'bounce', 'x@example.com', '550', now() - interval '3 days'),
+                        ('smtp', 'new', 'bounce', 'x@example.com', '550', now())",
+        )
+        .await
+        .unwrap();
     let dry = postie(&["prune", "--dry-run"], &vars);
     assert!(
         dry.contains("would delete: 34 finished rows") && dry.contains("0 tombstones"),
         "{dry}"
     );
+    assert!(
+        dry.contains("2 bounce and complaint records and send tallies"),
+        "{dry}"
+    );
     assert_eq!(env.inbox_count("true").await, 30 + 30 + 15 + 1 + 4);
     let done = postie(&["prune"], &vars);
     assert!(done.contains("deleted: 34 finished rows"), "{done}");
+    for (table, left) in [
+        ("postie_send_tally", "sent = 7"),
+        ("postie_feedback", "notification_id = 'new'"),
+    ] {
+        let rows = env
+            .db()
+            .await
+            .query(&format!("SELECT {left} FROM {table}"), &[])
+            .await
+            .unwrap();
+        assert!(
+            rows.len() == 1 && rows[0].get::<_, bool>(0),
+            "{table}: only the recent row is left"
+        );
+    }
     assert_eq!(
         env.inbox_count("status IN ('sending', 'retrying', 'scheduled')")
             .await,

@@ -439,3 +439,129 @@ async fn the_list_goes_out_and_comes_back_as_csv() {
         .any(|r| r.0 == "eve@example.com"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Bounce rates per job type: a send-time hard bounce is recorded as feedback under
+/// its job's type, sends are counted per type, `postie status` shows both over the
+/// last hour and day (marking a rate over its threshold), and the maintenance instance
+/// exports the rates and warns once a type's rate passes
+/// `suppression.bounce_rate_warning`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounce_rates_per_type_show_in_status_metrics_and_a_warning() {
+    let env = TestEnv::new("supp-rates").await;
+    env.sink
+        .set_faults(json!([
+            {"stage": "rcpt", "rcpt_contains": "gone", "action": {"reply": "550 5.1.1 no such user"}}
+        ]))
+        .await;
+    let typed = |key: &str, to: &str, kind: &str| {
+        let mut body = job(key, to);
+        body["type"] = json!(kind);
+        body
+    };
+    let serving = env.serve(env.settings());
+    for body in [
+        typed("sr-o1", "a@example.com", "order"),
+        typed("sr-o2", "b@example.com", "order"),
+        typed("sr-o3", "gone@example.com", "order"),
+        typed("sr-n1", "c@example.com", "news"),
+        typed("sr-n2", "d@example.com", "news"),
+    ] {
+        env.publish(&body).await;
+    }
+    for (key, want) in [
+        ("sr-o1", "sent"),
+        ("sr-o2", "sent"),
+        ("sr-o3", "dead"),
+        ("sr-n1", "sent"),
+        ("sr-n2", "sent"),
+    ] {
+        env.wait_for_status(key, want, WAIT).await;
+    }
+    // A stop adds the sends counted since the last flush.
+    serving.stop().await;
+    let feedback = env
+        .db()
+        .await
+        .query(
+            "SELECT source, kind, address, key, type FROM postie_feedback",
+            &[],
+        )
+        .await
+        .unwrap();
+    let feedback: Vec<(String, String, String, String, String)> = feedback
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect();
+    assert_eq!(
+        feedback,
+        [(
+            "smtp".to_string(),
+            "bounce".to_string(),
+            "gone@example.com".to_string(),
+            "sr-o3".to_string(),
+            "order".to_string()
+        )]
+    );
+    let vars = [
+        ("POSTIE__SUPPRESSION__RATE_MIN_SENDS", "1"),
+        ("POSTIE__SUPPRESSION__BOUNCE_RATE_WARNING", "0.2"),
+    ];
+    let mut args = env.env_vars();
+    args.extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let status = support::run_postie(&["status"], &args);
+    let line = |kind: &str| {
+        status
+            .stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(kind))
+            .unwrap_or_else(|| panic!("no {kind} line:\n{}", status.stdout))
+            .to_string()
+    };
+    let order = line("order");
+    assert!(
+        order.split_whitespace().take(3).eq(["order", "2", "2"]),
+        "two sent in the hour and day: {order}"
+    );
+    assert!(
+        order.contains("1 (50.00 %!)"),
+        "one bounce per two sent, marked: {order}"
+    );
+    let news = line("news");
+    assert!(news.contains("0 (0.00 %)"), "{news}");
+
+    // The maintenance instance reads the rates when it starts leading.
+    let port = support::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut extra = vars.to_vec();
+    extra.push(("POSTIE__HTTP__LISTEN", listen.as_str()));
+    let mut postie = env.spawn_process(&extra);
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let url = &url;
+    let metrics = eventually("the rates exported", WAIT, move || async move {
+        let text = reqwest::get(url).await.ok()?.text().await.ok()?;
+        text.contains("postie_feedback_rate{").then_some(text)
+    })
+    .await;
+    assert!(
+        metrics.contains(r#"postie_feedback_rate{type="order",kind="bounce",window="1d"} 0.5"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"postie_feedback_rate{type="news",kind="bounce",window="1h"} 0"#),
+        "{metrics}"
+    );
+    let warned = eventually("the warning", WAIT, || async {
+        let log = postie.log();
+        log.contains("over its warning threshold").then_some(log)
+    })
+    .await;
+    postie.terminate(Duration::from_secs(20));
+    let warnings: Vec<&str> = warned
+        .lines()
+        .filter(|l| l.contains("over its warning threshold"))
+        .collect();
+    assert!(
+        warnings.iter().all(|l| l.contains("order")) && !warnings.is_empty(),
+        "only order's bounce rate is over 20 %: {warnings:?}"
+    );
+}

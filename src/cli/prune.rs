@@ -22,12 +22,13 @@ pub(super) async fn run(settings: &Settings, args: &PruneArgs) -> anyhow::Result
         "deleted"
     };
     out!(
-        "{verb}: {} finished rows (older than {}), {} tombstones (older than {}), {} throttle rows",
+        "{verb}: {} finished rows (older than {}), {} tombstones (older than {}), {} throttle rows, {} bounce and complaint records and send tallies",
         pruned.finished,
         humantime::format_duration(plan.retention),
         pruned.tombstones,
         humantime::format_duration(plan.tombstone_retention),
-        pruned.throttle
+        pruned.throttle,
+        pruned.feedback
     );
     out!(
         "in {:.3}s, {} statements",

@@ -18,6 +18,7 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     out!("  duplicates suppressed: {}", counts.duplicates);
     out!("  leases taken over:     {}", counts.takeovers);
     transports(settings, &inbox).await?;
+    rates(settings, &inbox).await?;
 
     let topology = broker::resolve_topology(settings).await?;
     out!("delay mode: {}", topology.mode_name());
@@ -56,6 +57,56 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
         drain_check(settings, &conn, old).await?;
     }
     let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// Bounces and complaints per email sent, per job type, over the last hour and day;
+/// `!` marks a rate over its warning threshold.
+async fn rates(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
+    let rates = inbox.rates().await?;
+    let s = &settings.suppression;
+    out!(
+        "bounce and complaint rates by job type (last hour, last day; ! over {:.2} % bounces or {:.2} % complaints):",
+        s.bounce_rate_warning * 100.0,
+        s.complaint_rate_warning * 100.0
+    );
+    if rates.is_empty() {
+        out!("  (nothing sent in the last day)");
+    }
+    out!(
+        "  {:<20} {:>8} {:>8}  {:>17} {:>17}  {:>17} {:>17}",
+        "type",
+        "sent 1h",
+        "sent 1d",
+        "bounces 1h",
+        "bounces 1d",
+        "complaints 1h",
+        "complaints 1d"
+    );
+    for r in &rates {
+        let cell = |count: [i64; 2], w: usize, limit: f64| match r.rate(count, w) {
+            None => format!("{} (-)", count[w]),
+            Some(rate) => {
+                let over = rate > limit && r.sent[w] >= s.rate_min_sends;
+                format!(
+                    "{} ({:.2} %{})",
+                    count[w],
+                    rate * 100.0,
+                    if over { "!" } else { "" }
+                )
+            }
+        };
+        let kind = if r.kind.is_empty() { "(none)" } else { &r.kind };
+        out!(
+            "  {kind:<20} {:>8} {:>8}  {:>17} {:>17}  {:>17} {:>17}",
+            r.sent[0],
+            r.sent[1],
+            cell(r.bounces, 0, s.bounce_rate_warning),
+            cell(r.bounces, 1, s.bounce_rate_warning),
+            cell(r.complaints, 0, s.complaint_rate_warning),
+            cell(r.complaints, 1, s.complaint_rate_warning),
+        );
+    }
     Ok(())
 }
 

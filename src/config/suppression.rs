@@ -25,6 +25,35 @@ pub struct SuppressionSettings {
     /// How long a strike counts.
     #[serde(deserialize_with = "duration")]
     pub strike_window: Duration,
+    /// Bounces per email sent, over the last hour or day for one job type, above
+    /// which the maintenance instance logs a warning (SES reviews an account at 5 %).
+    pub bounce_rate_warning: f64,
+    /// Complaints per email sent above which it warns (SES reviews at 0.1 %; Gmail
+    /// and Yahoo want senders under 0.3 %).
+    pub complaint_rate_warning: f64,
+    /// A rate warns only once its window holds at least this many sends (one bounce
+    /// of the day's first email is not a 100 % rate).
+    pub rate_min_sends: i64,
+}
+
+impl SuppressionSettings {
+    /// The rate thresholds are fractions (0.05 is 5 %).
+    pub(super) fn check(&self) -> Result<(), String> {
+        for (name, value) in [
+            ("bounce_rate_warning", self.bounce_rate_warning),
+            ("complaint_rate_warning", self.complaint_rate_warning),
+        ] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(format!(
+                    "suppression.{name} = {value}: a fraction of the emails sent, above 0 and at most 1 (0.05 is 5 %)"
+                ));
+            }
+        }
+        if self.rate_min_sends < 1 {
+            return Err("suppression.rate_min_sends must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for SuppressionSettings {
@@ -36,6 +65,9 @@ impl Default for SuppressionSettings {
                 .to_vec(),
             strikes: 2,
             strike_window: Duration::from_secs(24 * 3600),
+            bounce_rate_warning: 0.05,
+            complaint_rate_warning: 0.001,
+            rate_min_sends: 100,
         }
     }
 }

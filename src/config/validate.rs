@@ -71,6 +71,7 @@ impl Settings {
         self.check_inbox()?;
         self.check_worker_and_smtp()?;
         self.check_budget()?;
+        self.suppression.check().map_err(ConfigError)?;
         self.parse_addresses()
     }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
-use super::pollers::DEPTH_POLL;
+use super::pollers::{Warned, DEPTH_POLL, RATE_POLL};
 use super::session::bounded;
 use super::Service;
 use crate::broker;
@@ -97,6 +97,7 @@ impl Service {
         let interval = self.cx.settings.inbox.prune_interval;
         let (mut next_prune, mut next_poll) = (Instant::now(), Instant::now());
         let mut next_reconcile = Instant::now();
+        let (mut next_rates, mut warned) = (Instant::now(), Warned::new());
         let mut amqp: Option<Connection> = None;
         loop {
             if lock.is_closed() || lock.simple_query("SELECT 1").await.is_err() {
@@ -106,6 +107,10 @@ impl Service {
             if Instant::now() >= next_poll {
                 next_poll = Instant::now() + DEPTH_POLL;
                 amqp = self.poll(amqp).await;
+            }
+            if Instant::now() >= next_rates {
+                next_rates = Instant::now() + RATE_POLL;
+                self.poll_rates(&mut warned).await;
             }
             if Instant::now() >= next_prune {
                 self.prune_pass().await;
@@ -132,6 +137,7 @@ impl Service {
         metrics.queue_depth.clear();
         metrics.pending.set(0);
         metrics.inbox_rows.set(0);
+        metrics.feedback_rate.clear();
         tracing::info!(reason = %why, "maintenance handed over");
     }
 
@@ -195,6 +201,7 @@ impl Service {
                     (Pruned::Finished, pruned.finished),
                     (Pruned::Tombstone, pruned.tombstones),
                     (Pruned::Throttle, pruned.throttle),
+                    (Pruned::Feedback, pruned.feedback),
                 ] {
                     metrics.pruned.inc_by(kind, n);
                 }

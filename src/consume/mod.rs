@@ -94,12 +94,14 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         health,
         hard_stop: CancellationToken::new(),
     });
+    let inbox = cx.inbox.clone();
     let service = Service::new(cx);
     service.announce(&connection.address);
     let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
     // `stop` is cancelled by now: maintenance ends and releases its lock.
     let _ = tokio::time::timeout(GOODBYE_TIMEOUT, maintenance).await;
+    inbox.flush_sends().await;
     clock.abort();
     tracing::info!("postie stopped");
     Ok(())

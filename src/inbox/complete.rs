@@ -76,6 +76,11 @@ impl Completer {
             deadline,
         }
     }
+
+    /// `database.statement_timeout`.
+    pub(super) fn deadline(&self) -> Duration {
+        self.deadline
+    }
 }
 
 /// `COMPLETE` over a batch: the rows as arrays, joined with `unnest`; each row's key

@@ -18,6 +18,7 @@ mod prune;
 mod queries;
 mod rate;
 mod reconcile;
+mod reputation;
 mod status;
 mod suppression;
 mod tls;
@@ -27,6 +28,7 @@ pub(crate) use error::DbError;
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
 pub(crate) use reconcile::Overdue;
+pub use reputation::TypeRates;
 pub(crate) use status::Status;
 pub use suppression::{
     normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
@@ -47,6 +49,9 @@ pub struct Inbox {
     /// The suppressed addresses' filter, started by the first check
     /// (`suppression/filter.rs`); its refresh ends once every clone is dropped.
     suppression_filter: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<suppression::Filter>>>,
+    /// Sends per job type, added to `postie_send_tally` every few seconds by a task
+    /// the first count starts (`reputation.rs`).
+    tally: std::sync::Arc<reputation::Tally>,
 }
 
 impl Inbox {
@@ -82,6 +87,7 @@ impl Inbox {
             direct: (pg, tls),
             completer: complete::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
+            tally: Default::default(),
         })
     }
 

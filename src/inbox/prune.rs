@@ -68,6 +68,9 @@ pub(crate) struct Pruned {
     pub(crate) tombstones: u64,
     /// Throttle rows.
     pub(crate) throttle: u64,
+    /// Bounce and complaint records and send tallies past the rates' day
+    /// (`reputation.rs`).
+    pub(crate) feedback: u64,
     /// DELETE statements run.
     pub(crate) statements: u64,
     /// How long the pass took.
@@ -92,7 +95,7 @@ impl Inbox {
         Ok(row.get::<_, String>(0) == "on")
     }
 
-    /// One pass: finished rows, tombstones, then throttle rows.
+    /// One pass: finished rows, tombstones, throttle rows, then the rates' rows.
     pub(crate) async fn prune(&self, plan: &PrunePlan) -> Result<Pruned, DbError> {
         let started = Instant::now();
         let mut pruned = Pruned::default();
@@ -138,6 +141,9 @@ impl Inbox {
         }
         pruned.throttle = self
             .prune_throttle(plan, now, &mut pruned.statements)
+            .await?;
+        pruned.feedback = self
+            .prune_feedback(finished_cutoff, plan, &mut pruned.statements)
             .await?;
         pruned.took = started.elapsed();
         Ok(pruned)

@@ -19,8 +19,8 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, Label, LabelValue, ProviderLabel, ProviderName,
-    ProviderResult, Pruned, RelayRoute, Step, Suppressed, ThrottlePolicy,
+    Counters, DeadReason, Dependency, FeedbackKind, Label, LabelValue, ProviderLabel, ProviderName,
+    ProviderResult, Pruned, RateLabel, RateWindow, RelayRoute, Step, Suppressed, ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -174,6 +174,8 @@ declare! {
             => "recipients_suppressed", "Recipients left out of a job's envelope because they are suppressed, by reason";
         suppressions_added: Counters<Suppressed>
             => "suppressions_added", "Addresses postie put on the suppression list from a relay's reply, by reason";
+        feedback_rate: Family<RateLabel, Gauge<f64, AtomicU64>>
+            => "feedback_rate", "Bounces or complaints per email sent, per job type, over the last hour or day (polled by the maintenance instance)";
         stale: Counter
             => "stale", "Jobs skipped because a newer revision exists";
         pending: Gauge

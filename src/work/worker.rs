@@ -371,7 +371,7 @@ impl Worker {
                 let mut failure = self.failure(&error);
                 let recipients = job.to.len() + job.cc.len() + job.bcc.len();
                 if matches!(error, SendError::Permanent(_))
-                    && self.note_bounce(route, &held.clearance).await?
+                    && self.note_bounce(route, &held.clearance, job).await?
                     && recipients > 1
                 {
                     // A hard bounce of one recipient: the others may still take it,

@@ -183,6 +183,8 @@ label_enum! {
         Tombstone = "tombstone",
         /// Throttle rows.
         Throttle = "throttle",
+        /// Bounce and complaint records and send tallies (the rates' rows).
+        Feedback = "feedback",
     }
 }
 
@@ -268,4 +270,45 @@ impl EncodeLabelSet for ProviderLabel {
 pub struct ProviderName {
     /// The provider's name.
     pub provider: String,
+}
+
+label_enum! {
+    /// What a provider or a relay said after (or instead of) the 250 (`kind`).
+    FeedbackKind, "kind" {
+        /// A bounce.
+        Bounce = "bounce",
+        /// A complaint.
+        Complaint = "complaint",
+    }
+}
+
+label_enum! {
+    /// The window of a rate (`window`).
+    RateWindow, "window" {
+        /// The last hour.
+        Hour = "1h",
+        /// The last day.
+        Day = "1d",
+    }
+}
+
+/// `type="…",kind="…",window="…"`: one job type's bounce or complaint rate. The
+/// types are the producers' (`postie_send_tally` keeps at most 1,000 apart per
+/// instance).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct RateLabel {
+    /// The job type.
+    pub kind: String,
+    /// Bounces or complaints.
+    pub feedback: FeedbackKind,
+    /// Over the last hour or day.
+    pub window: RateWindow,
+}
+
+impl EncodeLabelSet for RateLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> std::fmt::Result {
+        ("type", self.kind.as_str()).encode(encoder.encode_label())?;
+        (FeedbackKind::NAME, Value(self.feedback)).encode(encoder.encode_label())?;
+        (RateWindow::NAME, Value(self.window)).encode(encoder.encode_label())
+    }
 }

@@ -87,6 +87,9 @@ impl Worker {
                 self.cx.inbox.complete(key.as_str(), fence, sent)
             })
             .await?;
+        if kept {
+            self.cx.inbox.count_sent(job.kind.as_deref().unwrap_or(""));
+        }
         Ok(if kept {
             Outcome::Sent {
                 key,

@@ -95,18 +95,32 @@ impl Worker {
 
     /// After a permanent refusal: the recipient the relay refused at RCPT TO, if the
     /// reply is a hard bounce (or the strike that reaches the threshold), goes on the
-    /// list. True if that recipient is suppressed now.
+    /// list. Either is recorded as a bounce of `job` for the rates. True if that
+    /// recipient is suppressed now.
     pub(super) async fn note_bounce(
         &self,
         route: RouteId,
         clearance: &Clearance,
+        job: &EmailJob,
     ) -> Result<bool, Stop> {
         let settings = &self.cx.settings.suppression;
         let Some((address, reply)) = clearance.refused().filter(|_| settings.enabled) else {
             return Ok(false);
         };
         let source = &self.cx.mailer.routes().get(route).name;
-        let (suppressed, added) = match bounce::classify(&reply, &settings.hard_bounce_codes) {
+        let bounced = bounce::classify(&reply, &settings.hard_bounce_codes);
+        if bounced == Bounce::Not {
+            return Ok(false);
+        }
+        let kind = job.kind.as_deref().unwrap_or("");
+        let normalised = normalise(&address);
+        self.db("record bounce", || {
+            self.cx
+                .inbox
+                .record_send_bounce(job.key.as_str(), kind, &normalised, source, &reply)
+        })
+        .await?;
+        let (suppressed, added) = match bounced {
             Bounce::Not => return Ok(false),
             Bounce::Hard(code) => {
                 let added = self
