@@ -483,8 +483,8 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
     use postie::ops::metrics::{
-        DeadReason, Dependency, Metrics, ProviderLabel, ProviderName, ProviderResult, QueueLabel,
-        RelayRoute, Step,
+        DeadReason, Dependency, FeedbackKind, Metrics, ProviderLabel, ProviderName, ProviderResult,
+        QueueLabel, RateLabel, RateWindow, RelayRoute, Step,
     };
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
@@ -512,6 +512,14 @@ fn exported_series() -> BTreeSet<String> {
             provider: provider(),
         })
         .set(0);
+    metrics
+        .feedback_rate
+        .get_or_create(&RateLabel {
+            kind: "order".into(),
+            feedback: FeedbackKind::Bounce,
+            window: RateWindow::Day,
+        })
+        .set(0.0);
     let rendered = metrics.render();
     let mut out = BTreeSet::new();
     for line in rendered.lines() {
