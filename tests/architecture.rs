@@ -29,9 +29,15 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "consume",
         &[
-            "work", "inbox", "mail", "broker", "topology", "contract", "ops", "config", "headers",
-            "endpoint", "root",
+            "work", "feedback", "inbox", "mail", "broker", "topology", "contract", "ops", "config",
+            "headers", "endpoint", "root",
         ],
+    ),
+    // Bounces and complaints after the send: webhooks recorded in the inbox (inbox),
+    // an HTTPS client for SNS (mail's), counted (ops).
+    (
+        "feedback",
+        &["inbox", "mail", "ops", "config", "endpoint", "root"],
     ),
     // Dead letters for operators: reads a letter (contract), replays it (broker).
     (

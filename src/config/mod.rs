@@ -18,6 +18,7 @@ use serde::Deserialize;
 mod amqp;
 mod database;
 mod de;
+mod feedback;
 mod memory;
 mod observe;
 mod provider;
@@ -30,6 +31,9 @@ mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub(crate) use database::{database_plan, DbPlan, DbTls};
+pub use feedback::{
+    FeedbackSettings, MailgunSettings, PostmarkSettings, SendgridSettings, SnsSettings,
+};
 pub(crate) use memory::Prefetch;
 pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};
@@ -71,6 +75,8 @@ pub struct Settings {
     pub inbox: InboxSettings,
     /// The suppression list: hard bounces and what else postie does not send to.
     pub suppression: SuppressionSettings,
+    /// The providers' bounce and complaint webhooks (`/feedback/<provider>`; off).
+    pub feedback: FeedbackSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -111,6 +117,8 @@ impl Settings {
                 .with_list_parse_key("topology.drain_prefixes")
                 .with_list_parse_key("transport.providers")
                 .with_list_parse_key("suppression.hard_bounce_codes")
+                .with_list_parse_key("feedback.sns.allowed_hosts")
+                .with_list_parse_key("feedback.sns.topic_arns")
                 .try_parsing(true)
                 .source(env),
         );

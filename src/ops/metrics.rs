@@ -19,8 +19,9 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, Label, LabelValue, ProviderLabel, ProviderName,
-    ProviderResult, Pruned, RelayRoute, Step, Suppressed, ThrottlePolicy,
+    Counters, DeadReason, Dependency, FeedbackLabel, FeedbackResult, FeedbackSource, Label,
+    LabelValue, ProviderLabel, ProviderName, ProviderResult, Pruned, RelayRoute, Step, Suppressed,
+    ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -174,6 +175,8 @@ declare! {
             => "recipients_suppressed", "Recipients left out of a job's envelope because they are suppressed, by reason";
         suppressions_added: Counters<Suppressed>
             => "suppressions_added", "Addresses postie put on the suppression list from a relay's reply, by reason";
+        feedback_notifications: Family<FeedbackLabel, Counter>
+            => "feedback_notifications", "Bounce and complaint notifications from the providers' webhooks, by provider and result";
         stale: Counter
             => "stale", "Jobs skipped because a newer revision exists";
         pending: Gauge
