@@ -1,7 +1,7 @@
 //! Asynchronous feedback (issue 30, item 4) end to end: a real RabbitMQ, a real
 //! PostgreSQL, the SMTP test server or the provider test server sending the jobs first
 //! (so that their rows carry a Message-ID or a provider's id), then `postie serve`'s
-//! `/feedback/<provider>` (on `feedback.listen`).
+//! `/feedback/<provider>` (on `feedback.listen`) or `postie feedback ingest`.
 //!
 //! - each webhook (SES through SNS, SendGrid, Postmark, Mailgun) with a valid
 //!   signature or credentials (keys made here: `openssl` for SNS's RSA certificate and
@@ -11,6 +11,8 @@
 //!   feedback row, one audit add);
 //! - SNS's subscription confirmation: the `SubscribeURL` fetched once (a tiny HTTP
 //!   server here, allow-listed); one on a host not allowed: refused, never fetched;
+//! - a DSN and an ARF report piped to `postie feedback ingest`: matched by Message-ID,
+//!   suppressed as `hard_bounce` and `complaint`; piped again: a duplicate.
 
 mod support;
 
@@ -560,4 +562,89 @@ async fn feedback_ses_through_sns_verifies_signatures_and_confirms_subscriptions
     assert_eq!(counted(&at, "ses", "duplicate").await, 1.0);
     serving.stop().await;
     eprintln!("FIGURES feedback ses/sns: SubscribeURL fetched 1 time, the one on a host not allowed 0 times; bounce by SES id -> 1 suppression; wrong key 403 counted; replay no-op");
+}
+
+/// Runs `postie feedback ingest` with `report` on stdin: exit code, stdout, stderr.
+fn ingest(env: &TestEnv, report: &str) -> (Option<i32>, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
+        .args(["feedback", "ingest"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.env_vars())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(report.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_ingest_reads_a_dsn_and_an_arf_report() {
+    let (env, settings) = world("feedback-ingest", None).await;
+    let serving = env.serve(settings);
+    sent(&env, "fb-dsn", "gone@example.com").await;
+    sent(&env, "fb-arf", "angry@example.com").await;
+    serving.stop().await;
+    let dsn = format!(
+        "From: MAILER-DAEMON@mx.example\r\nMessage-ID: <dsn-77@mx.example>\r\nSubject: Undelivered\r\n\
+Content-Type: multipart/report; report-type=delivery-status;\r\n boundary=\"=_b1\"\r\n\r\n\
+--=_b1\r\nContent-Type: text/plain\r\n\r\nThis message could not be delivered.\r\n\
+--=_b1\r\nContent-Type: message/delivery-status\r\n\r\nReporting-MTA: dns; mx.example\r\nArrival-Date: Wed, 2 Dec 2026 03:00:00 +0000\r\n\r\n\
+Final-Recipient: rfc822; gone@example.com\r\nAction: failed\r\nStatus: 5.1.1\r\nDiagnostic-Code: smtp; 550 5.1.1\r\n <gone@example.com>: no such user\r\n\r\n\
+--=_b1\r\nContent-Type: text/rfc822-headers\r\n\r\nFrom: noreply@shop.example\r\nTo: gone@example.com\r\nMessage-ID: {}\r\nSubject: About fb-dsn\r\n\r\n\
+--=_b1--\r\n",
+        message_id("fb-dsn")
+    );
+    let (code, out, err) = ingest(&env, &dsn);
+    assert_eq!(code, Some(0), "{out} {err}");
+    assert!(
+        out.contains("recorded: bounce (hard_bounce) from dsn, key fb-dsn"),
+        "{out}"
+    );
+    let st = state(&env, "gone@example.com", "fb-dsn").await;
+    assert_eq!(
+        st,
+        (1, 1, Some("hard_bounce".into()), Some("bounced".into()))
+    );
+    let (code, out, _) = ingest(&env, &dsn);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("duplicate"), "{out}");
+    assert_eq!(state(&env, "gone@example.com", "fb-dsn").await.0, 1);
+
+    let arf = format!(
+        "From: fbl@isp.example\r\nMessage-ID: <arf-9@isp.example>\r\nMIME-Version: 1.0\r\n\
+Content-Type: multipart/report; report-type=feedback-report; boundary=\"part\"\r\n\r\n\
+--part\r\nContent-Type: text/plain\r\n\r\nThis is an email abuse report.\r\n\
+--part\r\nContent-Type: message/feedback-report\r\n\r\nFeedback-Type: abuse\r\nUser-Agent: SomeISP/1.0\r\nVersion: 1\r\n\r\n\
+--part\r\nContent-Type: message/rfc822\r\n\r\nFrom: noreply@shop.example\r\nTo: Angry <angry@example.com>\r\nMessage-ID: {}\r\nSubject: About fb-arf\r\n\r\nHello about fb-arf\r\n\
+--part--\r\n",
+        message_id("fb-arf")
+    );
+    let (code, out, err) = ingest(&env, &arf);
+    assert_eq!(code, Some(0), "{out} {err}");
+    assert!(
+        out.contains("recorded: complaint (complaint) from arf, key fb-arf"),
+        "{out}"
+    );
+    let st = state(&env, "angry@example.com", "fb-arf").await;
+    assert_eq!(
+        st,
+        (1, 1, Some("complaint".into()), Some("complained".into()))
+    );
+    let (code, _, err) = ingest(&env, "Subject: hello\r\n\r\nnot a report\r\n");
+    assert_ne!(code, Some(0));
+    assert!(err.contains("not a report"), "{err}");
+    eprintln!("FIGURES feedback ingest: DSN 5.1.1 -> hard_bounce matched by Message-ID, again -> duplicate; ARF abuse -> complaint matched; a plain email refused with a non-zero exit");
 }

@@ -1,6 +1,6 @@
 //! Asynchronous feedback (issue 30): bounces and complaints reported after the email
 //! was accepted, recorded by [`Inbox::record_feedback`] (the job's row, the
-//! suppression list), through the webhooks:
+//! suppression list). Two ways in:
 //!
 //! - the webhooks, `/feedback/<provider>` on `feedback.listen` (off by default): SES
 //!   through SNS (`sns.rs`), SendGrid, Postmark and Mailgun (`providers.rs`), each
@@ -10,6 +10,8 @@
 //!   configured: 403; malformed: 400; a replay: 200 and nothing changes; a database
 //!   that does not answer: 503 (the provider retries). Counted in
 //!   `postie_feedback_notifications_total{provider,result}`.
+//! - reports, `postie feedback ingest` (`report.rs`): an RFC 3464 DSN or an RFC 5965
+//!   ARF report on stdin.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,6 +31,7 @@ use crate::inbox::{Feedback, Inbox, Recorded};
 use crate::ops::metrics::{FeedbackLabel, FeedbackResult, FeedbackSource, SharedMetrics};
 
 mod providers;
+pub(crate) mod report;
 mod sns;
 mod verify;
 
