@@ -218,6 +218,7 @@ async fn feedback_sendgrid_and_mailgun_webhooks_match_by_message_id() {
     let (env, mut settings) = world("feedback-sg-mg", None).await;
     settings.feedback.sendgrid.public_key = Some(SecretString::from(B64.encode(&spki)));
     settings.feedback.mailgun.signing_key = Some(SecretString::from("mg-signing-key".to_string()));
+    settings.feedback.max_body_bytes = 64 * 1024;
     let at = Addrs::of(&settings);
     let serving = env.serve(settings);
     sent(&env, "fb-sg", "sg@example.com").await;
@@ -242,6 +243,12 @@ async fn feedback_sendgrid_and_mailgun_webhooks_match_by_message_id() {
     let bad = sign(&ec, "-sha256", format!("{ts}[]").as_bytes());
     assert_eq!(post(&at, "sendgrid", &signed(&bad), &events).await.0, 403);
     assert_eq!(post(&at, "sendgrid", &[], &events).await.0, 401);
+    let huge = format!("[{}]", " ".repeat(100 * 1024));
+    assert_eq!(
+        post(&at, "sendgrid", &signed(&sig), &huge).await.0,
+        413,
+        "over feedback.max_body_bytes"
+    );
     assert_eq!(post(&at, "sendgrid", &signed(&sig), &events).await.0, 200);
     assert_eq!(
         post(&at, "sendgrid", &signed(&sig), &events).await.0,

@@ -180,6 +180,38 @@ mod tests {
     }
 
     #[test]
+    fn feedback_is_off_by_default_and_reads_its_lists_and_secrets() {
+        let s = Settings::load_from(None, Some(vars(&[]))).unwrap();
+        assert_eq!(s.feedback.listen, None);
+        assert_eq!(s.feedback.sns.allowed_hosts, ["sns.*.amazonaws.com"]);
+        let env = vars(&[
+            ("POSTIE__FEEDBACK__LISTEN", "127.0.0.1:9091"),
+            (
+                "POSTIE__FEEDBACK__SNS__ALLOWED_HOSTS",
+                "a.example,http://127.0.0.1:80",
+            ),
+            (
+                "POSTIE__FEEDBACK__MAILGUN__SIGNING_KEY",
+                "mg-key-do-not-print",
+            ),
+            (
+                "POSTIE__FEEDBACK__POSTMARK__PASSWORD",
+                "pm-pass-do-not-print",
+            ),
+        ]);
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.feedback.listen, Some("127.0.0.1:9091".parse().unwrap()));
+        assert_eq!(
+            s.feedback.sns.allowed_hosts,
+            ["a.example", "http://127.0.0.1:80"]
+        );
+        let shown = format!("{:?}", s.feedback);
+        assert!(!shown.contains("do-not-print"), "{shown}");
+        let zero = vars(&[("POSTIE__FEEDBACK__MAX_BODY_BYTES", "0")]);
+        assert!(Settings::load_from(None, Some(zero)).is_err());
+    }
+
+    #[test]
     fn environment_overrides_defaults_and_parses_lists() {
         let env = vars(&[
             ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2m"),
