@@ -320,6 +320,43 @@ fn ses_notes(notification_id: &str, m: &Value) -> Vec<Feedback> {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn urls_are_fetched_only_from_allowed_hosts_and_certificates_only_over_https() {
+        let settings = SnsSettings {
+            allowed_hosts: vec!["sns.*.amazonaws.com".into(), "http://127.0.0.1:8080".into()],
+            ..SnsSettings::default()
+        };
+        let sns = Sns::new(&settings, Duration::from_secs(1), 1024).unwrap();
+        let ok = |url: &str, https_only| sns.allowed(url, https_only).is_some();
+        assert!(ok(
+            "https://sns.eu-west-1.amazonaws.com/SimpleNotificationService-1.pem",
+            true
+        ));
+        assert!(!ok("http://sns.eu-west-1.amazonaws.com/x.pem", true));
+        assert!(!ok("https://sns.eu-west-1.amazonaws.com:8443/x.pem", true));
+        assert!(!ok(
+            "https://sns.eu-west-1.amazonaws.com.evil.example/x.pem",
+            true
+        ));
+        assert!(!ok(
+            "https://evil.example/?sns.eu-west-1.amazonaws.com",
+            false
+        ));
+        assert!(ok("http://127.0.0.1:8080/confirm?Token=t", false));
+        assert!(
+            !ok("http://127.0.0.1:8080/cert.pem", true),
+            "a certificate only over https"
+        );
+        assert!(!ok("http://127.0.0.1:8081/confirm", false));
+        // No file and no allowed URL: refused before any fetch.
+        let refused = sns.certificate(Some("https://evil.example/x.pem")).await;
+        assert!(matches!(refused, Err(Refused::Forbidden(_))));
+        assert!(matches!(
+            sns.certificate(None).await,
+            Err(Refused::Forbidden(_))
+        ));
+    }
+
     #[test]
     fn hosts_match_one_label_per_star_and_the_canonical_string_skips_no_subject() {
         assert!(host_matches(
