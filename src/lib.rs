@@ -38,6 +38,7 @@ pub mod consume;
 pub mod contract;
 pub mod dlq;
 pub mod endpoint;
+pub mod feedback;
 pub mod headers;
 pub mod inbox;
 pub mod mail;

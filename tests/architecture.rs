@@ -21,17 +21,24 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "consume", "dlq", "work", "inbox", "mail", "broker", "topology", "contract", "ops",
-            "config", "headers", "endpoint", "root",
+            "consume", "dlq", "feedback", "work", "inbox", "mail", "broker", "topology",
+            "contract", "ops", "config", "headers", "endpoint", "root",
         ],
     ),
     // `postie serve`: the consume loops around the unit of work.
     (
         "consume",
         &[
-            "work", "inbox", "mail", "broker", "topology", "contract", "ops", "config", "headers",
-            "endpoint", "root",
+            "work", "feedback", "inbox", "mail", "broker", "topology", "contract", "ops", "config",
+            "headers", "endpoint", "root",
         ],
+    ),
+    // Bounces and complaints after the send: webhooks and reports recorded in the inbox
+    // (inbox), hard bounces read as at send time (mail::bounce), an HTTPS client for
+    // SNS (mail's), counted (ops).
+    (
+        "feedback",
+        &["inbox", "mail", "ops", "config", "endpoint", "root"],
     ),
     // Dead letters for operators: reads a letter (contract), replays it (broker).
     (

@@ -4,6 +4,7 @@
 
 mod cancel;
 mod dlq;
+mod feedback;
 mod migrate;
 mod pending;
 mod prune;
@@ -69,6 +70,13 @@ pub enum Command {
         #[command(subcommand)]
         command: suppression::SuppressionCommand,
     },
+    /// Bounces and complaints reported after the send: `ingest` reads a DSN or an
+    /// ARF report on stdin.
+    Feedback {
+        /// What to do.
+        #[command(subcommand)]
+        command: feedback::FeedbackCommand,
+    },
 }
 
 /// Runs `command`.
@@ -84,5 +92,6 @@ pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Prune(args) => prune::run(&settings, &args).await,
         Command::Dlq { command } => dlq::run(&settings, command).await,
         Command::Suppression { command } => suppression::run(&settings, command).await,
+        Command::Feedback { command } => feedback::run(&settings, command).await,
     }
 }

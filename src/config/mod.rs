@@ -18,6 +18,7 @@ use serde::Deserialize;
 mod amqp;
 mod database;
 mod de;
+mod feedback;
 mod memory;
 mod observe;
 mod provider;
@@ -30,6 +31,9 @@ mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub(crate) use database::{database_plan, DbPlan, DbTls};
+pub use feedback::{
+    FeedbackSettings, MailgunSettings, PostmarkSettings, SendgridSettings, SnsSettings,
+};
 pub(crate) use memory::Prefetch;
 pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};
@@ -71,6 +75,8 @@ pub struct Settings {
     pub inbox: InboxSettings,
     /// The suppression list: hard bounces and what else postie does not send to.
     pub suppression: SuppressionSettings,
+    /// The providers' bounce and complaint webhooks (`/feedback/<provider>`; off).
+    pub feedback: FeedbackSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -111,6 +117,8 @@ impl Settings {
                 .with_list_parse_key("topology.drain_prefixes")
                 .with_list_parse_key("transport.providers")
                 .with_list_parse_key("suppression.hard_bounce_codes")
+                .with_list_parse_key("feedback.sns.allowed_hosts")
+                .with_list_parse_key("feedback.sns.topic_arns")
                 .try_parsing(true)
                 .source(env),
         );
@@ -169,6 +177,38 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         Settings::default().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn feedback_is_off_by_default_and_reads_its_lists_and_secrets() {
+        let s = Settings::load_from(None, Some(vars(&[]))).unwrap();
+        assert_eq!(s.feedback.listen, None);
+        assert_eq!(s.feedback.sns.allowed_hosts, ["sns.*.amazonaws.com"]);
+        let env = vars(&[
+            ("POSTIE__FEEDBACK__LISTEN", "127.0.0.1:9091"),
+            (
+                "POSTIE__FEEDBACK__SNS__ALLOWED_HOSTS",
+                "a.example,http://127.0.0.1:80",
+            ),
+            (
+                "POSTIE__FEEDBACK__MAILGUN__SIGNING_KEY",
+                "mg-key-do-not-print",
+            ),
+            (
+                "POSTIE__FEEDBACK__POSTMARK__PASSWORD",
+                "pm-pass-do-not-print",
+            ),
+        ]);
+        let s = Settings::load_from(None, Some(env)).unwrap();
+        assert_eq!(s.feedback.listen, Some("127.0.0.1:9091".parse().unwrap()));
+        assert_eq!(
+            s.feedback.sns.allowed_hosts,
+            ["a.example", "http://127.0.0.1:80"]
+        );
+        let shown = format!("{:?}", s.feedback);
+        assert!(!shown.contains("do-not-print"), "{shown}");
+        let zero = vars(&[("POSTIE__FEEDBACK__MAX_BODY_BYTES", "0")]);
+        assert!(Settings::load_from(None, Some(zero)).is_err());
     }
 
     #[test]

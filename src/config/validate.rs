@@ -69,6 +69,7 @@ impl Settings {
         self.check_topology()?;
         self.check_delay_and_throttles()?;
         self.check_inbox()?;
+        self.check_feedback()?;
         self.check_worker_and_smtp()?;
         self.check_budget()?;
         self.suppression.check().map_err(ConfigError)?;
@@ -133,6 +134,14 @@ impl Settings {
                 "inbox.retention, tombstone_retention, prune_interval and prune_batch must be above zero"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    fn check_feedback(&self) -> Result<(), ConfigError> {
+        let feedback = &self.feedback;
+        if feedback.max_body_bytes == 0 || feedback.request_timeout.is_zero() {
+            return fail("feedback.max_body_bytes and request_timeout must be above zero".into());
         }
         Ok(())
     }

@@ -77,6 +77,10 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         let (inbox, stop) = (inbox.clone(), stop.child_token());
         async move { inbox.discipline_clock(clock_warned, stop).await }
     });
+    if let Some(addr) = settings.feedback.listen {
+        let metrics = health.metrics().clone();
+        crate::feedback::start(&settings, addr, inbox.clone(), metrics, http_stop.clone()).await?;
+    }
     let mailer = Mailer::with_routes(&parsed.providers, &settings.smtp, health.metrics())?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();

@@ -13,6 +13,7 @@ mod claim;
 pub mod clock;
 mod complete;
 mod error;
+mod feedback;
 mod migrate;
 mod prune;
 mod queries;
@@ -25,6 +26,7 @@ mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
 pub(crate) use error::DbError;
+pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
 pub(crate) use reconcile::Overdue;

@@ -112,6 +112,21 @@ fn read_row(r: &tokio_postgres::Row) -> Option<Suppression> {
     })
 }
 
+/// Adds a row (address, scope, reason, source, evidence, seconds it lasts or NULL)
+/// with its audit row, unless a live row for the address and scope is there.
+pub(super) const ADD_SQL: &str = "WITH added AS (
+     INSERT INTO postie_suppression AS s
+            (address, scope, reason, source, evidence, expires_at)
+     VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second')
+     ON CONFLICT (address, scope) DO UPDATE
+        SET reason = EXCLUDED.reason, source = EXCLUDED.source,
+            evidence = EXCLUDED.evidence, created_at = now(),
+            expires_at = EXCLUDED.expires_at
+      WHERE s.expires_at IS NOT NULL AND s.expires_at <= now()
+     RETURNING address, scope, reason, source, evidence)
+ INSERT INTO postie_suppression_audit (address, scope, action, reason, source, evidence)
+ SELECT address, scope, 'add', reason, source, evidence FROM added";
+
 impl Inbox {
     /// The suppressed among `addresses` (normalised) for a job of type `kind`, each
     /// with its reason.
@@ -153,28 +168,9 @@ impl Inbox {
     /// there; true if it was added.
     pub async fn suppress(&self, s: Suppress<'_>) -> Result<bool, DbError> {
         let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "WITH added AS (
-                     INSERT INTO postie_suppression AS s
-                            (address, scope, reason, source, evidence, expires_at)
-                     VALUES ($1, $2, $3, $4, $5,
-                             now() + $6::float8 * interval '1 second')
-                     ON CONFLICT (address, scope) DO UPDATE
-                        SET reason = EXCLUDED.reason, source = EXCLUDED.source,
-                            evidence = EXCLUDED.evidence, created_at = now(),
-                            expires_at = EXCLUDED.expires_at
-                      WHERE s.expires_at IS NOT NULL AND s.expires_at <= now()
-                     RETURNING address, scope, reason, source, evidence)
-                 INSERT INTO postie_suppression_audit
-                        (address, scope, action, reason, source, evidence)
-                 SELECT address, scope, 'add', reason, source, evidence FROM added",
-            )
-            .await?;
+        let stmt = client.prepare_cached(ADD_SQL).await?;
         let lasts = s.lasts.map(|d| d.as_secs_f64());
-        if let Some(filter) = self.suppression_filter.get() {
-            filter.insert(&normalise(s.address));
-        }
+        self.note_suppressed(&normalise(s.address));
         let added = client
             .execute(
                 &stmt,
@@ -189,6 +185,14 @@ impl Inbox {
             )
             .await?;
         Ok(added == 1)
+    }
+
+    /// Tells this instance's filter (if started) that `address` (normalised) is on
+    /// the list.
+    pub(super) fn note_suppressed(&self, address: &str) {
+        if let Some(filter) = self.suppression_filter.get() {
+            filter.insert(address);
+        }
     }
 
     /// Removes the address's row in `scope` (every scope when `None`), with audit

@@ -35,6 +35,13 @@ pub(crate) fn classify(reply: &str, hard_codes: &[String]) -> Bounce {
     }
 }
 
+/// Whether a DSN's `Status` or a provider's diagnostic (`smtp; 550 5.1.1 …`) names a
+/// hard bounce: a permanent enhanced code in `hard_codes`. Feedback arrives after
+/// the email was accepted, so a bare code without an enhanced one is not a strike.
+pub(crate) fn is_hard_status(text: &str, hard_codes: &[String]) -> bool {
+    enhanced_code(text).is_some_and(|code| code.starts_with('5') && hard_codes.contains(&code))
+}
+
 /// The first three-digit reply code in the text (`550`).
 fn basic_code(reply: &str) -> Option<&str> {
     reply
@@ -93,5 +100,9 @@ mod tests {
             class("permanent error (550): no such user here"),
             Bounce::Strike
         );
+        assert!(is_hard_status("5.1.1", &codes));
+        assert!(is_hard_status("smtp; 550 5.1.1 user unknown", &codes));
+        assert!(!is_hard_status("5.2.2", &codes));
+        assert!(!is_hard_status("4.4.7", &codes));
     }
 }

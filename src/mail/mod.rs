@@ -24,6 +24,7 @@ mod message;
 mod route;
 mod smtp;
 
+pub(crate) use api::{web_client, WebClient};
 pub use route::RouteId;
 pub(crate) use route::{Change, Routes};
 

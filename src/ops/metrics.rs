@@ -19,8 +19,9 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, FeedbackKind, Label, LabelValue, ProviderLabel, ProviderName,
-    ProviderResult, Pruned, RateLabel, RateWindow, RelayRoute, Step, Suppressed, ThrottlePolicy,
+    Counters, DeadReason, Dependency, FeedbackKind, FeedbackLabel, FeedbackResult, FeedbackSource,
+    Label, LabelValue, ProviderLabel, ProviderName, ProviderResult, Pruned, RateLabel, RateWindow,
+    RelayRoute, Step, Suppressed, ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -176,6 +177,8 @@ declare! {
             => "suppressions_added", "Addresses postie put on the suppression list from a relay's reply, by reason";
         feedback_rate: Family<RateLabel, Gauge<f64, AtomicU64>>
             => "feedback_rate", "Bounces or complaints per email sent, per job type, over the last hour or day (polled by the maintenance instance)";
+        feedback_notifications: Family<FeedbackLabel, Counter>
+            => "feedback_notifications", "Bounce and complaint notifications from the providers' webhooks, by provider and result";
         stale: Counter
             => "stale", "Jobs skipped because a newer revision exists";
         pending: Gauge

@@ -310,6 +310,23 @@ impl Transport for ApiTransport {
     }
 }
 
+/// An HTTP(S) client on the same TLS as the providers' APIs (system roots, ring), for
+/// the feedback endpoint's fetches (SNS certificates, subscription URLs).
+pub(crate) type WebClient = Client;
+
+/// A [`WebClient`]; each connection attempt within `connect_timeout`.
+pub(crate) fn web_client(connect_timeout: Duration) -> anyhow::Result<WebClient> {
+    let mut http = HttpConnector::new();
+    http.set_connect_timeout(Some(connect_timeout));
+    http.enforce_http(false);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls_config()?)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(https))
+}
+
 /// rustls on ring with the system's root certificates.
 fn tls_config() -> anyhow::Result<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();

@@ -273,6 +273,52 @@ pub struct ProviderName {
 }
 
 label_enum! {
+    /// Which webhook sent a notification (`provider`).
+    FeedbackSource, "provider" {
+        /// Amazon SES through SNS.
+        Ses = "ses",
+        /// SendGrid's event webhook.
+        Sendgrid = "sendgrid",
+        /// Postmark's webhooks.
+        Postmark = "postmark",
+        /// Mailgun's webhooks.
+        Mailgun = "mailgun",
+    }
+}
+
+label_enum! {
+    /// What became of a notification (`result`).
+    FeedbackResult, "result" {
+        /// New and matched to its job.
+        Recorded = "recorded",
+        /// Seen before: nothing changed.
+        Duplicate = "duplicate",
+        /// New, no job matched (the address is still suppressed).
+        Unmatched = "unmatched",
+        /// Unsigned, badly signed, stale or unauthenticated.
+        Refused = "refused",
+        /// Not a payload of the provider's.
+        Malformed = "malformed",
+    }
+}
+
+/// `provider="ses",result="…"`: feedback notifications by webhook and result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct FeedbackLabel {
+    /// The webhook.
+    pub provider: FeedbackSource,
+    /// What became of it.
+    pub result: FeedbackResult,
+}
+
+impl EncodeLabelSet for FeedbackLabel {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> std::fmt::Result {
+        (FeedbackSource::NAME, Value(self.provider)).encode(encoder.encode_label())?;
+        (FeedbackResult::NAME, Value(self.result)).encode(encoder.encode_label())
+    }
+}
+
+label_enum! {
     /// What a provider or a relay said after (or instead of) the 250 (`kind`).
     FeedbackKind, "kind" {
         /// A bounce.
