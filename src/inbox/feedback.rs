@@ -103,19 +103,20 @@ impl Inbox {
         let tx = client.transaction().await?;
         let found = tx
             .query_opt(
-                "SELECT key FROM postie_inbox
+                "SELECT key, type FROM postie_inbox
                   WHERE ($1::text IS NOT NULL AND message_id = $1)
                      OR ($2::text IS NOT NULL AND provider_message_id = $2)
                   ORDER BY (message_id = $1) DESC NULLS LAST LIMIT 1",
                 &[&message_id, &f.provider_message_id],
             )
             .await?;
-        let key: Option<String> = found.map(|r| r.get(0));
+        let (key, kind): (Option<String>, Option<String>) =
+            found.map_or((None, None), |r| (r.get(0), r.get(1)));
         let inserted = tx
             .execute(
                 "INSERT INTO postie_feedback
-                        (source, notification_id, kind, address, key, evidence)
-                 VALUES ($1, $2, $3, $4, $5, $6)
+                        (source, notification_id, kind, address, key, type, evidence)
+                 VALUES ($1, $2, $3, $4, $5, $7, $6)
                  ON CONFLICT (source, notification_id, address) DO NOTHING",
                 &[
                     &f.source,
@@ -124,6 +125,7 @@ impl Inbox {
                     &address,
                     &key,
                     &f.evidence,
+                    &kind,
                 ],
             )
             .await?;
