@@ -48,7 +48,9 @@ CREATE TABLE postie_inbox (
     provider_message_id text,             -- the id its API answered with (NULL for SMTP)
     -- 0013: what became of it after the 250
     feedback    text CHECK (feedback IN ('bounced', 'complained')),
-    feedback_at timestamptz
+    feedback_at timestamptz,
+    -- 0014: the job's type, for the events written after its completion
+    type        text
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
@@ -122,6 +124,23 @@ CREATE TABLE postie_feedback (
     UNIQUE (source, notification_id, address)
 );
 CREATE INDEX postie_feedback_received ON postie_feedback (received_at);
+
+-- Delivery events (0014): the outbox of `<p>.events`, one row per outcome, written
+-- with the change of status it reports and deleted once its publish is confirmed.
+CREATE TABLE postie_events (
+    id                  bigserial   PRIMARY KEY,
+    key                 text        NOT NULL,
+    outcome             text        NOT NULL CHECK (outcome IN
+                        ('sent', 'dead', 'suppressed', 'throttled', 'cancelled', 'bounced',
+                         'complained')),
+    type                text,
+    message_id          text,
+    provider            text,
+    provider_message_id text,
+    reason              text,
+    attempts            integer     NOT NULL DEFAULT 0,
+    occurred_at         timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
 CREATE TABLE postie_rate_limit (

@@ -18,6 +18,7 @@ use serde::Deserialize;
 mod amqp;
 mod database;
 mod de;
+mod events;
 mod memory;
 mod observe;
 mod provider;
@@ -30,6 +31,7 @@ mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub(crate) use database::{database_plan, DbPlan, DbTls};
+pub use events::EventsSettings;
 pub(crate) use memory::Prefetch;
 pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};
@@ -71,6 +73,8 @@ pub struct Settings {
     pub inbox: InboxSettings,
     /// The suppression list: hard bounces and what else postie does not send to.
     pub suppression: SuppressionSettings,
+    /// Delivery events for the producers (`<p>.events`).
+    pub events: EventsSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }

@@ -48,6 +48,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (11, "0011_provider"),
     (12, "0012_suppression"),
     (13, "0013_feedback"),
+    (14, "0014_events"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -13,6 +13,7 @@ mod claim;
 pub mod clock;
 mod complete;
 mod error;
+mod events;
 mod migrate;
 mod prune;
 mod queries;
@@ -24,6 +25,8 @@ mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
 pub(crate) use error::DbError;
+pub use events::{record_event, RECORD_EVENT};
+pub(crate) use events::{Event, OutboxError};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
 pub(crate) use reconcile::Overdue;
@@ -45,6 +48,9 @@ pub struct Inbox {
     /// The suppressed addresses' filter, started by the first check
     /// (`suppression/filter.rs`); its refresh ends once every clone is dropped.
     suppression_filter: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<suppression::Filter>>>,
+    /// `events.enabled`: completions and cancels write their delivery events
+    /// (`events.rs`). Set before the first completion ([`Inbox::with_events`]).
+    events: bool,
 }
 
 impl Inbox {
@@ -80,7 +86,16 @@ impl Inbox {
             direct: (pg, tls),
             completer: complete::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
+            events: true,
         })
+    }
+
+    /// Whether completions and cancels write delivery events (`events.enabled`;
+    /// on by default). Set before the first completion: the completion task keeps
+    /// what it found.
+    pub fn with_events(mut self, enabled: bool) -> Self {
+        self.events = enabled;
+        self
     }
 
     /// A connection of its own, outside the pool: what it holds (an advisory lock)

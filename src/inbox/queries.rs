@@ -49,12 +49,28 @@ pub(crate) struct InboxCounts {
 
 impl Inbox {
     /// Cancels `key` up to `revision` (None: the newest seen); a tombstone if unknown.
+    /// A cancel that ends a job (a key unknown so far, a scheduled or retrying row)
+    /// writes its `cancelled` event in the same statement (`events.enabled`); one of
+    /// a job already ended, sent or being sent writes none.
     pub async fn cancel(&self, key: &str, revision: Option<i32>) -> Result<Cancelled, DbError> {
         let client = self.pool.get().await?;
+        // `before` is the statement's snapshot: the row as it was before the cancel
+        // (none for a new key), for the type and Message-ID it knew.
         let stmt = client
-            .prepare_cached("SELECT prior_status, covers FROM postie_cancel($1, $2)")
+            .prepare_cached(
+                "WITH c AS (SELECT prior_status, covers FROM postie_cancel($1, $2)),
+                 events AS (
+                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
+                    SELECT $1, 'cancelled', before.type, before.message_id,
+                           coalesce(before.attempts, 0)
+                      FROM c LEFT JOIN postie_inbox before ON before.key = $1
+                     WHERE $3::bool AND c.prior_status IN ('new', 'scheduled', 'retrying'))
+                 SELECT prior_status, covers FROM c",
+            )
             .await?;
-        let row = client.query_one(&stmt, &[&key, &revision]).await?;
+        let row = client
+            .query_one(&stmt, &[&key, &revision, &self.events])
+            .await?;
         Ok(Cancelled {
             prior_status: status_of(row.get(0))?,
             covers: row.get(1),

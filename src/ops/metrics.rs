@@ -19,7 +19,7 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, Label, LabelValue, ProviderLabel, ProviderName,
+    Counters, DeadReason, Dependency, EventOutcome, Label, LabelValue, ProviderLabel, ProviderName,
     ProviderResult, Pruned, RelayRoute, Step, Suppressed, ThrottlePolicy,
 };
 
@@ -186,6 +186,10 @@ declare! {
             => "inbox_rows", "Inbox rows, planner estimate (maintenance instance)";
         maintenance_leader: Gauge
             => "maintenance_leader", "1 on the instance running singleton maintenance";
+        events_published: Counters<EventOutcome>
+            => "events_published", "Delivery events published to <p>.events and confirmed, by outcome";
+        events_backlog_seconds: Gauge<f64, AtomicU64>
+            => "events_backlog_seconds", "Age of the oldest delivery event this instance found waiting at its last poll (0: none)";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

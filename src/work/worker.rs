@@ -285,7 +285,7 @@ impl Worker {
                 let next = self
                     .policy
                     .next(Failure::LeaseBusy { remaining }, *failed_so_far);
-                self.follow(next, key, None, "claimed by another instance", None)
+                self.follow(next, job, None, "claimed by another instance", None)
                     .await
             }
             Claim::Claimed {
@@ -379,7 +379,7 @@ impl Worker {
                     failure = Failure::Transient;
                 }
                 let next = self.policy.next(failure, *failed_so_far);
-                self.follow(next, key, Some(fence), error.detail(), pin.get())
+                self.follow(next, job, Some(fence), error.detail(), pin.get())
                     .await
             }
         }
