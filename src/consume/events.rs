@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::publisher::Publisher;
 use super::Service;
 use crate::broker::PublishError;
+use crate::contract::message_id_of;
 use crate::inbox::{Event, OutboxError};
 use crate::ops::backoff::Backoff;
 
@@ -94,11 +95,17 @@ impl Service {
         let exchange = self.cx.topology.events_exchange();
         let metrics = self.cx.metrics();
         let limit = i64::from(self.cx.settings.events.batch);
+        let domain = self.cx.settings.smtp.message_id_domain.as_str();
         let published = self
             .cx
             .inbox
-            .publish_events(limit, |events: Vec<Event>| async move {
+            .publish_events(limit, |mut events: Vec<Event>| async move {
                 let now = Utc::now();
+                for event in &mut events {
+                    if event.message_id.is_none() {
+                        event.message_id = Some(message_id_of(&event.key, domain));
+                    }
+                }
                 if let Some(oldest) = events.iter().map(|e| e.occurred_at).min() {
                     let age = (now - oldest).num_milliseconds().max(0) as f64 / 1000.0;
                     metrics.events_backlog_seconds.set(age);
