@@ -9,6 +9,8 @@
 //!                                                    │ (delivery limit)
 //!                                                    ▼
 //!                               <p>.dlx ──▶ <p>.dead ◀── dead letters (with reasons)
+//!
+//! outcomes (postie_events) ─▶ <p>.events (topic: email.<outcome>.<type>) ─▶ producers' queues
 //! ```
 
 use std::time::Duration;
