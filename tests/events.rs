@@ -483,3 +483,157 @@ async fn events_for_a_thousand_jobs_on_three_instances_across_a_kill_9() {
         "{id_dups} duplicates by event id, beyond one batch"
     );
 }
+
+/// Claims and `sent` completions of `n` keys on 16 tasks: pairs per second.
+async fn claim_and_complete(inbox: &postie::inbox::Inbox, round: &str, n: usize) -> f64 {
+    use postie::inbox::{Claim, Completion};
+    let started = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (inbox, next, round) = (inbox.clone(), next.clone(), round.to_owned());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= n {
+                        return;
+                    }
+                    let key = format!("{round}-{i}");
+                    let lease = Duration::from_secs(30);
+                    let Claim::Claimed { fence, .. } =
+                        inbox.claim(&key, "bench", lease, 0).await.unwrap()
+                    else {
+                        panic!("{key} was not claimable");
+                    };
+                    let id = message_id(&key);
+                    let sent = Completion::Sent {
+                        message_id: &id,
+                        due_ms: 0,
+                        provider: "smtp",
+                        provider_message_id: None,
+                    };
+                    assert!(inbox
+                        .complete(&key, fence, Some("bench"), sent)
+                        .await
+                        .unwrap());
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+/// What the event row costs the send path: claim + `sent` completion with
+/// `events.enabled` on and off, alternating rounds on one database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: the completion's event row"]
+async fn events_statement_cost() {
+    let n = support::bench::env_usize("POSTIE_EVENTS_BENCH_KEYS", 3_000);
+    let env = TestEnv::new("events-bench").await;
+    let mut settings = env.settings();
+    settings.database.pool_size = 16;
+    let plan = settings.database.plan().unwrap();
+    let on = postie::inbox::Inbox::new(&plan, &settings.database).unwrap();
+    on.migrate().await.unwrap();
+    let off = postie::inbox::Inbox::new(&plan, &settings.database)
+        .unwrap()
+        .with_events(false);
+    let mut results: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    claim_and_complete(&on, "warm", n / 3).await;
+    for round in 0..4 {
+        for (name, inbox) in [("on", &on), ("off", &off)] {
+            let rate = claim_and_complete(inbox, &format!("{name}{round}"), n).await;
+            results.entry(name).or_default().push(rate);
+        }
+    }
+    let events: i64 = env
+        .db()
+        .await
+        .query_one("SELECT count(*) FROM postie_events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    eprintln!("events bench: claim + complete (sent), {n} keys a round, 16 tasks, pairs/s: {results:?}; {events} events written");
+
+    // One completion at a time, on and off alternating key by key (so that the
+    // machine's load falls on both alike): each completion's round trip.
+    let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let on = postie::inbox::Inbox::new(&plan, &settings.database).unwrap();
+    let off = postie::inbox::Inbox::new(&plan, &settings.database)
+        .unwrap()
+        .with_events(false);
+    for i in 0..n {
+        let (name, inbox) = if i % 2 == 1 {
+            ("on", &on)
+        } else {
+            ("off", &off)
+        };
+        let key = format!("seq-{i}");
+        let lease = Duration::from_secs(30);
+        let Ok(postie::inbox::Claim::Claimed { fence, .. }) =
+            inbox.claim(&key, "b", lease, 0).await
+        else {
+            panic!("{key} was not claimable");
+        };
+        let id = message_id(&key);
+        let sent = postie::inbox::Completion::Sent {
+            message_id: &id,
+            due_ms: 0,
+            provider: "smtp",
+            provider_message_id: None,
+        };
+        let started = Instant::now();
+        assert!(inbox
+            .complete(&key, fence, Some("bench"), sent)
+            .await
+            .unwrap());
+        times
+            .entry(name)
+            .or_default()
+            .push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    for (name, t) in &mut times {
+        t.sort_by(f64::total_cmp);
+        let at = |p: usize| t[(t.len() - 1) * p / 100];
+        eprintln!(
+            "events bench: one completion (sent) at a time, events {name}: p50 {:.3} ms, \
+             p90 {:.3} ms, p99 {:.3} ms over {}",
+            at(50),
+            at(90),
+            at(99),
+            t.len()
+        );
+    }
+
+    // The publisher's pace: the outbox drained by one instance.
+    let backlog = n as i64 * 5;
+    let db = env.db().await;
+    db.execute("DELETE FROM postie_events", &[]).await.unwrap();
+    db.execute(
+        "INSERT INTO postie_events (key, outcome, type, attempts)
+         SELECT 'drain-' || g, 'sent', 'bulk', 1 FROM generate_series(1, $1::bigint) g",
+        &[&backlog],
+    )
+    .await
+    .unwrap();
+    let tap = Tap::new(&env).await;
+    let started = Instant::now();
+    let serving = env.serve(env.settings());
+    let tap_ref = &tap;
+    eventually(
+        "the outbox drained",
+        Duration::from_secs(300),
+        || async move { (tap_ref.events().len() as i64 >= backlog).then_some(()) },
+    )
+    .await;
+    let took = started.elapsed();
+    serving.stop().await;
+    eprintln!(
+        "events bench: {backlog} waiting events published by one instance in {:.2} s          ({:.0} events/s, from its start, batches of 256)",
+        took.as_secs_f64(),
+        backlog as f64 / took.as_secs_f64()
+    );
+}
