@@ -3,7 +3,8 @@
 //! `<p>.events`, as a producer would.
 //!
 //! - one job of each outcome (sent, dead after `550 5.7.1`, suppressed, cancelled
-//!   before it was due and before it existed, throttled by its type's drop policy)
+//!   before it was due, before it existed and while it was being sent, throttled by
+//!   its type's drop policy)
 //!   and a bounce written through `inbox::record_event` as the feedback ingestion
 //!   will: one event each, with its routing key and fields, valid against
 //!   `schema/email-event.v1.json`;
@@ -205,6 +206,22 @@ async fn events_one_per_outcome_with_its_fields() {
     env.publish(&typed("ev-promo-1", "p@example.com", "promo"))
         .await;
     env.wait_for_status("ev-promo-1", "sent", WAIT).await;
+    // Cancelled while it was being sent, then the send failed: `retrying`, with the
+    // cancel on record. Its next delivery's claim answers `cancelled`, and ends it.
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO postie_inbox (key, status, revision, cancelled_through, cancelled_at,
+                                       attempts, last_error)
+             VALUES ('ev-late-cancel', 'retrying', 0, 0, now(), 1, '451 try later')",
+            &[],
+        )
+        .await
+        .unwrap();
+    env.publish(&typed("ev-late-cancel", "l@example.com", "reminder"))
+        .await;
+    env.wait_for_status("ev-late-cancel", "cancelled", WAIT)
+        .await;
     env.publish(&typed("ev-promo-2", "p@example.com", "promo"))
         .await;
     // Cancelled while scheduled (ladder mode), and before its job existed.
@@ -240,6 +257,7 @@ async fn events_one_per_outcome_with_its_fields() {
         ("ev-promo-2", "throttled"),
         ("ev-cancel", "cancelled"),
         ("ev-tombstone", "cancelled"),
+        ("ev-late-cancel", "cancelled"),
         ("ev-sent", "bounced"),
     ]
     .map(|(k, o)| (k.to_owned(), o.to_owned()))
@@ -294,6 +312,13 @@ async fn events_one_per_outcome_with_its_fields() {
     assert_eq!(of("ev-promo-2", "throttled")["type"], "promo");
     assert_eq!(routing("ev-cancel", "cancelled"), "email.cancelled.none");
     assert_eq!(of("ev-tombstone", "cancelled")["type"], Value::Null);
+    let late = of("ev-late-cancel", "cancelled");
+    assert_eq!(
+        routing("ev-late-cancel", "cancelled"),
+        "email.cancelled.reminder"
+    );
+    assert_eq!(late["attempts"], 1);
+    assert_eq!(late["message_id"], message_id("ev-late-cancel"));
 
     let bounced = of("ev-sent", "bounced");
     assert_eq!(routing("ev-sent", "bounced"), "email.bounced.receipt");

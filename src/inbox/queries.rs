@@ -77,6 +77,39 @@ impl Inbox {
         })
     }
 
+    /// Ends as `cancelled` the `retrying` row of `key` whose claim answered
+    /// `cancelled` for `revision`: a cancel that came while the job was being sent
+    /// (it keeps `sending`) and a send that then failed left it `retrying`, which
+    /// nothing would end or prune. Its `cancelled` event in the same statement. A
+    /// row in any other status is left alone (a cancel that ended it wrote its event).
+    pub(crate) async fn finish_cancelled(
+        &self,
+        key: &str,
+        revision: i32,
+        kind: Option<&str>,
+    ) -> Result<bool, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "WITH done AS (
+                    UPDATE postie_inbox
+                       SET status = 'cancelled', body = NULL, updated_at = now(),
+                           type = coalesce($4::text, type)
+                     WHERE key = $1 AND status = 'retrying' AND cancelled_through >= $2
+                 RETURNING key, type, message_id, attempts),
+                 events AS (
+                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
+                    SELECT key, 'cancelled', type, message_id, attempts FROM done
+                     WHERE $3::bool)
+                 SELECT key FROM done",
+            )
+            .await?;
+        let ended = client
+            .execute(&stmt, &[&key, &revision, &self.events, &kind])
+            .await?;
+        Ok(ended == 1)
+    }
+
     /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
     /// atomic statement (the row lock of `ON CONFLICT DO UPDATE` serialises
     /// instances): the update happens only if the window has room.
