@@ -5,14 +5,11 @@
 -- per flush, not one per email); retention deletes minutes older than two days. The
 -- bounces and complaints are postie_feedback's rows (0013).
 --
--- postie_inbox.type: the job's type, recorded with its completion, so that a bounce
--- or complaint matched to the row later (a webhook, a report) is counted under it.
--- (0014 is the delivery events' migration.)
+-- A bounce or complaint matched to a job later (a webhook, a report) is counted
+-- under the type its row keeps (postie_inbox.type, 0014).
 CREATE TABLE IF NOT EXISTS postie_send_tally (
     minute timestamptz NOT NULL,
     type   text        NOT NULL,
     sent   bigint      NOT NULL,
     PRIMARY KEY (minute, type)
 );
-
-ALTER TABLE postie_inbox ADD COLUMN IF NOT EXISTS type text;

@@ -49,7 +49,7 @@ CREATE TABLE postie_inbox (
     -- 0013: what became of it after the 250
     feedback    text CHECK (feedback IN ('bounced', 'complained')),
     feedback_at timestamptz,
-    -- 0015: the job's type, for the bounce and complaint rates per type
+    -- 0014: the job's type, for its events and the rates per type (0015)
     type        text
 );
 
@@ -132,6 +132,23 @@ CREATE TABLE postie_send_tally (
     type   text        NOT NULL,
     sent   bigint      NOT NULL,
     PRIMARY KEY (minute, type)
+);
+
+-- Delivery events (0014): the outbox of `<p>.events`, one row per outcome, written
+-- with the change of status it reports and deleted once its publish is confirmed.
+CREATE TABLE postie_events (
+    id                  bigserial   PRIMARY KEY,
+    key                 text        NOT NULL,
+    outcome             text        NOT NULL CHECK (outcome IN
+                        ('sent', 'dead', 'suppressed', 'throttled', 'cancelled', 'bounced',
+                         'complained')),
+    type                text,
+    message_id          text,
+    provider            text,
+    provider_message_id text,
+    reason              text,
+    attempts            integer     NOT NULL DEFAULT 0,
+    occurred_at         timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).

@@ -424,7 +424,7 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
                 provider: "smtp",
                 provider_message_id: None,
             };
-            assert!(inbox.complete(&key, fence, sent).await.unwrap());
+            assert!(inbox.complete(&key, fence, None, sent).await.unwrap());
         }
     })
     .await;

@@ -186,6 +186,10 @@ fn expected_exchanges(topology: &Topology) -> BTreeMap<String, (String, Value)> 
         topology.dead_exchange().into(),
         ("fanout".into(), json!({})),
     );
+    expected.insert(
+        topology.events_exchange().into(),
+        ("topic".into(), json!({})),
+    );
     for k in 0..ladder(topology).levels() {
         expected.insert(topology.delay_level(k), ("topic".into(), json!({})));
     }
@@ -574,9 +578,15 @@ fn users_have_least_privilege_and_documented_placeholder_passwords() {
         permissions.get("postie"),
         Some(&[r"^postie\.", r"^postie\.", r"^postie\."])
     );
+    // A producer publishes jobs, and may consume delivery events through queues of
+    // its own (`producer.…`, declared and bound to `postie.events` by itself).
     assert_eq!(
         permissions.get("producer"),
-        Some(&["^$", r"^postie\.delayed$", "^$"])
+        Some(&[
+            r"^producer\.",
+            r"^(postie\.delayed|producer\..*)$",
+            r"^(postie\.events|producer\..*)$"
+        ])
     );
     // The patterns above are literal for the default prefix: every name follows it.
     let topology = topology();

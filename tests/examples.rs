@@ -1,3 +1,7 @@
+//! Each language's delivery-event consumer (`events.py`, `events.js`, `publish
+//! events` in Go, `cargo run --example events`) binds its queue, and prints the `sent`
+//! event of a job postie sends, then exits (`--count 1`).
+//!
 //! The producer examples in `examples/` against the real broker: each publishes one
 //! job to a test's own topology with a 1 s delay, an in-process `postie serve` sends
 //! it, and the SMTP sink must hold exactly that email (by its derived Message-ID), no
@@ -23,6 +27,10 @@ mod support;
 #[path = "../examples/publish.rs"]
 #[allow(dead_code)]
 mod publish_example;
+
+#[path = "../examples/events.rs"]
+#[allow(dead_code)]
+mod events_example;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -592,4 +600,160 @@ fn rust_example_reads_flags_then_environment_then_defaults() {
         let args = bad.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert!(Options::from_args(args, none).is_err(), "{bad:?}");
     }
+}
+
+/// A consumer example's `event …` line, as its fields.
+fn event_fields(line: &str) -> std::collections::BTreeMap<String, String> {
+    line.strip_prefix("event ")
+        .unwrap_or_else(|| panic!("not an event line: {line:?}"))
+        .split_whitespace()
+        .filter_map(|part| part.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Runs a consumer example (`--count 1`, its settings from the environment), waits
+/// until it says it listens, has postie send one job, and checks the one event line
+/// it printed before it exited.
+async fn consumer_example_prints_the_sent_event(
+    name: &str,
+    language: &str,
+    cmd: &mut tokio::process::Command,
+) {
+    use tokio::io::AsyncBufReadExt;
+    let env = TestEnv::new(name).await;
+    cmd.envs(example_env(&env, "unused@example.com"))
+        .env("EVENTS_COUNT", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start the {language} consumer: {e}"));
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .unwrap_or_else(|_| panic!("the {language} consumer did not listen within 60 s"))
+        .unwrap()
+        .unwrap_or_default();
+    assert!(
+        first.starts_with("listening queue=producer.events-")
+            && first.contains(&format!(" exchange={}.events ", env.prefix))
+            && first.ends_with(" binding=email.#"),
+        "{language}: {first:?}"
+    );
+    let serving = env.serve(env.settings());
+    let key = format!("order-{}:welcome", uuid::Uuid::new_v4().simple());
+    let mut job = support::job(&key, "events@example.com");
+    job["type"] = serde_json::json!("welcome");
+    env.publish(&job).await;
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("the {language} consumer did not exit within 60 s"))
+        .unwrap();
+    let mut rest = Vec::new();
+    while let Some(line) = lines.next_line().await.unwrap() {
+        rest.push(line);
+    }
+    assert!(status.success(), "{language}: {status} {rest:?}");
+    assert_eq!(rest.len(), 1, "{language}: {rest:?}");
+    let fields = event_fields(&rest[0]);
+    assert_eq!(fields["outcome"], "sent", "{language}");
+    assert_eq!(fields["key"], key, "{language}");
+    assert_eq!(fields["type"], "welcome", "{language}");
+    assert_eq!(fields["routing_key"], "email.sent.welcome", "{language}");
+    assert!(
+        fields["id"].parse::<u64>().is_ok(),
+        "{language}: {fields:?}"
+    );
+    serving.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_example_consumes_delivery_events() {
+    let dir = repo("examples/python");
+    assert!(
+        works("python3", &["-c", "import pika"], &dir),
+        "the Python example needs python3 with pika: pip install -r examples/python/requirements.txt"
+    );
+    let mut cmd = tokio::process::Command::new("python3");
+    cmd.arg(dir.join("events.py"));
+    consumer_example_prints_the_sent_event("ex-events-python", "Python", &mut cmd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_example_consumes_delivery_events() {
+    let dir = repo("examples/node");
+    assert!(
+        works("node", &["-e", "require('amqplib')"], &dir),
+        "the Node.js example needs node (18+) and its dependencies: npm ci --prefix examples/node"
+    );
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg(dir.join("events.js"));
+    consumer_example_prints_the_sent_event("ex-events-node", "Node.js", &mut cmd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_example_consumes_delivery_events() {
+    let binary = build_go_example("go-example-events").await;
+    let mut cmd = tokio::process::Command::new(&binary);
+    cmd.arg("events");
+    consumer_example_prints_the_sent_event("ex-events-go", "Go", &mut cmd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_example_consumes_delivery_events() {
+    let env = TestEnv::new("ex-events-rust").await;
+    let vars: Vec<(&str, String)> = example_env(&env, "unused@example.com");
+    let mut options = events_example::Options::from_args(["--count", "1"].map(String::from), |n| {
+        vars.iter().find(|(k, _)| *k == n).map(|(_, v)| v.clone())
+    })
+    .expect("options");
+    assert_eq!(options.exchange(), format!("{}.events", env.prefix));
+    assert_eq!(
+        (options.binding.as_str(), options.queue.as_deref()),
+        ("email.#", None)
+    );
+    options.binding = "email.sent.*".into();
+    let (listening, listened) = tokio::sync::oneshot::channel();
+    let consumer = tokio::spawn(async move {
+        let mut got = Vec::new();
+        events_example::consume(
+            &options,
+            |queue| {
+                let _ = listening.send(queue.to_string());
+            },
+            |e| got.push(e.clone()),
+        )
+        .await
+        .map_err(|e| e.to_string())
+        .map(|()| got)
+    });
+    let queue = tokio::time::timeout(Duration::from_secs(60), listened)
+        .await
+        .expect("the Rust consumer listens within 60 s")
+        .unwrap();
+    assert!(queue.starts_with("producer.events-"), "{queue}");
+    let serving = env.serve(env.settings());
+    let key = format!("order-{}:welcome", uuid::Uuid::new_v4().simple());
+    let mut job = support::job(&key, "events@example.com");
+    job["type"] = serde_json::json!("welcome");
+    env.publish(&job).await;
+    let got = tokio::time::timeout(Duration::from_secs(60), consumer)
+        .await
+        .expect("the Rust consumer ends within 60 s")
+        .unwrap()
+        .expect("the Rust consumer");
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(
+        (
+            got[0].outcome.as_str(),
+            got[0].key.as_str(),
+            got[0].kind.as_str()
+        ),
+        ("sent", key.as_str(), "welcome")
+    );
+    assert_eq!(got[0].routing_key, "email.sent.welcome");
+    serving.stop().await;
 }

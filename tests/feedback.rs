@@ -601,9 +601,29 @@ fn ingest(env: &TestEnv, report: &str) -> (Option<i32>, String, String) {
 async fn feedback_ingest_reads_a_dsn_and_an_arf_report() {
     let (env, settings) = world("feedback-ingest", None).await;
     let serving = env.serve(settings);
-    sent(&env, "fb-dsn", "gone@example.com").await;
+    let mut typed = job("fb-dsn", "gone@example.com");
+    typed["type"] = serde_json::json!("order");
+    env.publish(&typed).await;
+    env.wait_for_status("fb-dsn", "sent", WAIT).await;
     sent(&env, "fb-arf", "angry@example.com").await;
     serving.stop().await;
+    // The delivery events the reports write (no instance runs to publish them now).
+    let events = |outcome: &'static str| {
+        let env = &env;
+        async move {
+            env.db()
+                .await
+                .query(
+                    "SELECT key, coalesce(type, '-') FROM postie_events WHERE outcome = $1",
+                    &[&outcome],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+                .collect::<Vec<_>>()
+        }
+    };
     let dsn = format!(
         "From: MAILER-DAEMON@mx.example\r\nMessage-ID: <dsn-77@mx.example>\r\nSubject: Undelivered\r\n\
 Content-Type: multipart/report; report-type=delivery-status;\r\n boundary=\"=_b1\"\r\n\r\n\
@@ -629,6 +649,19 @@ Final-Recipient: rfc822; gone@example.com\r\nAction: failed\r\nStatus: 5.1.1\r\n
     assert_eq!(code, Some(0));
     assert!(out.contains("duplicate"), "{out}");
     assert_eq!(state(&env, "gone@example.com", "fb-dsn").await.0, 1);
+    let kind: String = env
+        .db()
+        .await
+        .query_one("SELECT type FROM postie_feedback WHERE key = 'fb-dsn'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kind, "order", "counted under its job's type");
+    assert_eq!(
+        events("bounced").await,
+        [("fb-dsn".to_string(), "order".to_string())],
+        "one bounced event, the replay wrote none"
+    );
 
     let arf = format!(
         "From: fbl@isp.example\r\nMessage-ID: <arf-9@isp.example>\r\nMIME-Version: 1.0\r\n\
@@ -649,6 +682,10 @@ Content-Type: multipart/report; report-type=feedback-report; boundary=\"part\"\r
     assert_eq!(
         st,
         (1, 1, Some("complaint".into()), Some("complained".into()))
+    );
+    assert_eq!(
+        events("complained").await,
+        [("fb-arf".to_string(), "-".to_string())]
     );
     let (code, _, err) = ingest(&env, "Subject: hello\r\n\r\nnot a report\r\n");
     assert_ne!(code, Some(0));

@@ -274,7 +274,7 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         claimed(1, 0, false)
     );
     let retrying = Completion::Retrying { error: "451 later" };
-    assert!(inbox.complete("retrying", 1, retrying).await.unwrap());
+    assert!(inbox.complete("retrying", 1, None, retrying).await.unwrap());
     assert_eq!(
         claim_counted("retrying", 0, lease).await,
         claimed(2, 1, false)
@@ -282,7 +282,7 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
 
     assert_eq!(claim_counted("dead", 0, lease).await, claimed(1, 0, false));
     let dead = Completion::Dead { error: "550 no" };
-    assert!(inbox.complete("dead", 1, dead).await.unwrap());
+    assert!(inbox.complete("dead", 1, None, dead).await.unwrap());
     assert_eq!(claim_counted("dead", 0, lease).await, claimed(2, 1, false));
 
     assert_eq!(
@@ -290,14 +290,17 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         claimed(1, 0, false)
     );
     let throttled = Completion::Throttled;
-    assert!(inbox.complete("throttled", 1, throttled).await.unwrap());
+    assert!(inbox
+        .complete("throttled", 1, None, throttled)
+        .await
+        .unwrap());
     assert_eq!(
         claim_counted("throttled", 0, lease).await,
         claimed(2, 0, false)
     );
 
     assert_eq!(claim_counted("sent", 0, lease).await, claimed(1, 0, false));
-    assert!(inbox.complete("sent", 1, sent).await.unwrap());
+    assert!(inbox.complete("sent", 1, None, sent).await.unwrap());
     assert_eq!(claim("sent", 0, lease).await, Claim::AlreadySent);
 
     inbox
@@ -331,7 +334,7 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         claimed(2, 0, true)
     );
     assert!(
-        !inbox.complete("expired", 1, sent).await.unwrap(),
+        !inbox.complete("expired", 1, None, sent).await.unwrap(),
         "the first holder's completion is fenced off"
     );
 
@@ -410,14 +413,14 @@ async fn completions_at_once_are_recorded_each_by_its_own_fence() {
                 };
                 match i {
                     // A fence another instance has moved on from.
-                    7 => inbox.complete(key, fence + 1, completion).await,
+                    7 => inbox.complete(key, fence + 1, None, completion).await,
                     // Text PostgreSQL refuses (22021).
                     9 => {
                         inbox
-                            .complete(key, fence, Completion::Dead { error: "a\0b" })
+                            .complete(key, fence, None, Completion::Dead { error: "a\0b" })
                             .await
                     }
-                    _ => inbox.complete(key, fence, completion).await,
+                    _ => inbox.complete(key, fence, None, completion).await,
                 }
             }
         },

@@ -443,7 +443,7 @@ async fn database_leg_with_a_prefilled_inbox() {
                             provider: "smtp",
                             provider_message_id: None,
                         };
-                        assert!(inbox.complete(&key, fence, sent).await.unwrap());
+                        assert!(inbox.complete(&key, fence, None, sent).await.unwrap());
                     }
                 })
             })

@@ -20,6 +20,8 @@
 // delay_ms=<n>", once the broker has confirmed it; with -count above 1, then
 // "published N jobs in S s (R jobs/s, window W)". Any failure (a nack, a closed
 // channel, no confirm within 30 s) exits non-zero.
+//
+// "go run . events [flags]" consumes postie's delivery events instead (events.go).
 package main
 
 import (
@@ -214,6 +216,9 @@ func publish(ctx context.Context, s settings, confirmed func(key string)) error 
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "events" {
+		os.Exit(eventsMain(os.Args[2:]))
+	}
 	s, err := parseSettings()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "publish failed:", err)

@@ -64,6 +64,7 @@ impl Topology {
             (self.work_exchange(), ExchangeKind::Direct),
             (self.retry_exchange(), ExchangeKind::Direct),
             (self.dead_exchange(), ExchangeKind::Fanout),
+            (self.events_exchange(), ExchangeKind::Topic),
         ] {
             self.declare_exchange(channel, name, kind, FieldTable::default())
                 .await?;

@@ -31,7 +31,9 @@ pub(super) async fn run(settings: &Settings, args: &CancelArgs) -> anyhow::Resul
             "worker.key_namespace = \"user_id\": name the producer's RabbitMQ user with --user"
         ),
     };
-    let inbox = Inbox::connect(&settings.database).await?;
+    let inbox = Inbox::connect(&settings.database)
+        .await?
+        .with_events(settings.events.enabled);
     inbox.migrate().await?;
     let cancelled = inbox.cancel(key.as_str(), args.revision).await?;
     let what = match cancelled.prior_status {

@@ -18,6 +18,7 @@ use serde::Deserialize;
 mod amqp;
 mod database;
 mod de;
+mod events;
 mod feedback;
 mod memory;
 mod observe;
@@ -31,6 +32,7 @@ mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub(crate) use database::{database_plan, DbPlan, DbTls};
+pub use events::EventsSettings;
 pub use feedback::{
     FeedbackSettings, MailgunSettings, PostmarkSettings, SendgridSettings, SnsSettings,
 };
@@ -77,6 +79,8 @@ pub struct Settings {
     pub suppression: SuppressionSettings,
     /// The providers' bounce and complaint webhooks (`/feedback/<provider>`; off).
     pub feedback: FeedbackSettings,
+    /// Delivery events for the producers (`<p>.events`).
+    pub events: EventsSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }

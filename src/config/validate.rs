@@ -135,6 +135,12 @@ impl Settings {
                     .into(),
             );
         }
+        let events = &self.events;
+        if !(1..=10_000).contains(&events.batch) || events.poll_interval.is_zero() {
+            return fail(
+                "events.batch must be 1 to 10000 and events.poll_interval above zero".into(),
+            );
+        }
         Ok(())
     }
 

@@ -14,6 +14,8 @@
 //! - `arrivals.rs`: ladder mode's marks on send deliveries that wait unclaimed.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
+//! - `events.rs`: the delivery events' outbox published to `<p>.events`, on every
+//!   instance (`FOR UPDATE SKIP LOCKED`), on the session's confirm channel.
 //!
 //! If the connection, a channel or a consumer is lost, in-flight work finishes or is
 //! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
@@ -21,6 +23,7 @@
 //! finish, and the connection is closed cleanly.
 
 mod arrivals;
+mod events;
 mod maintenance;
 mod pollers;
 mod publisher;
@@ -59,7 +62,8 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         crate::ops::http::start(addr, health.clone(), http_stop.clone()).await?;
     }
     let parsed = settings.validate()?;
-    let inbox = Inbox::new(&parsed.database, &settings.database)?;
+    let inbox =
+        Inbox::new(&parsed.database, &settings.database)?.with_events(settings.events.enabled);
     inbox.check(&settings.database.url).await?;
     if settings.database.migrate_on_start {
         for applied in inbox.migrate().await? {

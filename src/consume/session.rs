@@ -107,6 +107,7 @@ impl Service {
         let session_stop = stop.child_token();
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
+        let events = self.spawn_events(publish.clone(), session_stop.clone());
         self.cx.health.set_broker_up(true);
         let mut lanes = vec![Lane {
             role: Role::Send,
@@ -138,8 +139,14 @@ impl Service {
         let (end, _, rest) = futures_util::future::select_all(loops).await;
         lost.cancel();
         futures_util::future::join_all(rest).await;
-        // Ends the watchdog of this session.
+        // Ends the watchdog and the event publisher of this session.
         session_stop.cancel();
+        if let Some(events) = events {
+            let abort = events.abort_handle();
+            if tokio::time::timeout(GOODBYE_TIMEOUT, events).await.is_err() {
+                abort.abort();
+            }
+        }
         let end = end?;
         publish.close().await;
         Ok(match end {

@@ -68,12 +68,20 @@ impl IdempotencyKey {
     /// the same id, so even a duplicate that slips through can be recognised. The
     /// digest is computed once per key (the email and its `sent` record both ask).
     pub fn message_id(&self, domain: &str) -> String {
-        let digest = self.digest.get_or_init(|| {
-            let digest = Sha256::digest(self.text.as_bytes());
-            hex::encode(&digest[..16])
-        });
+        let digest = self.digest.get_or_init(|| digest_of(&self.text));
         format!("<{digest}@{domain}>")
     }
+}
+
+/// The Message-ID of the key stored as `text` (as the inbox holds it), computed as
+/// [`IdempotencyKey::message_id`] does: for a delivery event whose job recorded none
+/// (dead, suppressed, cancelled), the id its email carried or would have carried.
+pub(crate) fn message_id_of(text: &str, domain: &str) -> String {
+    format!("<{}@{domain}>", digest_of(text))
+}
+
+fn digest_of(text: &str) -> String {
+    hex::encode(&Sha256::digest(text.as_bytes())[..16])
 }
 
 // Equality, order and hash are the key text's: the cached digest follows from it.

@@ -70,8 +70,12 @@ pub enum Completion<'a> {
 
 /// Every completion: fenced (`fence = $2`), the lease released. A send also sets
 /// `message_id`, `due_at`, `sent_at`, `provider` and `provider_message_id` (the other
-/// completions keep theirs).
-pub(super) const COMPLETE: &str = "UPDATE postie_inbox
+/// completions keep theirs); `$11` is the job's type (kept if NULL). A terminal status
+/// writes its delivery event in the same statement when `$12` (`events.enabled`)
+/// is true (`inbox::events`). One row back if recorded.
+pub(super) const COMPLETE: &str = concat!(
+    "WITH done AS (
+  UPDATE postie_inbox
     SET status = $3::text, attempts = attempts + $4::int, last_error = $5::text,
         body = CASE WHEN $6::bool THEN NULL ELSE body END,
         message_id = coalesce($7::text, message_id),
@@ -80,8 +84,16 @@ pub(super) const COMPLETE: &str = "UPDATE postie_inbox
         provider_message_id = CASE WHEN $3::text = 'sent' THEN $10::text
                                    ELSE provider_message_id END,
         sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
+        type = coalesce($11::text, type),
         owner = NULL, lease_until = NULL, updated_at = now()
-  WHERE key = $1 AND fence = $2";
+  WHERE key = $1 AND fence = $2
+  RETURNING key, status, type, message_id, provider, provider_message_id, last_error,
+            attempts, sent_at),
+",
+    super::events::events_of_done!("$12"),
+    "
+SELECT key FROM done"
+);
 
 /// The parameters of `COMPLETE` for one completion.
 #[derive(Debug, PartialEq, Eq)]

@@ -33,6 +33,8 @@ struct Pending {
 
 /// [`CompletionRow`], owned (it outlives the caller's borrow in the queue).
 struct OwnedRow {
+    /// The job's type.
+    kind: Option<String>,
     status: &'static str,
     attempt: i32,
     error: Option<String>,
@@ -43,9 +45,10 @@ struct OwnedRow {
     provider_message_id: Option<String>,
 }
 
-impl From<CompletionRow<'_>> for OwnedRow {
-    fn from(row: CompletionRow<'_>) -> Self {
+impl OwnedRow {
+    fn new(kind: Option<&str>, row: CompletionRow<'_>) -> Self {
         Self {
+            kind: kind.map(str::to_owned),
             status: row.status.as_str(),
             attempt: row.attempt,
             error: row.error.map(str::to_owned),
@@ -84,8 +87,11 @@ impl Completer {
 }
 
 /// `COMPLETE` over a batch: the rows as arrays, joined with `unnest`; each row's key
-/// and fence come back when it was recorded.
-const COMPLETE_MANY: &str = "UPDATE postie_inbox AS i
+/// and fence come back when it was recorded. Terminal rows write their events in the
+/// same statement (`$12`: `events.enabled`), as `COMPLETE` does.
+const COMPLETE_MANY: &str = concat!(
+    "WITH done AS (
+  UPDATE postie_inbox AS i
     SET status = c.status, attempts = i.attempts + c.attempt, last_error = c.error,
         body = CASE WHEN c.drops_body THEN NULL ELSE i.body END,
         message_id = coalesce(c.message_id, i.message_id),
@@ -94,36 +100,47 @@ const COMPLETE_MANY: &str = "UPDATE postie_inbox AS i
         provider_message_id = CASE WHEN c.status = 'sent' THEN c.provider_message_id
                                    ELSE i.provider_message_id END,
         sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
+        type = coalesce(c.kind, i.type),
         owner = NULL, lease_until = NULL, updated_at = now()
    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],
-               $7::text[], $8::bigint[], $9::text[], $10::text[])
+               $7::text[], $8::bigint[], $9::text[], $10::text[], $11::text[])
         AS c(key, fence, status, attempt, error, drops_body, message_id, due_ms, provider,
-             provider_message_id)
+             provider_message_id, kind)
   WHERE i.key = c.key AND i.fence = c.fence
-  RETURNING i.key, i.fence";
+  RETURNING i.key, i.fence, i.status, i.type, i.message_id, i.provider,
+            i.provider_message_id, i.last_error, i.attempts, i.sent_at),
+",
+    super::events::events_of_done!("$12"),
+    "
+SELECT key, fence FROM done"
+);
 
 impl Inbox {
     /// Records what became of the claim `fence` on `key` (see [`Completion`]), in a
     /// batch with the other completions queued meanwhile. `false` means the fence
     /// moved: another instance took the key over meanwhile (for a send, counted as a
     /// possible duplicate), and nothing was recorded.
+    ///
+    /// `kind`: the job's type, kept on the row and named by its delivery event.
     pub async fn complete(
         &self,
         key: &str,
         fence: i64,
+        kind: Option<&str>,
         completion: Completion<'_>,
     ) -> Result<bool, DbError> {
         let queue = self.completer.queue.get_or_init(|| {
             let (queue, batches) = mpsc::channel(BATCH_MAX);
             let deadline = self.completer.deadline;
-            tokio::spawn(record_batches(self.pool.clone(), batches, deadline));
+            let events = self.events;
+            tokio::spawn(record_batches(self.pool.clone(), batches, deadline, events));
             queue
         });
         let (answer, answered) = oneshot::channel();
         let pending = Pending {
             key: key.to_owned(),
             fence,
-            row: completion.row().into(),
+            row: OwnedRow::new(kind, completion.row()),
             answer,
         };
         let gone = || DbError::unreadable("the inbox's completion task has stopped".into());
@@ -134,12 +151,17 @@ impl Inbox {
 
 /// The batching task: takes what has queued (up to [`BATCH_MAX`]), records it, answers
 /// each caller, and again.
-async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>, deadline: Duration) {
+async fn record_batches(
+    pool: Pool,
+    mut queue: mpsc::Receiver<Pending>,
+    deadline: Duration,
+    events: bool,
+) {
     let mut batch = Vec::with_capacity(BATCH_MAX);
     while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
         // One lock order for every batch (and every instance): by key.
         batch.sort_by(|a, b| a.key.cmp(&b.key));
-        let recorded = tokio::time::timeout(deadline, record(&pool, &batch))
+        let recorded = tokio::time::timeout(deadline, record(&pool, &batch, events))
             .await
             .unwrap_or_else(|_| Err(DbError::no_answer(deadline)));
         match recorded {
@@ -157,7 +179,7 @@ async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>, deadline
             // caller hears the refusal.
             Err(_) => {
                 for pending in batch.drain(..) {
-                    let one = record_one(&pool, &pending).await;
+                    let one = record_one(&pool, &pending, events).await;
                     let _ = pending.answer.send(one);
                 }
             }
@@ -166,7 +188,7 @@ async fn record_batches(pool: Pool, mut queue: mpsc::Receiver<Pending>, deadline
 }
 
 /// The batch in one statement: whether each row was recorded (its fence held).
-async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
+async fn record(pool: &Pool, batch: &[Pending], events: bool) -> Result<Vec<bool>, DbError> {
     let client = pool.get().await?;
     let stmt = client.prepare_cached(COMPLETE_MANY).await?;
     let column = |f: fn(&Pending) -> Option<String>| batch.iter().map(f).collect::<Vec<_>>();
@@ -180,6 +202,7 @@ async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
     let dues: Vec<Option<i64>> = batch.iter().map(|p| p.row.due_ms).collect();
     let providers = column(|p| p.row.provider.clone());
     let provider_ids = column(|p| p.row.provider_message_id.clone());
+    let kinds = column(|p| p.row.kind.clone());
     let rows = client
         .query(
             &stmt,
@@ -194,6 +217,8 @@ async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
                 &dues,
                 &providers,
                 &provider_ids,
+                &kinds,
+                &events,
             ],
         )
         .await?;
@@ -209,11 +234,11 @@ async fn record(pool: &Pool, batch: &[Pending]) -> Result<Vec<bool>, DbError> {
 }
 
 /// One completion alone (`COMPLETE`).
-async fn record_one(pool: &Pool, pending: &Pending) -> Result<bool, DbError> {
+async fn record_one(pool: &Pool, pending: &Pending, events: bool) -> Result<bool, DbError> {
     let client = pool.get().await?;
     let stmt = client.prepare_cached(COMPLETE).await?;
     let row = &pending.row;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
         &pending.key,
         &pending.fence,
         &row.status,
@@ -224,6 +249,8 @@ async fn record_one(pool: &Pool, pending: &Pending) -> Result<bool, DbError> {
         &row.due_ms,
         &row.provider,
         &row.provider_message_id,
+        &row.kind,
+        &events,
     ];
     Ok(client.execute(&stmt, &params).await? == 1)
 }

@@ -10,7 +10,8 @@
 //! suppresses: the address is known even when the email is not.
 
 use super::suppression::{normalise, SuppressionReason, ADD_SQL};
-use super::{DbError, Inbox};
+use super::{record_event, DbError, Inbox};
+use crate::ops::metrics::EventOutcome;
 
 /// What a notification reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,9 +156,17 @@ impl Inbox {
             )
             .await?;
         }
-        // EVENTS (issue 30 item 5): the `bounced` / `complained` delivery event of a
-        // matched job is written here, in this transaction (`key`, `f.kind`,
-        // `message_id`, `f.provider_message_id`), so that it exists iff the feedback does.
+        // The matched job's `bounced` / `complained` delivery event, in this
+        // transaction: it exists iff the feedback does. A soft bounce is no outcome
+        // (the provider tries again): no event.
+        let outcome = match f.kind {
+            FeedbackKind::Bounce { hard: true } => Some(EventOutcome::Bounced),
+            FeedbackKind::Complaint => Some(EventOutcome::Complained),
+            FeedbackKind::Bounce { hard: false } => None,
+        };
+        if let (Some(key), Some(outcome), true) = (&key, outcome, self.events) {
+            record_event(&tx, key, outcome, Some(&f.evidence)).await?;
+        }
         tx.commit().await?;
         if f.kind.reason().is_some() {
             self.note_suppressed(&address);

@@ -48,6 +48,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (11, "0011_provider"),
     (12, "0012_suppression"),
     (13, "0013_feedback"),
+    (14, "0014_events"),
     (15, "0015_reputation"),
 ];
 

@@ -13,6 +13,7 @@ mod claim;
 pub mod clock;
 mod complete;
 mod error;
+mod events;
 mod feedback;
 mod migrate;
 mod prune;
@@ -26,6 +27,8 @@ mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
 pub(crate) use error::DbError;
+pub use events::{record_event, RECORD_EVENT};
+pub(crate) use events::{Event, OutboxError};
 pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, Throttle};
@@ -54,6 +57,9 @@ pub struct Inbox {
     /// Sends per job type, added to `postie_send_tally` every few seconds by a task
     /// the first count starts (`reputation.rs`).
     tally: std::sync::Arc<reputation::Tally>,
+    /// `events.enabled`: completions and cancels write their delivery events
+    /// (`events.rs`). Set before the first completion ([`Inbox::with_events`]).
+    events: bool,
 }
 
 impl Inbox {
@@ -90,7 +96,16 @@ impl Inbox {
             completer: complete::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
             tally: Default::default(),
+            events: true,
         })
+    }
+
+    /// Whether completions and cancels write delivery events (`events.enabled`;
+    /// on by default). Set before the first completion: the completion task keeps
+    /// what it found.
+    pub fn with_events(mut self, enabled: bool) -> Self {
+        self.events = enabled;
+        self
     }
 
     /// A connection of its own, outside the pool: what it holds (an advisory lock)

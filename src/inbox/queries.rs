@@ -49,16 +49,65 @@ pub(crate) struct InboxCounts {
 
 impl Inbox {
     /// Cancels `key` up to `revision` (None: the newest seen); a tombstone if unknown.
+    /// A cancel that ends a job (a key unknown so far, a scheduled or retrying row)
+    /// writes its `cancelled` event in the same statement (`events.enabled`); one of
+    /// a job already ended, sent or being sent writes none.
     pub async fn cancel(&self, key: &str, revision: Option<i32>) -> Result<Cancelled, DbError> {
         let client = self.pool.get().await?;
+        // `before` is the statement's snapshot: the row as it was before the cancel
+        // (none for a new key), for the type and Message-ID it knew.
         let stmt = client
-            .prepare_cached("SELECT prior_status, covers FROM postie_cancel($1, $2)")
+            .prepare_cached(
+                "WITH c AS (SELECT prior_status, covers FROM postie_cancel($1, $2)),
+                 events AS (
+                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
+                    SELECT $1, 'cancelled', before.type, before.message_id,
+                           coalesce(before.attempts, 0)
+                      FROM c LEFT JOIN postie_inbox before ON before.key = $1
+                     WHERE $3::bool AND c.prior_status IN ('new', 'scheduled', 'retrying'))
+                 SELECT prior_status, covers FROM c",
+            )
             .await?;
-        let row = client.query_one(&stmt, &[&key, &revision]).await?;
+        let row = client
+            .query_one(&stmt, &[&key, &revision, &self.events])
+            .await?;
         Ok(Cancelled {
             prior_status: status_of(row.get(0))?,
             covers: row.get(1),
         })
+    }
+
+    /// Ends as `cancelled` the `retrying` row of `key` whose claim answered
+    /// `cancelled` for `revision`: a cancel that came while the job was being sent
+    /// (it keeps `sending`) and a send that then failed left it `retrying`, which
+    /// nothing would end or prune. Its `cancelled` event in the same statement. A
+    /// row in any other status is left alone (a cancel that ended it wrote its event).
+    pub(crate) async fn finish_cancelled(
+        &self,
+        key: &str,
+        revision: i32,
+        kind: Option<&str>,
+    ) -> Result<bool, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "WITH done AS (
+                    UPDATE postie_inbox
+                       SET status = 'cancelled', body = NULL, updated_at = now(),
+                           type = coalesce($4::text, type)
+                     WHERE key = $1 AND status = 'retrying' AND cancelled_through >= $2
+                 RETURNING key, type, message_id, attempts),
+                 events AS (
+                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
+                    SELECT key, 'cancelled', type, message_id, attempts FROM done
+                     WHERE $3::bool)
+                 SELECT key FROM done",
+            )
+            .await?;
+        let ended = client
+            .execute(&stmt, &[&key, &revision, &self.events, &kind])
+            .await?;
+        Ok(ended == 1)
     }
 
     /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one

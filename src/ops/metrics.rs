@@ -19,9 +19,9 @@ use prometheus_client::registry::{Metric, Registry};
 mod labels;
 
 pub use labels::{
-    Counters, DeadReason, Dependency, FeedbackKind, FeedbackLabel, FeedbackResult, FeedbackSource,
-    Label, LabelValue, ProviderLabel, ProviderName, ProviderResult, Pruned, RateLabel, RateWindow,
-    RelayRoute, Step, Suppressed, ThrottlePolicy,
+    Counters, DeadReason, Dependency, EventOutcome, FeedbackKind, FeedbackLabel, FeedbackResult,
+    FeedbackSource, Label, LabelValue, ProviderLabel, ProviderName, ProviderResult, Pruned,
+    RateLabel, RateWindow, RelayRoute, Step, Suppressed, ThrottlePolicy,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -191,6 +191,10 @@ declare! {
             => "inbox_rows", "Inbox rows, planner estimate (maintenance instance)";
         maintenance_leader: Gauge
             => "maintenance_leader", "1 on the instance running singleton maintenance";
+        events_published: Counters<EventOutcome>
+            => "events_published", "Delivery events published to <p>.events and confirmed, by outcome";
+        events_backlog_seconds: Gauge<f64, AtomicU64>
+            => "events_backlog_seconds", "Age of the oldest delivery event this instance found waiting at its last poll (0: none)";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

@@ -9,6 +9,8 @@
 //!                                                    │ (delivery limit)
 //!                                                    ▼
 //!                               <p>.dlx ──▶ <p>.dead ◀── dead letters (with reasons)
+//!
+//! outcomes (postie_events) ─▶ <p>.events (topic: email.<outcome>.<type>) ─▶ producers' queues
 //! ```
 
 use std::time::Duration;
@@ -63,6 +65,8 @@ struct Names {
     retry_queues: Vec<String>,
     dead_exchange: String,
     dead_queue: String,
+    /// `<p>.events`: the delivery events (issue 30).
+    events: String,
     /// Ladder mode: the top level's exchange, where the relay enters the cascade.
     ladder_entry: Option<String>,
 }
@@ -80,6 +84,7 @@ impl Names {
                 .collect(),
             dead_exchange: format!("{prefix}.dlx"),
             dead_queue: format!("{prefix}.dead"),
+            events: format!("{prefix}.events"),
             ladder_entry: match delay {
                 DelayLayout::Ladder(ladder) => Some(delay_level(prefix, ladder.levels() - 1)),
                 DelayLayout::Plugin => None,
@@ -186,6 +191,12 @@ impl Topology {
         &self.names.dead_queue
     }
 
+    /// The topic exchange of delivery events (`email.<outcome>.<type>`): postie
+    /// declares it and publishes to it; consumers bind their own queues.
+    pub fn events_exchange(&self) -> &str {
+        &self.names.events
+    }
+
     /// The backoff steps.
     pub fn retry_steps(&self) -> &[Duration] {
         &self.retry_steps
@@ -209,6 +220,7 @@ impl Topology {
             self.work_exchange(),
             self.retry_exchange(),
             self.dead_exchange(),
+            self.events_exchange(),
         ]
         .map(str::to_owned)
         .into();

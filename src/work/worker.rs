@@ -278,14 +278,23 @@ impl Worker {
         let done = |outcome| Ok(Followed::Outcome(outcome));
         match claim {
             Claim::AlreadySent => done(Outcome::Duplicate { key: key.clone() }),
-            Claim::Cancelled => done(Outcome::Cancelled { key: key.clone() }),
+            Claim::Cancelled => {
+                let kind = job.kind.as_deref();
+                self.db("finish cancelled", || {
+                    self.cx
+                        .inbox
+                        .finish_cancelled(key.as_str(), job.revision, kind)
+                })
+                .await?;
+                done(Outcome::Cancelled { key: key.clone() })
+            }
             Claim::Stale => done(Outcome::Stale { key: key.clone() }),
             Claim::Busy { remaining } => {
                 drop(slot);
                 let next = self
                     .policy
                     .next(Failure::LeaseBusy { remaining }, *failed_so_far);
-                self.follow(next, key, None, "claimed by another instance", None)
+                self.follow(next, job, None, "claimed by another instance", None)
                     .await
             }
             Claim::Claimed {
@@ -379,7 +388,7 @@ impl Worker {
                     failure = Failure::Transient;
                 }
                 let next = self.policy.next(failure, *failed_so_far);
-                self.follow(next, key, Some(fence), error.detail(), pin.get())
+                self.follow(next, job, Some(fence), error.detail(), pin.get())
                     .await
             }
         }

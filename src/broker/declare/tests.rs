@@ -113,7 +113,10 @@ fn names_follow_the_prefix() {
     assert_eq!(t.send_queue(), "p.send");
     assert_eq!(t.retry_queue(1), "p.retry.1");
     assert_eq!(t.queues(), ["p.send", "p.dead", "p.retry.0", "p.retry.1"]);
-    assert_eq!(t.exchanges(), ["p.delayed", "p.work", "p.retry", "p.dlx"]);
+    assert_eq!(
+        t.exchanges(),
+        ["p.delayed", "p.work", "p.retry", "p.dlx", "p.events"]
+    );
 }
 
 #[test]

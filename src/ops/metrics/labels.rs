@@ -131,6 +131,45 @@ macro_rules! label_enum {
 }
 
 label_enum! {
+    /// What a delivery event reports (`outcome`): the job's terminal status, or what
+    /// its feedback said after the send (issue 30).
+    EventOutcome, "outcome" {
+        /// Sent: the relay or the provider accepted it.
+        Sent = "sent",
+        /// Dead-lettered, with a reason.
+        Dead = "dead",
+        /// Never sent: every recipient is suppressed.
+        Suppressed = "suppressed",
+        /// Dropped by its type's throttle (drop policy).
+        Throttled = "throttled",
+        /// Cancelled before it was sent.
+        Cancelled = "cancelled",
+        /// Bounced after it was sent (a DSN or a provider's notification).
+        Bounced = "bounced",
+        /// The recipient complained (ARF or a provider's notification).
+        Complained = "complained",
+    }
+}
+
+impl EventOutcome {
+    /// Every outcome.
+    pub(crate) const ALL: [Self; 7] = [
+        Self::Sent,
+        Self::Dead,
+        Self::Suppressed,
+        Self::Throttled,
+        Self::Cancelled,
+        Self::Bounced,
+        Self::Complained,
+    ];
+
+    /// The outcome `text` names (as `postie_events.outcome` holds it), if any.
+    pub(crate) fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == text)
+    }
+}
+
+label_enum! {
     /// Why a job was dead-lettered (`reason`).
     DeadReason, "reason" {
         /// Could never become an email.

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::{Followed, Stop, Worker};
-use crate::contract::IdempotencyKey;
+use crate::contract::EmailJob;
 use crate::inbox::Completion;
 use crate::mail::{RouteId, SendError};
 use crate::work::policy::Failure;
@@ -19,14 +19,15 @@ impl Worker {
     pub(super) async fn follow(
         &self,
         next: Next,
-        key: &IdempotencyKey,
+        job: &EmailJob,
         fence: Option<i64>,
         error: &str,
         pinned: Option<RouteId>,
     ) -> Result<Followed, Stop> {
+        let key = &job.key;
         Ok(match next {
             Next::Retry { step, attempt } => {
-                self.give_back("record retry", key, fence, error).await?;
+                self.give_back("record retry", job, fence, error).await?;
                 Followed::Outcome(Outcome::Retry {
                     key: key.clone(),
                     step,
@@ -36,7 +37,7 @@ impl Worker {
                 })
             }
             Next::Defer { step } => {
-                self.give_back("defer", key, fence, error).await?;
+                self.give_back("defer", job, fence, error).await?;
                 Followed::Outcome(Outcome::Deferred {
                     key: key.clone(),
                     step,
@@ -45,23 +46,30 @@ impl Worker {
             Next::Hold => {
                 // Not the job's fault: give the claim back, hold the delivery, and
                 // start over when the dependency answers.
-                self.give_back("release", key, fence, error).await?;
+                self.give_back("release", job, fence, error).await?;
                 tokio::select! {
                     _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
                     _ = self.cx.health.wait_dependencies_up() => Followed::TryAgain,
                 }
             }
-            Next::Pause { tried } => self.pause(key, fence, tried, error).await?,
-            Next::Dead { kind, attempts } => {
+            Next::Pause { tried } => self.pause(job, fence, tried, error).await?,
+            Next::Dead {
+                kind: dead,
+                attempts,
+            } => {
                 if let Some(fence) = fence {
+                    let kind = job.kind.as_deref();
                     self.db("record dead", || {
-                        self.cx
-                            .inbox
-                            .complete(key.as_str(), fence, Completion::Dead { error })
+                        self.cx.inbox.complete(
+                            key.as_str(),
+                            fence,
+                            kind,
+                            Completion::Dead { error },
+                        )
                     })
                     .await?;
                 }
-                let reason = match kind {
+                let reason = match dead {
                     DeadKind::Permanent => format!("the transport refused the email: {error}"),
                     DeadKind::Exhausted => {
                         format!("gave up after {attempts} attempts; last error: {error}")
@@ -70,7 +78,7 @@ impl Worker {
                 };
                 Followed::Outcome(Outcome::DeadLetter {
                     key: Some(key.clone()),
-                    kind,
+                    kind: dead,
                     reason,
                     attempts,
                 })
@@ -85,18 +93,19 @@ impl Worker {
     /// the transport is up.
     async fn pause(
         &self,
-        key: &IdempotencyKey,
+        job: &EmailJob,
         fence: Option<i64>,
         tried: bool,
         error: &str,
     ) -> Result<Followed, Stop> {
         match fence {
-            Some(_) if tried => self.give_back("release", key, fence, error).await?,
+            Some(_) if tried => self.give_back("release", job, fence, error).await?,
             Some(fence) => {
                 self.db("release", || {
                     self.cx.inbox.complete(
-                        key.as_str(),
+                        job.key.as_str(),
                         fence,
+                        job.kind.as_deref(),
                         Completion::Unclaimed { why: error },
                     )
                 })
@@ -119,15 +128,18 @@ impl Worker {
     pub(super) async fn give_back(
         &self,
         what: &str,
-        key: &IdempotencyKey,
+        job: &EmailJob,
         fence: Option<i64>,
         error: &str,
     ) -> Result<(), Stop> {
         if let Some(fence) = fence {
             self.db(what, || {
-                self.cx
-                    .inbox
-                    .complete(key.as_str(), fence, Completion::Retrying { error })
+                self.cx.inbox.complete(
+                    job.key.as_str(),
+                    fence,
+                    job.kind.as_deref(),
+                    Completion::Retrying { error },
+                )
             })
             .await?;
         }

@@ -84,7 +84,9 @@ impl Worker {
                     provider,
                     provider_message_id: sent.provider_message_id.as_deref(),
                 };
-                self.cx.inbox.complete(key.as_str(), fence, sent)
+                self.cx
+                    .inbox
+                    .complete(key.as_str(), fence, job.kind.as_deref(), sent)
             })
             .await?;
         if kept {

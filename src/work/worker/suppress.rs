@@ -82,6 +82,7 @@ impl Worker {
             self.cx.inbox.complete(
                 job.key.as_str(),
                 fence,
+                job.kind.as_deref(),
                 Completion::Suppressed { why: &why },
             )
         })

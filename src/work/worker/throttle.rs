@@ -40,7 +40,7 @@ impl Worker {
                 self.db("record throttled", || {
                     self.cx
                         .inbox
-                        .complete(key.as_str(), fence, Completion::Throttled)
+                        .complete(key.as_str(), fence, Some(kind), Completion::Throttled)
                 })
                 .await?;
                 Outcome::Throttled {
@@ -51,9 +51,12 @@ impl Worker {
             ThrottlePolicy::Defer => {
                 self.db("defer", || {
                     let why = "throttled (defer policy)";
-                    self.cx
-                        .inbox
-                        .complete(key.as_str(), fence, Completion::Unclaimed { why })
+                    self.cx.inbox.complete(
+                        key.as_str(),
+                        fence,
+                        Some(kind),
+                        Completion::Unclaimed { why },
+                    )
                 })
                 .await?;
                 Outcome::Throttled {
