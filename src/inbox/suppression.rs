@@ -97,6 +97,12 @@ pub fn normalise(address: &str) -> String {
     address.trim().to_lowercase()
 }
 
+/// The list's readers' columns, as [`read_row`] reads them.
+pub(super) const LIST_SELECT: &str = "SELECT address, scope, reason, source, evidence,
+        to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+        to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+   FROM postie_suppression";
+
 /// A row of `postie_suppression` as the list's readers select it (address, scope,
 /// reason, source, evidence, created_at and expires_at as text); `None` for a reason
 /// this postie does not know.
@@ -229,13 +235,12 @@ impl Inbox {
         let address = address.map(normalise);
         let rows = client
             .query(
-                "SELECT address, scope, reason, source, evidence,
-                        to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
-                        to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
-                   FROM postie_suppression
+                &format!(
+                    "{LIST_SELECT}
                   WHERE ($1::text IS NULL OR address = $1)
                     AND (expires_at IS NULL OR expires_at > now())
-                  ORDER BY address, scope LIMIT $2",
+                  ORDER BY address, scope LIMIT $2"
+                ),
                 &[&address, &limit],
             )
             .await?;

@@ -90,13 +90,13 @@ impl Inbox {
         let (address, scope) = after.unzip();
         let rows = client
             .query(
-                "SELECT address, scope, reason, source, evidence,
-                        to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
-                        to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
-                   FROM postie_suppression
+                &format!(
+                    "{}
                   WHERE ($1::text IS NULL OR (address, scope) > ($1, $2::text))
                     AND (expires_at IS NULL OR expires_at > now())
                   ORDER BY address, scope LIMIT $3",
+                    super::LIST_SELECT
+                ),
                 &[&address, &scope, &limit],
             )
             .await?;

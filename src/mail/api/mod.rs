@@ -103,18 +103,10 @@ pub(super) struct ApiTransport {
 impl ApiTransport {
     /// The client and the provider's request builder; no connection yet.
     pub(super) fn new(endpoint: &ApiEndpoint, settings: &SmtpSettings) -> anyhow::Result<Self> {
-        let mut http = HttpConnector::new();
-        http.set_connect_timeout(Some(settings.timeout));
-        http.enforce_http(false);
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls_config()?)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(settings.pool_size as usize)
             .pool_idle_timeout(Duration::from_secs(60))
-            .build(https);
+            .build(connector(settings.timeout)?);
         let base = endpoint.base.clone();
         let api = match &endpoint.provider {
             ApiProvider::Ses { .. } => Api::Ses(ses::Ses::new(&endpoint.provider, &base)?),
@@ -316,15 +308,24 @@ pub(crate) type WebClient = Client;
 
 /// A [`WebClient`]; each connection attempt within `connect_timeout`.
 pub(crate) fn web_client(connect_timeout: Duration) -> anyhow::Result<WebClient> {
+    Ok(
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .build(connector(connect_timeout)?),
+    )
+}
+
+/// HTTP or HTTPS ([`tls_config`]), each connection attempt within `connect_timeout`.
+fn connector(
+    connect_timeout: Duration,
+) -> anyhow::Result<hyper_rustls::HttpsConnector<HttpConnector>> {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(connect_timeout));
     http.enforce_http(false);
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls_config()?)
         .https_or_http()
         .enable_http1()
-        .wrap_connector(http);
-    Ok(hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(https))
+        .wrap_connector(http))
 }
 
 /// rustls on ring with the system's root certificates.
