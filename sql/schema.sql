@@ -50,7 +50,9 @@ CREATE TABLE postie_inbox (
     feedback    text CHECK (feedback IN ('bounced', 'complained')),
     feedback_at timestamptz,
     -- 0014: the job's type, for its events and the rates per type (0015)
-    type        text
+    type        text,
+    -- 0016: the terminal status last recorded; no second event for the same one
+    announced   text
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.

@@ -85,10 +85,13 @@ pub(super) const COMPLETE: &str = concat!(
                                    ELSE provider_message_id END,
         sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
         type = coalesce($11::text, type),
+        announced = CASE WHEN $3::text IN ('sent', 'dead', 'suppressed', 'throttled')
+                         THEN $3::text ELSE announced END,
         owner = NULL, lease_until = NULL, updated_at = now()
   WHERE key = $1 AND fence = $2
   RETURNING key, status, type, message_id, provider, provider_message_id, last_error,
-            attempts, sent_at),
+            attempts, sent_at,
+            (SELECT o.announced FROM postie_inbox o WHERE o.key = $1) AS was_announced),
 ",
     super::events::events_of_done!("$12"),
     "

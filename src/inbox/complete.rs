@@ -101,6 +101,8 @@ const COMPLETE_MANY: &str = concat!(
                                    ELSE i.provider_message_id END,
         sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
         type = coalesce(c.kind, i.type),
+        announced = CASE WHEN c.status IN ('sent', 'dead', 'suppressed', 'throttled')
+                         THEN c.status ELSE i.announced END,
         owner = NULL, lease_until = NULL, updated_at = now()
    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],
                $7::text[], $8::bigint[], $9::text[], $10::text[], $11::text[])
@@ -108,7 +110,8 @@ const COMPLETE_MANY: &str = concat!(
              provider_message_id, kind)
   WHERE i.key = c.key AND i.fence = c.fence
   RETURNING i.key, i.fence, i.status, i.type, i.message_id, i.provider,
-            i.provider_message_id, i.last_error, i.attempts, i.sent_at),
+            i.provider_message_id, i.last_error, i.attempts, i.sent_at,
+            (SELECT o.announced FROM postie_inbox o WHERE o.key = i.key) AS was_announced),
 ",
     super::events::events_of_done!("$12"),
     "

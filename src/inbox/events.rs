@@ -10,7 +10,9 @@ use super::{DbError, Inbox};
 use crate::ops::metrics::EventOutcome;
 
 /// The completions' data-modifying CTE: one event per row of `done` (the `UPDATE …
-/// RETURNING` of a completion, new values) whose status is terminal, when `$events`
+/// RETURNING` of a completion, new values) whose status is terminal and not the one
+/// the row had last recorded (`was_announced`, read by a sub-select, which sees the
+/// row as it was before the statement: `sql/0016_announced.sql`), when `$events`
 /// (the statement's parameter given as `$events`) is true. A send's event happened
 /// at its `sent_at`.
 macro_rules! events_of_done {
@@ -25,6 +27,7 @@ macro_rules! events_of_done {
      WHERE ",
             $events,
             "::bool AND status IN ('sent', 'dead', 'suppressed', 'throttled')
+       AND status IS DISTINCT FROM was_announced
      ORDER BY key)"
         )
     };

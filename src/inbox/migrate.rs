@@ -50,6 +50,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (13, "0013_feedback"),
     (14, "0014_events"),
     (15, "0015_reputation"),
+    (16, "0016_announced"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.
