@@ -50,6 +50,27 @@ type Settings = &'static [(&'static str, &'static str)];
 /// The suppression list's lookup off (issue 30's figure: the check's cost).
 const NO_CHECK: &[(&str, &str)] = &[("POSTIE__SUPPRESSION__ENABLED", "false")];
 
+/// The delivery events' outbox row off (its cost on the send path).
+const NO_EVENTS: &[(&str, &str)] = &[("POSTIE__EVENTS__ENABLED", "false")];
+
+/// `make bench-checks`: SMTP as configured by default, without the suppression check,
+/// and without the events' row, each four times in the order A B C C B A A B C C B A,
+/// so that the machine's drift falls on all three alike.
+const CHECK_RUNS: [Run; 12] = [
+    ("smtp", "smtp", &[]),
+    ("smtp, no suppression check", "smtp", NO_CHECK),
+    ("smtp, no events", "smtp", NO_EVENTS),
+    ("smtp, no events", "smtp", NO_EVENTS),
+    ("smtp, no suppression check", "smtp", NO_CHECK),
+    ("smtp", "smtp", &[]),
+    ("smtp", "smtp", &[]),
+    ("smtp, no suppression check", "smtp", NO_CHECK),
+    ("smtp, no events", "smtp", NO_EVENTS),
+    ("smtp, no events", "smtp", NO_EVENTS),
+    ("smtp, no suppression check", "smtp", NO_CHECK),
+    ("smtp", "smtp", &[]),
+];
+
 /// Key prefix of the jobs (as `tests/bench.rs`'s end-to-end runs).
 const KEY_PREFIX: &str = "e2e";
 
@@ -322,9 +343,32 @@ fn markdown(n: usize, rows: &[Row]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: make bench-transports"]
 async fn bench_transports() {
+    run_all(&RUNS, "transports.json").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: make bench-checks"]
+async fn bench_checks() {
+    let rows = run_all(&CHECK_RUNS, "checks.json").await;
+    for label in ["smtp", "smtp, no suppression check", "smtp, no events"] {
+        let mut rates: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.transport == label)
+            .map(Row::rate)
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        let median = (rates[rates.len() / 2 - 1] + rates[rates.len() / 2]) / 2.0;
+        println!("{label}: median {median:.0} emails/s over {rates:.0?}");
+    }
+}
+
+/// Runs `runs` in order, prints each and the table, writes the JSON to
+/// POSTIE_BENCH_OUT (else `target/bench/<file>`), and checks nothing was lost or
+/// sent twice.
+async fn run_all(runs: &[Run], file: &str) -> Vec<Row> {
     let n = env_usize("POSTIE_BENCH_N", 5_000);
     let mut rows = Vec::new();
-    for (label, transport, settings) in RUNS {
+    for &(label, transport, settings) in runs {
         let row = run_transport(label, transport, settings, n).await;
         println!(
             "{label}: {:.0} emails/s, postie {:.3} CPU ms/email, lost {}, duplicates {}",
@@ -345,9 +389,8 @@ async fn bench_transports() {
         "postie_env": extra_postie_env(),
         "transports": rows.iter().map(Row::json).collect::<Vec<_>>(),
     });
-    let out = std::env::var("POSTIE_BENCH_OUT").unwrap_or_else(|_| {
-        concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench/transports.json").into()
-    });
+    let out = std::env::var("POSTIE_BENCH_OUT")
+        .unwrap_or_else(|_| format!("{}/target/bench/{file}", env!("CARGO_MANIFEST_DIR")));
     if let Some(dir) = std::path::Path::new(&out).parent() {
         std::fs::create_dir_all(dir).unwrap();
     }
@@ -362,4 +405,5 @@ async fn bench_transports() {
             r.transport
         );
     }
+    rows
 }
