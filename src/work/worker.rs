@@ -278,16 +278,7 @@ impl Worker {
         let done = |outcome| Ok(Followed::Outcome(outcome));
         match claim {
             Claim::AlreadySent => done(Outcome::Duplicate { key: key.clone() }),
-            Claim::Cancelled => {
-                let kind = job.kind.as_deref();
-                self.db("finish cancelled", || {
-                    self.cx
-                        .inbox
-                        .finish_cancelled(key.as_str(), job.revision, kind)
-                })
-                .await?;
-                done(Outcome::Cancelled { key: key.clone() })
-            }
+            Claim::Cancelled => done(self.cancelled(job).await?),
             Claim::Stale => done(Outcome::Stale { key: key.clone() }),
             Claim::Busy { remaining } => {
                 drop(slot);

@@ -12,6 +12,21 @@ use crate::work::policy::Failure;
 use crate::work::{DeadKind, Next, Outcome};
 
 impl Worker {
+    /// A claim a cancel covers: a row that a failed send left `retrying` ends
+    /// `cancelled`, with its event (`Inbox::finish_cancelled`).
+    pub(super) async fn cancelled(&self, job: &EmailJob) -> Result<Outcome, Stop> {
+        let kind = job.kind.as_deref();
+        self.db("finish cancelled", || {
+            self.cx
+                .inbox
+                .finish_cancelled(job.key.as_str(), job.revision, kind)
+        })
+        .await?;
+        Ok(Outcome::Cancelled {
+            key: job.key.clone(),
+        })
+    }
+
     /// Carries out what the retry policy decided after `error`: records it under the
     /// claim `fence` (if this instance holds one) and names the outcome, or waits for
     /// the dependency to answer and asks for another try. A retry of a job `pinned`
