@@ -87,7 +87,7 @@ async fn rates(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
         let cell = |count: [i64; 2], w: usize, limit: f64| match r.rate(count, w) {
             None => format!("{} (-)", count[w]),
             Some(rate) => {
-                let over = rate > limit && r.sent[w] >= s.rate_min_sends;
+                let over = r.over(rate, w, limit, s.rate_min_sends);
                 format!(
                     "{} ({:.2} %{})",
                     count[w],

@@ -88,7 +88,7 @@ impl Service {
                         window,
                     };
                     gauge.get_or_create(&label).set(rate);
-                    if rate > limit && r.sent[w] >= settings.rate_min_sends {
+                    if r.over(rate, w, limit, settings.rate_min_sends) {
                         over.insert((r.kind.clone(), feedback, window));
                     }
                 }

@@ -42,6 +42,16 @@ impl FeedbackKind {
         }
     }
 
+    /// The delivery event it is for the matched job, if any (a soft bounce is no
+    /// outcome: the provider tries again).
+    fn event(self) -> Option<EventOutcome> {
+        match self {
+            Self::Bounce { hard: true } => Some(EventOutcome::Bounced),
+            Self::Bounce { hard: false } => None,
+            Self::Complaint => Some(EventOutcome::Complained),
+        }
+    }
+
     /// The suppression it adds, if any.
     pub fn reason(self) -> Option<SuppressionReason> {
         match self {
@@ -157,14 +167,8 @@ impl Inbox {
             .await?;
         }
         // The matched job's `bounced` / `complained` delivery event, in this
-        // transaction: it exists iff the feedback does. A soft bounce is no outcome
-        // (the provider tries again): no event.
-        let outcome = match f.kind {
-            FeedbackKind::Bounce { hard: true } => Some(EventOutcome::Bounced),
-            FeedbackKind::Complaint => Some(EventOutcome::Complained),
-            FeedbackKind::Bounce { hard: false } => None,
-        };
-        if let (Some(key), Some(outcome), true) = (&key, outcome, self.events) {
+        // transaction: it exists iff the feedback does.
+        if let (Some(key), Some(outcome), true) = (&key, f.kind.event(), self.events) {
             record_event(&tx, key, outcome, Some(&f.evidence)).await?;
         }
         tx.commit().await?;

@@ -105,6 +105,12 @@ impl TypeRates {
     pub fn rate(&self, count: [i64; 2], w: usize) -> Option<f64> {
         (self.sent[w] > 0).then(|| count[w] as f64 / self.sent[w] as f64)
     }
+
+    /// Whether `rate` (of window `w`) is over its warning threshold `limit`: it counts
+    /// only once the window holds `min_sends` sends (`suppression.rate_min_sends`).
+    pub fn over(&self, rate: f64, w: usize, limit: f64, min_sends: i64) -> bool {
+        rate > limit && self.sent[w] >= min_sends
+    }
 }
 
 /// The rates look back a day; their rows are kept two (and feedback, as evidence,
@@ -274,5 +280,7 @@ mod tests {
         assert_eq!(r.rate(r.bounces, 0), None);
         assert_eq!(r.rate(r.bounces, 1), Some(0.05));
         assert_eq!(r.rate(r.complaints, 1), Some(0.005));
+        assert!(r.over(0.05, 1, 0.04, 200) && !r.over(0.05, 1, 0.04, 201));
+        assert!(!r.over(0.05, 1, 0.05, 1), "at the threshold is not over it");
     }
 }
