@@ -84,14 +84,7 @@ pub(crate) async fn start(
         .layer(axum::middleware::from_fn(
             move |req: Request, next: Next| within(timeout, req, next),
         ));
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-        if let Err(error) = served {
-            tracing::error!(%error, "feedback endpoint failed");
-        }
-    });
+    crate::ops::http::serve(listener, app, stop, "feedback endpoint");
     tracing::info!(%bound, "feedback endpoint: /feedback/{{ses,sendgrid,postmark,mailgun}}");
     Ok(bound)
 }

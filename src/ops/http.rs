@@ -31,16 +31,27 @@ pub(crate) async fn start(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(Arc::new(health));
+    serve(listener, app, stop, "HTTP endpoint");
+    tracing::info!(%bound, "HTTP endpoint: /metrics /healthz /readyz");
+    Ok(bound)
+}
+
+/// Serves `app` on `listener` in a task of its own until `stop`; a failure is logged
+/// under `what` (this endpoint and the feedback endpoint).
+pub(crate) fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    stop: CancellationToken,
+    what: &'static str,
+) {
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await })
             .await;
         if let Err(error) = served {
-            tracing::error!(%error, "HTTP endpoint failed");
+            tracing::error!(%error, "{what} failed");
         }
     });
-    tracing::info!(%bound, "HTTP endpoint: /metrics /healthz /readyz");
-    Ok(bound)
 }
 
 async fn metrics(State(health): State<Arc<Health>>) -> impl IntoResponse {
