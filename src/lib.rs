@@ -43,6 +43,7 @@ pub mod headers;
 pub mod inbox;
 pub mod mail;
 pub mod ops;
+pub mod outbox;
 pub mod topology;
 pub mod work;
 

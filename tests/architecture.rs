@@ -21,7 +21,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "consume", "dlq", "feedback", "work", "inbox", "mail", "broker", "topology",
+            "consume", "dlq", "feedback", "outbox", "work", "inbox", "mail", "broker", "topology",
             "contract", "ops", "config", "headers", "endpoint", "root",
         ],
     ),
@@ -29,10 +29,13 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "consume",
         &[
-            "work", "feedback", "inbox", "mail", "broker", "topology", "contract", "ops", "config",
-            "headers", "endpoint", "root",
+            "work", "feedback", "outbox", "inbox", "mail", "broker", "topology", "contract", "ops",
+            "config", "headers", "endpoint", "root",
         ],
     ),
+    // The producers' outboxes (install, a batch, the lag): reached like the inbox (its
+    // dialer and errors); the publish is the session's (`consume::outbox`).
+    ("outbox", &["inbox", "config", "endpoint", "root"]),
     // Bounces and complaints after the send: webhooks and reports recorded in the inbox
     // (inbox), hard bounces read as at send time (mail::bounce), an HTTPS client for
     // SNS (mail's), counted (ops).

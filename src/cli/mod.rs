@@ -6,6 +6,7 @@ mod cancel;
 mod dlq;
 mod feedback;
 mod migrate;
+mod outbox;
 mod pending;
 mod prune;
 mod publish;
@@ -77,6 +78,13 @@ pub enum Command {
         #[command(subcommand)]
         command: feedback::FeedbackCommand,
     },
+    /// The transactional outbox in a producer's database (`install`), which `serve`
+    /// relays from `outbox.sources`.
+    Outbox {
+        /// What to do.
+        #[command(subcommand)]
+        command: outbox::OutboxCommand,
+    },
 }
 
 /// Runs `command`.
@@ -93,5 +101,6 @@ pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Dlq { command } => dlq::run(&settings, command).await,
         Command::Suppression { command } => suppression::run(&settings, command).await,
         Command::Feedback { command } => feedback::run(&settings, command).await,
+        Command::Outbox { command } => outbox::run(&settings, command).await,
     }
 }

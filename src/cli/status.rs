@@ -19,6 +19,7 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     out!("  leases taken over:     {}", counts.takeovers);
     transports(settings, &inbox).await?;
     rates(settings, &inbox).await?;
+    super::outbox::status(settings).await?;
 
     let topology = broker::resolve_topology(settings).await?;
     out!("delay mode: {}", topology.mode_name());

@@ -22,6 +22,7 @@ mod events;
 mod feedback;
 mod memory;
 mod observe;
+mod outbox;
 mod provider;
 mod rate;
 mod sections;
@@ -38,6 +39,8 @@ pub use feedback::{
 };
 pub(crate) use memory::Prefetch;
 pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
+pub(crate) use outbox::source as outbox_source;
+pub use outbox::{OutboxSettings, OutboxSource};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};
 pub use rate::SendRate;
 pub use sections::*;
@@ -81,6 +84,8 @@ pub struct Settings {
     pub feedback: FeedbackSettings,
     /// Delivery events for the producers (`<p>.events`).
     pub events: EventsSettings,
+    /// The producers' transactional outboxes that `serve` relays (`outbox.sources`).
+    pub outbox: OutboxSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
 }
@@ -123,6 +128,7 @@ impl Settings {
                 .with_list_parse_key("suppression.hard_bounce_codes")
                 .with_list_parse_key("feedback.sns.allowed_hosts")
                 .with_list_parse_key("feedback.sns.topic_arns")
+                .with_list_parse_key("outbox.sources")
                 .try_parsing(true)
                 .source(env),
         );
@@ -135,7 +141,7 @@ impl Settings {
     }
 
     /// Every password in the connection addresses (`amqp.url`, `database.url`,
-    /// `smtp.url`, `transport.url`, `transport.providers`, `otel.endpoint`), as written and decoded: what the log writer and
+    /// `smtp.url`, `transport.url`, `transport.providers`, `outbox.sources`, `otel.endpoint`), as written and decoded: what the log writer and
     /// the last error line scrub, in case a library quotes an address.
     pub fn passwords(&self) -> Vec<String> {
         let mut found: Vec<String> = [
@@ -148,6 +154,7 @@ impl Settings {
         .into_iter()
         .flatten()
         .chain(&self.transport.providers)
+        .chain(&self.outbox.sources)
         .flat_map(|url| passwords(url.expose_secret()))
         .collect();
         found.sort();

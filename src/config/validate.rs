@@ -20,6 +20,8 @@ pub(crate) struct Parsed {
     pub(crate) providers: Vec<ProviderPlan>,
     /// `database.url`: the connection settings and the TLS decision.
     pub(crate) database: DbPlan,
+    /// `outbox.sources`: each producer's database, named.
+    pub(crate) outbox: Vec<super::OutboxSource>,
 }
 
 impl std::fmt::Debug for Parsed {
@@ -28,6 +30,7 @@ impl std::fmt::Debug for Parsed {
             .field("amqp", &self.amqp)
             .field("providers", &self.providers)
             .field("database_tls", &self.database.tls)
+            .field("outbox", &self.outbox)
             .finish_non_exhaustive()
     }
 }
@@ -194,10 +197,12 @@ impl Settings {
             }
         }
         let database = self.database.plan()?;
+        let outbox = self.outbox.parse_sources(&self.database)?;
         Ok(Parsed {
             amqp,
             providers,
             database,
+            outbox,
         })
     }
 }

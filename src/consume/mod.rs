@@ -16,6 +16,8 @@
 //! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
 //! - `events.rs`: the delivery events' outbox published to `<p>.events`, on every
 //!   instance (`FOR UPDATE SKIP LOCKED`), on the session's confirm channel.
+//! - `outbox.rs`: the producers' transactional outboxes (`outbox.sources`) relayed
+//!   to `<p>.delayed`, a task per source, on the session's confirm channel.
 //!
 //! If the connection, a channel or a consumer is lost, in-flight work finishes or is
 //! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
@@ -25,6 +27,7 @@
 mod arrivals;
 mod events;
 mod maintenance;
+mod outbox;
 mod pollers;
 mod publisher;
 mod reconcile;
@@ -85,6 +88,11 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         let metrics = health.metrics().clone();
         crate::feedback::start(&settings, addr, inbox.clone(), metrics, http_stop.clone()).await?;
     }
+    let outbox = parsed
+        .outbox
+        .iter()
+        .map(|source| crate::outbox::Source::new(source, &settings.database))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mailer = Mailer::with_routes(&parsed.providers, &settings.smtp, health.metrics())?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
@@ -103,7 +111,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         hard_stop: CancellationToken::new(),
     });
     let inbox = cx.inbox.clone();
-    let service = Service::new(cx);
+    let service = Service::new(cx, outbox);
     service.announce(&connection.address);
     let maintenance = service.spawn_maintenance(stop.child_token());
     service.run(connection, stop).await;
@@ -144,11 +152,14 @@ struct Service {
     scheduler: scheduler::Scheduler,
     /// Ladder mode: marks waiting send deliveries as arrived, in batches.
     arrivals: arrivals::Arrivals,
+    /// The producers' outboxes this instance relays (`outbox.sources`).
+    outbox: Arc<Vec<crate::outbox::Source>>,
 }
 
 impl Service {
-    /// The consume side over `cx`: the worker, and ladder mode's batch writers.
-    fn new(cx: SharedContext) -> Self {
+    /// The consume side over `cx`: the worker, ladder mode's batch writers, and the
+    /// outbox sources to relay.
+    fn new(cx: SharedContext, outbox: Vec<crate::outbox::Source>) -> Self {
         let worker = Worker::new(cx.clone());
         let marks = cx.settings.delay.track_pending
             && cx.settings.delay.reconcile
@@ -158,6 +169,7 @@ impl Service {
             scheduler: scheduler::Scheduler::start(worker.clone()),
             worker,
             cx,
+            outbox: Arc::new(outbox),
         }
     }
 

@@ -108,6 +108,7 @@ impl Service {
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
         let events = self.spawn_events(publish.clone(), session_stop.clone());
+        let relays = self.spawn_outbox(&publish, &session_stop);
         self.cx.health.set_broker_up(true);
         let mut lanes = vec![Lane {
             role: Role::Send,
@@ -139,11 +140,11 @@ impl Service {
         let (end, _, rest) = futures_util::future::select_all(loops).await;
         lost.cancel();
         futures_util::future::join_all(rest).await;
-        // Ends the watchdog and the event publisher of this session.
+        // Ends the watchdog, the event publisher and the outbox relays of this session.
         session_stop.cancel();
-        if let Some(events) = events {
-            let abort = events.abort_handle();
-            if tokio::time::timeout(GOODBYE_TIMEOUT, events).await.is_err() {
+        for task in events.into_iter().chain(relays) {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(GOODBYE_TIMEOUT, task).await.is_err() {
                 abort.abort();
             }
         }

@@ -7,11 +7,11 @@
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use secrecy::{ExposeSecret, SecretString};
 use tokio_postgres::NoTls;
-use tokio_postgres_rustls::MakeRustlsConnect;
 
 mod claim;
 pub mod clock;
 mod complete;
+mod dial;
 mod error;
 mod events;
 mod feedback;
@@ -26,6 +26,7 @@ mod suppression;
 mod tls;
 
 pub use claim::{Claim, Completion, Scheduled};
+pub(crate) use dial::Dialer;
 pub(crate) use error::DbError;
 pub use events::{record_event, RECORD_EVENT};
 pub(crate) use events::{Event, OutboxError};
@@ -39,16 +40,15 @@ pub use suppression::{
     normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
 };
 
-use crate::config::{DatabaseSettings, DbPlan, DbTls};
+use crate::config::{DatabaseSettings, DbPlan};
 use crate::endpoint::redact_url;
-use tls::tls_config;
 
 /// A pool of connections to the inbox database.
 #[derive(Clone)]
 pub struct Inbox {
     pool: Pool,
     /// How to open a connection outside the pool (the maintenance lock holder).
-    direct: (tokio_postgres::Config, Option<MakeRustlsConnect>),
+    direct: Dialer,
     /// Completions are recorded in batches (`complete.rs`).
     completer: complete::Completer,
     /// The suppressed addresses' filter, started by the first check
@@ -69,17 +69,12 @@ impl Inbox {
     /// that is not this machine unless `allow_plaintext`; with TLS, the server's
     /// certificate is always verified.
     pub fn new(plan: &DbPlan, settings: &DatabaseSettings) -> anyhow::Result<Self> {
-        let mut pg = plan.config.clone();
-        pg.connect_timeout(settings.connect_timeout);
-        pg.application_name("postie");
+        let direct = Dialer::new(plan, settings, "postie")?;
         let manager_config = ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         };
-        let tls = match plan.tls {
-            DbTls::Off => None,
-            tls => Some(MakeRustlsConnect::new(tls_config(tls, settings.ca_file())?)),
-        };
-        let manager = match tls.clone() {
+        let (pg, tls) = direct.parts();
+        let manager = match tls.cloned() {
             None => Manager::from_config(pg.clone(), NoTls, manager_config),
             Some(tls) => Manager::from_config(pg.clone(), tls, manager_config),
         };
@@ -92,7 +87,7 @@ impl Inbox {
             .build()?;
         Ok(Self {
             pool,
-            direct: (pg, tls),
+            direct,
             completer: complete::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
             tally: Default::default(),
@@ -111,20 +106,7 @@ impl Inbox {
     /// A connection of its own, outside the pool: what it holds (an advisory lock)
     /// is released when it is dropped or its process dies.
     pub(crate) async fn dedicated(&self) -> Result<tokio_postgres::Client, DbError> {
-        let (pg, tls) = &self.direct;
-        let client = match tls {
-            None => {
-                let (client, conn) = pg.connect(NoTls).await?;
-                tokio::spawn(conn);
-                client
-            }
-            Some(tls) => {
-                let (client, conn) = pg.connect(tls.clone()).await?;
-                tokio::spawn(conn);
-                client
-            }
-        };
-        Ok(client)
+        self.direct.connect().await
     }
 
     /// `database.url` parsed, then [`Inbox::new`] and [`Inbox::check`]: a pool known

@@ -28,6 +28,9 @@ struct Inner {
     broker_up: AtomicBool,
     broker_address: std::sync::Mutex<String>,
     draining: AtomicBool,
+    /// Each outbox source by name: whether this instance reaches it (`/readyz`'s
+    /// detail; a source down does not make the instance unready).
+    outbox: std::sync::Mutex<std::collections::BTreeMap<String, bool>>,
     metrics: SharedMetrics,
 }
 
@@ -42,6 +45,7 @@ impl Health {
                 broker_up: AtomicBool::new(false),
                 broker_address: std::sync::Mutex::new(String::new()),
                 draining: AtomicBool::new(false),
+                outbox: Default::default(),
                 metrics,
             }),
         }
@@ -190,6 +194,30 @@ impl Health {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Records whether the outbox source `name` is reached (its gauge too); true if
+    /// that changed what was known (the first report is a change).
+    pub(crate) fn set_outbox_source(&self, name: &str, up: bool) -> bool {
+        let label = super::metrics::SourceLabel {
+            source: name.to_owned(),
+        };
+        self.inner
+            .metrics
+            .outbox_source_up
+            .get_or_create(&label)
+            .set(i64::from(up));
+        let mut sources = self.inner.outbox.lock().unwrap_or_else(|e| e.into_inner());
+        sources.insert(name.to_owned(), up) != Some(up)
+    }
+
+    /// A line per outbox source for `/readyz`: `outbox <name>: up` (or `down`).
+    pub(crate) fn outbox_lines(&self) -> String {
+        let sources = self.inner.outbox.lock().unwrap_or_else(|e| e.into_inner());
+        sources
+            .iter()
+            .map(|(name, up)| format!("outbox {name}: {}\n", if *up { "up" } else { "down" }))
+            .collect()
     }
 
     /// Marks the start of a drain: not ready from now on.

@@ -72,6 +72,7 @@ async fn readyz(State(health): State<Arc<Health>>) -> impl IntoResponse {
         address if address.is_empty() => String::new(),
         address => format!("broker: {address}\n"),
     };
+    let broker = broker + &health.outbox_lines();
     if reasons.is_empty() {
         (StatusCode::OK, format!("ready\n{broker}"))
     } else {

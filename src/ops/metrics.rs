@@ -31,6 +31,13 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// `source="name"`: a producer's outbox (`outbox.sources`' names, never its URL).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// The source's name.
+    pub source: String,
+}
+
 /// How a metric is registered: a handle sharing its values.
 trait Register {
     fn register_in(&self, registry: &mut Registry, name: &'static str, help: &'static str);
@@ -195,6 +202,14 @@ declare! {
             => "events_published", "Delivery events published to <p>.events and confirmed, by outcome";
         events_backlog_seconds: Gauge<f64, AtomicU64>
             => "events_backlog_seconds", "Age of the oldest delivery event this instance found waiting at its last poll (0: none)";
+        outbox_relayed: Family<SourceLabel, Counter>
+            => "outbox_relayed", "Rows of a producer's outbox published to <p>.delayed, confirmed and deleted, by source";
+        outbox_batch_seconds: Family<SourceLabel, Histogram, fn() -> Histogram> = Family::new_with_constructor(|| seconds(0.001, 16))
+            => "outbox_batch_duration_seconds", "One outbox batch: taken, published (confirms awaited), deleted, committed, by source";
+        outbox_oldest_seconds: Family<SourceLabel, Gauge<f64, AtomicU64>>
+            => "outbox_oldest_row_age_seconds", "Age of the oldest row in the last batch this instance took from a source (0: none)";
+        outbox_source_up: Family<SourceLabel, Gauge>
+            => "outbox_source_up", "1 while this instance reaches the source's outbox, 0 while it does not";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

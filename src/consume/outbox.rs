@@ -1,0 +1,262 @@
+//! The relay of the producers' transactional outboxes (issue 31; `outbox.sources`),
+//! on the session's confirm channel.
+//!
+//! One task per source and session. It holds a connection for the batches and,
+//! with `outbox.listen`, one that `LISTEN`s on `postie_outbox`: `postie.enqueue`'s
+//! notification, delivered at the producer's commit, starts a pass at once; polling
+//! every `outbox.poll_interval` is the fallback (and all there is without LISTEN). A
+//! full batch is followed at once. Each pass takes the oldest rows no other relay
+//! holds (`FOR UPDATE SKIP LOCKED`: several instances relay one source together),
+//! publishes each to `<p>.delayed` as a producer would (`x-delay` = due − enqueued,
+//! `postie-published-at` = the enqueue, persistent, `message_id` = the key), awaits
+//! every confirm, then deletes them and commits (`outbox::relay_batch`); the whole
+//! pass is under `database.statement_timeout + amqp.connect_timeout`.
+//!
+//! A source that cannot be reached, or does not answer, pauses its own relay: one
+//! line when it goes down and one when it comes back (its URL redacted), its
+//! `outbox_source_up` gauge, `/readyz`'s detail line; its connections are rebuilt
+//! with backoff (`ops::backoff`) while the other sources go on. A refused publish
+//! leaves the rows where they are and backs off too. At least once: a batch whose
+//! confirms arrived but whose delete did not commit is published again, and the
+//! inbox's key makes the email once.
+
+use std::time::{Duration, Instant};
+
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::publisher::Publisher;
+use super::Service;
+use crate::broker::{self, PublishError, ROUTING_KEY};
+use crate::headers::{HEADER_PUBLISHED_AT, HEADER_X_DELAY};
+use crate::inbox::OutboxError;
+use crate::ops::backoff::Backoff;
+use crate::ops::metrics::SourceLabel;
+use crate::outbox::{relay_batch, Batch, Row, Source};
+
+impl Service {
+    /// Starts this session's relay of every outbox source; each ends with `stop`.
+    pub(super) fn spawn_outbox(
+        &self,
+        publisher: &Publisher,
+        stop: &CancellationToken,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        self.outbox
+            .iter()
+            .map(|source| {
+                let (service, source) = (self.clone(), source.clone());
+                let (publisher, stop) = (publisher.clone(), stop.clone());
+                tokio::spawn(async move { service.relay_source(&source, &publisher, &stop).await })
+            })
+            .collect()
+    }
+
+    /// Relays `source` until `stop`, reconnecting with backoff while it is down.
+    async fn relay_source(&self, source: &Source, publisher: &Publisher, stop: &CancellationToken) {
+        let max = self.cx.settings.worker.outage_backoff_max;
+        let mut backoff = Backoff::new(Duration::from_millis(200), max);
+        while !stop.is_cancelled() {
+            let Err(cause) = self
+                .relay_connected(source, publisher, stop, &mut backoff)
+                .await
+            else {
+                return;
+            };
+            let wait = backoff.failed();
+            if self.cx.health.set_outbox_source(&source.name, false) {
+                tracing::error!(source = %source.name, url = %source.shown, %cause, retry_in = ?wait,
+                    "outbox source unavailable; its rows wait there, the other sources go on");
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Connects to `source` and relays its passes; `Ok` once `stop`, the cause in
+    /// words once the source fails (a statement's error, no answer, a lost connection).
+    async fn relay_connected(
+        &self,
+        source: &Source,
+        publisher: &Publisher,
+        stop: &CancellationToken,
+        backoff: &mut Backoff,
+    ) -> Result<(), String> {
+        let settings = &self.cx.settings;
+        let connect = settings.database.connect_timeout;
+        let no_answer =
+            |limit: Duration| format!("no answer within {}", humantime::format_duration(limit));
+        let mut client = tokio::time::timeout(connect, source.connect())
+            .await
+            .map_err(|_| no_answer(connect))?
+            .map_err(|e| e.cause())?;
+        let (sender, receiver) = mpsc::channel(1);
+        let (_listener, mut wake) = if settings.outbox.listen {
+            let listener = tokio::time::timeout(connect, source.listen(sender))
+                .await
+                .map_err(|_| no_answer(connect))?
+                .map_err(|e| e.cause())?;
+            (Some(listener), Some(receiver))
+        } else {
+            (None, None)
+        };
+        if self.cx.health.set_outbox_source(&source.name, true) {
+            tracing::info!(source = %source.name, url = %source.shown, "relaying the outbox source");
+        }
+        let deadline = settings.database.statement_timeout + settings.amqp.connect_timeout;
+        let label = SourceLabel {
+            source: source.name.clone(),
+        };
+        let mut refused = false;
+        loop {
+            let started = Instant::now();
+            let pass =
+                tokio::time::timeout(deadline, self.outbox_pass(&mut client, publisher)).await;
+            let wait = match pass {
+                Ok(Ok(batch)) => {
+                    self.count_batch(&label, batch, started);
+                    if std::mem::take(&mut refused) {
+                        tracing::info!(source = %source.name, "publishing the outbox source's rows again");
+                    }
+                    backoff.succeeded();
+                    match batch.rows >= settings.outbox.batch_size as usize {
+                        true => Duration::ZERO,
+                        false => settings.outbox.poll_interval,
+                    }
+                }
+                Ok(Err(OutboxError::Publish(error))) => {
+                    if !std::mem::replace(&mut refused, true) {
+                        tracing::warn!(source = %source.name, %error,
+                            "could not publish outbox rows; they stay in the outbox and are tried again");
+                    }
+                    backoff.failed()
+                }
+                Ok(Err(OutboxError::Db(error))) => return Err(error.cause()),
+                Err(_) => return Err(no_answer(deadline)),
+            };
+            if stop.is_cancelled() {
+                return Ok(());
+            }
+            if wait.is_zero() {
+                continue;
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(wait) => {}
+                woke = next_wake(&mut wake), if !refused => {
+                    if woke.is_none() {
+                        return Err("the listening connection was lost".into());
+                    }
+                }
+            }
+        }
+    }
+
+    /// One batch: taken, published (confirms awaited together), deleted.
+    async fn outbox_pass(
+        &self,
+        client: &mut tokio_postgres::Client,
+        publisher: &Publisher,
+    ) -> Result<Batch, OutboxError<PublishError>> {
+        let exchange = self.cx.topology.delayed_exchange();
+        let limit = i64::from(self.cx.settings.outbox.batch_size);
+        relay_batch(client, limit, |rows: Vec<Row>| async move {
+            let publishes = rows.iter().map(|row| {
+                publisher.publish(exchange, ROUTING_KEY, false, &row.body, properties(row))
+            });
+            futures_util::future::try_join_all(publishes).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Counts a batch under its source.
+    fn count_batch(&self, label: &SourceLabel, batch: Batch, started: Instant) {
+        let metrics = self.cx.metrics();
+        metrics
+            .outbox_oldest_seconds
+            .get_or_create(label)
+            .set(batch.oldest_seconds);
+        if batch.rows > 0 {
+            metrics
+                .outbox_relayed
+                .get_or_create(label)
+                .inc_by(batch.rows as u64);
+            metrics
+                .outbox_batch_seconds
+                .get_or_create(label)
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// The next notification of the listening connection; `None` once it is gone;
+/// never without one (polling only).
+async fn next_wake(wake: &mut Option<mpsc::Receiver<()>>) -> Option<()> {
+    match wake {
+        Some(wake) => wake.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A producer's properties: persistent JSON, the key as `message_id`, `x-delay` and
+/// `postie-published-at` so that the job is due when its row said.
+fn properties(row: &Row) -> lapin::BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        HEADER_X_DELAY.into(),
+        AMQPValue::LongLongInt(row.delay_ms.max(0)),
+    );
+    headers.insert(
+        HEADER_PUBLISHED_AT.into(),
+        AMQPValue::LongLongInt(row.enqueued_ms),
+    );
+    let mut properties = broker::job_properties()
+        .with_headers(headers)
+        .with_timestamp((row.enqueued_ms / 1000).max(0) as u64);
+    if let Some((key, _)) = crate::contract::peek_key(&row.body) {
+        properties = properties.with_message_id(ShortString::from(key.as_str().to_owned()));
+    }
+    properties
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_is_published_as_a_producer_would() {
+        let row = Row {
+            id: 1,
+            body: br#"{"order_id":"42","type":"receipt","to":["a@x.example"]}"#.to_vec(),
+            enqueued_ms: 1_700_000_000_123,
+            delay_ms: 5_000,
+        };
+        let props = properties(&row);
+        assert_eq!(
+            props.message_id().as_ref().map(|m| m.as_str()),
+            Some("42:receipt")
+        );
+        assert_eq!(props.delivery_mode(), &Some(2));
+        let headers = props.headers().as_ref().unwrap();
+        assert_eq!(
+            crate::headers::header_int(Some(headers), HEADER_PUBLISHED_AT),
+            Some(1_700_000_000_123)
+        );
+        assert_eq!(
+            crate::headers::header_int(Some(headers), HEADER_X_DELAY),
+            Some(5_000)
+        );
+        let late = Row {
+            delay_ms: -3,
+            ..row
+        };
+        let headers = properties(&late).headers().clone().unwrap();
+        assert_eq!(
+            crate::headers::header_int(Some(&headers), HEADER_X_DELAY),
+            Some(0)
+        );
+    }
+}
