@@ -161,7 +161,7 @@ impl Service {
         publisher: &Publisher,
     ) -> Result<Batch, OutboxError<PublishError>> {
         let exchange = self.cx.topology.delayed_exchange();
-        let limit = i64::from(self.cx.settings.outbox.batch_size);
+        let limit = self.cx.settings.outbox.batch_size as i32;
         relay_batch(client, limit, |rows: Vec<Row>| async move {
             let publishes = rows.iter().map(|row| {
                 publisher.publish(exchange, ROUTING_KEY, false, &row.body, properties(row))
