@@ -594,22 +594,44 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
     let url = pg.url("producer");
     install(&env, &url).await;
     let source = format!("{url}?name=private");
+    let listen = format!("127.0.0.1:{}", free_port());
     let postie = env.spawn_process(&[
         ("POSTIE__OUTBOX__SOURCES", source.as_str()),
         ("POSTIE__OUTBOX__BATCH_SIZE", "20"),
+        ("POSTIE__HTTP__LISTEN", listen.as_str()),
     ]);
     let before: Vec<String> = (0..300).map(|i| format!("ob-r-before-{i}")).collect();
     let after: Vec<String> = (0..300).map(|i| format!("ob-r-after-{i}")).collect();
     enqueue_all(&url, &before).await;
     // Mid-relay: stopped as soon as the last enqueue committed.
     pg.stop();
+    let stopped = Instant::now();
     let sent_while_down = env.emails_per_id().await.len();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let readyz = format!("http://{listen}/readyz");
+    let readyz = &readyz;
+    eventually(
+        "/readyz to say the source is down",
+        Duration::from_secs(4),
+        move || async move {
+            let (_, text) = get(readyz).await;
+            text.contains("outbox private: down").then_some(())
+        },
+    )
+    .await;
+    let metrics = get(&format!("http://{listen}/metrics")).await.1;
+    assert_eq!(
+        sample(&metrics, "postie_outbox_source_up{source=\"private\"}"),
+        Some(0.0),
+        "{metrics}"
+    );
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(stopped.elapsed())).await;
     pg.pg_ctl_start();
     enqueue_all(&url, &after).await;
     let keys: Vec<String> = before.into_iter().chain(after).collect();
     distinct_emails(&env, keys.len(), Duration::from_secs(180), || postie.log()).await;
     each_sent_once(&env, &keys).await;
+    let (_, text) = get(readyz).await;
+    assert!(text.contains("outbox private: up"), "{text}");
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -641,9 +663,11 @@ async fn rows_wait_in_the_outbox_while_the_broker_is_unreachable_then_all_go() {
     let proxy = proxy::Proxy::start(&amqp_host_port()).await;
     let amqp = format!("amqp://guest:guest@{}/%2f", proxy.addr());
     let url = producer.url();
+    let listen = format!("127.0.0.1:{}", free_port());
     let postie = env.spawn_process(&[
         ("POSTIE__AMQP__URL", amqp.as_str()),
         ("POSTIE__OUTBOX__SOURCES", url.as_str()),
+        ("POSTIE__HTTP__LISTEN", listen.as_str()),
     ]);
     let first = vec!["ob-b-first".to_string()];
     enqueue_all(&url, &first).await;
@@ -674,6 +698,20 @@ async fn rows_wait_in_the_outbox_while_the_broker_is_unreachable_then_all_go() {
     distinct_emails(&env, all.len(), Duration::from_secs(120), || postie.log()).await;
     each_sent_once(&env, &all).await;
     assert_eq!(producer.waiting().await, 0, "rows left in the outbox");
+    let metrics = get(&format!("http://{listen}/metrics")).await.1;
+    let relayed = sample(&metrics, "postie_outbox_relayed_total{source=\"source1\"}");
+    assert_eq!(relayed, Some(51.0), "{metrics}");
+    assert!(
+        metrics.contains("postie_outbox_batch_duration_seconds_count{source=\"source1\"}"),
+        "{metrics}"
+    );
+}
+
+async fn get(url: &str) -> (u16, String) {
+    match reqwest::get(url).await {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(_) => (0, String::new()),
+    }
 }
 
 /// Sent minus committed, per job, in ms, sorted.
