@@ -803,3 +803,52 @@ async fn lateness_from_commit_to_send_with_listen_and_with_polling_only() {
         "sent before its commit?"
     );
 }
+
+/// Relay throughput (`cargo test --test outbox -- --ignored --nocapture
+/// relay_throughput`): `POSTIE_BENCH_N` rows (20,000) enqueued before postie starts,
+/// then the time until 1 or 2 `postie serve` processes have published and deleted
+/// them all (the sends go on behind and are not timed), at two batch sizes. The
+/// build the test runs with is the one measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it by name"]
+async fn relay_throughput() {
+    let n: i64 = std::env::var("POSTIE_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    for (instances, batch) in [(1, "500"), (2, "500"), (1, "100")] {
+        let env = TestEnv::new("outbox-throughput").await;
+        let producer = ProducerDb::new(&env).await;
+        producer
+            .client()
+            .await
+            .execute(
+                "SELECT count(postie.enqueue(jsonb_build_object('key', 'ob-t-' || i,
+                        'to', jsonb_build_array('x@example.com'), 'subject', 's', 'text', 't')))
+                   FROM generate_series(1, $1::bigint) i",
+                &[&n],
+            )
+            .await
+            .unwrap();
+        let url = producer.url();
+        let extra = [
+            ("POSTIE__OUTBOX__SOURCES", url.as_str()),
+            ("POSTIE__OUTBOX__BATCH_SIZE", batch),
+        ];
+        let started = Instant::now();
+        let postie: Vec<_> = (0..instances).map(|_| env.spawn_process(&extra)).collect();
+        let producer = &producer;
+        eventually(
+            "the outbox drained",
+            Duration::from_secs(600),
+            move || async move { (producer.waiting().await == 0).then_some(()) },
+        )
+        .await;
+        let elapsed = started.elapsed().as_secs_f64();
+        drop(postie);
+        eprintln!(
+            "FIGURES outbox relay: {n} rows, {instances} instance(s), batch {batch}: drained in {elapsed:.1}s from the processes' start, {:.0} rows/s",
+            n as f64 / elapsed
+        );
+    }
+}
