@@ -36,13 +36,14 @@ impl ProducerDb {
 
     /// Rows waiting in the outbox.
     async fn waiting(&self) -> i64 {
-        self.client()
-            .await
-            .query_one("SELECT count(*) FROM postie.outbox", &[])
-            .await
-            .unwrap()
-            .get(0)
+        count(&self.client().await, "postie.outbox").await
     }
+}
+
+/// The rows of `table`.
+async fn count(client: &tokio_postgres::Client, table: &str) -> i64 {
+    let sql = format!("SELECT count(*) FROM {table}");
+    client.query_one(&sql, &[]).await.unwrap().get(0)
 }
 
 /// Roles of the cluster for one test, dropped (their grants in the producer's
@@ -67,17 +68,10 @@ impl Roles {
 impl Drop for Roles {
     fn drop(&mut self) {
         let (names, db) = (self.names.join(", "), self.db.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                admin_sql_in(&db, &format!("DROP OWNED BY {names}")).await;
-                admin_sql_in("postgres", &format!("DROP ROLE {names}")).await;
-            });
-        })
-        .join();
+        on_own_thread(async move {
+            admin_sql_in(&db, &format!("DROP OWNED BY {names}")).await;
+            admin_sql_in("postgres", &format!("DROP ROLE {names}")).await;
+        });
     }
 }
 
@@ -87,10 +81,7 @@ async fn install(env: &TestEnv, url: &str) {
         .postie(&["outbox", "install", "--database", url])
         .expect("postie outbox install");
     assert!(out.contains("applied 0001_outbox"), "{out}");
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let client = connect_pg(url).await;
     client
         .batch_execute("CREATE TABLE orders (id serial PRIMARY KEY, note text)")
         .await
@@ -99,18 +90,8 @@ async fn install(env: &TestEnv, url: &str) {
 
 impl Drop for ProducerDb {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(admin_sql_in(
-                "postgres",
-                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-            ));
-        })
-        .join();
+        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        on_own_thread(async move { admin_sql_in("postgres", &drop).await });
     }
 }
 
@@ -286,11 +267,7 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
         let again = again.expect("a second install");
         assert!(again.contains("up to date"), "{again}");
         let client = producer.client().await;
-        let versions: i64 = client
-            .query_one("SELECT count(*) FROM postie.outbox_version", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let versions = count(&client, "postie.outbox_version").await;
         assert_eq!(versions, 1, "each script recorded once");
         let job = job("ob-role", "a@example.com");
         // The application's role: enqueue, nothing else.
@@ -569,10 +546,7 @@ impl Drop for PrivatePg {
 
 /// Enqueues `keys` one transaction each, on a fresh connection to `url`.
 async fn enqueue_all(url: &str, keys: &[String]) {
-    let (mut client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let mut client = connect_pg(url).await;
     for key in keys {
         enqueue_in_transaction(&mut client, &job(key, "x@example.com"), "0", true).await;
     }
@@ -582,10 +556,7 @@ async fn enqueue_all(url: &str, keys: &[String]) {
 async fn the_relay_resumes_after_the_producer_database_restarts() {
     let env = TestEnv::new("outbox-restart").await;
     let pg = PrivatePg::start();
-    let (client, connection) = tokio_postgres::connect(&pg.url("postgres"), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let client = connect_pg(&pg.url("postgres")).await;
     client
         .batch_execute("CREATE DATABASE producer")
         .await
@@ -593,6 +564,20 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
     drop(client);
     let url = pg.url("producer");
     install(&env, &url).await;
+    let before: Vec<String> = (0..300).map(|i| format!("ob-r-before-{i}")).collect();
+    let after: Vec<String> = (0..300).map(|i| format!("ob-r-after-{i}")).collect();
+    enqueue_all(&url, &before).await;
+    // The last 100 rows held by a transaction of the test's: the relay skips them
+    // (SKIP LOCKED), so they are certainly waiting when the database stops.
+    let holder = connect_pg(&url).await;
+    holder
+        .batch_execute(
+            "BEGIN; SELECT id FROM postie.outbox
+              WHERE id > (SELECT id FROM postie.outbox ORDER BY id OFFSET 199 LIMIT 1)
+                FOR UPDATE",
+        )
+        .await
+        .unwrap();
     let source = format!("{url}?name=private");
     let listen = format!("127.0.0.1:{}", free_port());
     let postie = env.spawn_process(&[
@@ -600,11 +585,10 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         ("POSTIE__OUTBOX__BATCH_SIZE", "20"),
         ("POSTIE__HTTP__LISTEN", listen.as_str()),
     ]);
-    let before: Vec<String> = (0..300).map(|i| format!("ob-r-before-{i}")).collect();
-    let after: Vec<String> = (0..300).map(|i| format!("ob-r-after-{i}")).collect();
-    enqueue_all(&url, &before).await;
-    // Mid-relay: stopped as soon as the last enqueue committed.
+    distinct_emails(&env, 200, Duration::from_secs(120), || postie.log()).await;
+    // Mid-relay: 100 rows waiting, the relay polling.
     pg.stop();
+    drop(holder);
     let stopped = Instant::now();
     let sent_while_down = env.emails_per_id().await.len();
     let readyz = format!("http://{listen}/readyz");
@@ -613,12 +597,12 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         "/readyz to say the source is down",
         Duration::from_secs(4),
         move || async move {
-            let (_, text) = get(readyz).await;
+            let (_, text) = http_get(readyz).await;
             text.contains("outbox private: down").then_some(())
         },
     )
     .await;
-    let metrics = get(&format!("http://{listen}/metrics")).await.1;
+    let metrics = http_get(&format!("http://{listen}/metrics")).await.1;
     assert_eq!(
         sample(&metrics, "postie_outbox_source_up{source=\"private\"}"),
         Some(0.0),
@@ -630,17 +614,9 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
     let keys: Vec<String> = before.into_iter().chain(after).collect();
     distinct_emails(&env, keys.len(), Duration::from_secs(180), || postie.log()).await;
     each_sent_once(&env, &keys).await;
-    let (_, text) = get(readyz).await;
+    let (_, text) = http_get(readyz).await;
     assert!(text.contains("outbox private: up"), "{text}");
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    let left: i64 = client
-        .query_one("SELECT count(*) FROM postie.outbox", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let left = count(&connect_pg(&url).await, "postie.outbox").await;
     assert_eq!(left, 0, "rows left in the outbox");
     let log = postie.log();
     let down = log.matches("outbox source unavailable").count();
@@ -651,7 +627,7 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
     );
     assert!(log.contains("source=private"), "{log}");
     eprintln!(
-        "FIGURES outbox restart: {} jobs, {sent_while_down} of the first 300 sent when the database stopped, all sent once after it came back",
+        "FIGURES outbox restart: {} jobs, {sent_while_down} of the first 300 sent when the database stopped (100 held back), all sent once after it came back",
         keys.len()
     );
 }
@@ -698,20 +674,13 @@ async fn rows_wait_in_the_outbox_while_the_broker_is_unreachable_then_all_go() {
     distinct_emails(&env, all.len(), Duration::from_secs(120), || postie.log()).await;
     each_sent_once(&env, &all).await;
     assert_eq!(producer.waiting().await, 0, "rows left in the outbox");
-    let metrics = get(&format!("http://{listen}/metrics")).await.1;
+    let metrics = http_get(&format!("http://{listen}/metrics")).await.1;
     let relayed = sample(&metrics, "postie_outbox_relayed_total{source=\"source1\"}");
     assert_eq!(relayed, Some(51.0), "{metrics}");
     assert!(
         metrics.contains("postie_outbox_batch_duration_seconds_count{source=\"source1\"}"),
         "{metrics}"
     );
-}
-
-async fn get(url: &str) -> (u16, String) {
-    match reqwest::get(url).await {
-        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
-        Err(_) => (0, String::new()),
-    }
 }
 
 /// Sent minus committed, per job, in ms, sorted.
@@ -723,10 +692,7 @@ async fn lateness(
     jobs: usize,
 ) -> Vec<i64> {
     let serving = env.serve(settings);
-    let (mut client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let mut client = connect_pg(url).await;
     // Warm up: the first job waits for the session to start.
     let warm = format!("ob-l-{tag}-warm");
     enqueue_in_transaction(&mut client, &job(&warm, "x@example.com"), "0", true).await;
@@ -740,8 +706,14 @@ async fn lateness(
     let mut committed = BTreeMap::new();
     for i in 0..jobs {
         let key = format!("ob-l-{tag}-{i}");
-        enqueue_in_transaction(&mut client, &job(&key, "x@example.com"), "0", true).await;
+        let tx = client.transaction().await.unwrap();
+        let body = job(&key, "x@example.com");
+        tx.execute("SELECT postie.enqueue($1::jsonb)", &[&body])
+            .await
+            .unwrap();
+        // Stamped as the COMMIT is sent: the job cannot be seen before.
         committed.insert(message_id(&key), chrono::Utc::now().timestamp_millis());
+        tx.commit().await.unwrap();
         tokio::time::sleep(Duration::from_millis(37)).await;
     }
     let done = committed.clone();
