@@ -19,11 +19,16 @@ struct ProducerDb {
 
 impl ProducerDb {
     async fn new(env: &TestEnv) -> Self {
-        let name = format!("{}_producer", env.db_name);
-        admin_sql_in("postgres", &format!("CREATE DATABASE {name}")).await;
-        let db = Self { name };
+        let db = Self::empty(env).await;
         install(env, &db.url()).await;
         db
+    }
+
+    /// The database without the outbox.
+    async fn empty(env: &TestEnv) -> Self {
+        let name = format!("{}_producer", env.db_name);
+        admin_sql_in("postgres", &format!("CREATE DATABASE {name}")).await;
+        Self { name }
     }
 
     fn url(&self) -> String {
@@ -239,6 +244,39 @@ async fn enqueue_refuses_what_postie_would_dead_letter_and_says_why() {
         .await
         .expect("a null key with order_id and type, and a bcc recipient, is a job");
     assert_eq!(producer.waiting().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn installs_side_by_side_apply_each_script_once() {
+    let env = TestEnv::new("outbox-installs").await;
+    let producer = ProducerDb::empty(&env).await;
+    let vars = env.env_vars();
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, vars) = (producer.url(), vars.clone());
+            std::thread::spawn(move || {
+                run_postie(&["outbox", "install", "--database", &url], &vars)
+            })
+        })
+        .collect();
+    let outputs: Vec<String> = runs
+        .into_iter()
+        .map(|run| {
+            let run = run.join().unwrap();
+            assert_eq!(run.code, Some(0), "{}", run.stderr);
+            run.stdout
+        })
+        .collect();
+    let applied = outputs
+        .iter()
+        .filter(|o| o.contains("applied 0001_outbox"))
+        .count();
+    let up_to_date = outputs.iter().filter(|o| o.contains("up to date")).count();
+    assert_eq!((applied, up_to_date), (1, 2), "{outputs:?}");
+    assert_eq!(
+        count(&producer.client().await, "postie.outbox_version").await,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -562,7 +600,10 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         .await
         .unwrap();
     drop(client);
-    let url = pg.url("producer");
+    // A password (trust authentication ignores it) that no log line may show.
+    let url = pg
+        .url("producer")
+        .replace("postgres@", "postgres:s3cret-pw@");
     install(&env, &url).await;
     let before: Vec<String> = (0..300).map(|i| format!("ob-r-before-{i}")).collect();
     let after: Vec<String> = (0..300).map(|i| format!("ob-r-after-{i}")).collect();
@@ -626,6 +667,14 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         "one line down and one back (down {down}, relaying {relaying}):\n{log}"
     );
     assert!(log.contains("source=private"), "{log}");
+    assert!(
+        !log.contains("s3cret-pw"),
+        "a source's password in the log:\n{log}"
+    );
+    assert!(
+        log.contains("postgres:***@127.0.0.1"),
+        "the redacted URL:\n{log}"
+    );
     eprintln!(
         "FIGURES outbox restart: {} jobs, {sent_while_down} of the first 300 sent when the database stopped (100 held back), all sent once after it came back",
         keys.len()
