@@ -61,7 +61,7 @@ struct Roles {
 impl Roles {
     async fn create(producer: &ProducerDb, names: &[&str]) -> Self {
         for name in names {
-            admin_sql_in("postgres", &format!("CREATE ROLE {name} NOLOGIN")).await;
+            admin_sql_in("postgres", &format!("CREATE ROLE {name} LOGIN")).await;
         }
         Self {
             names: names.iter().map(|n| n.to_string()).collect(),
@@ -362,6 +362,37 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
         );
         client.batch_execute("RESET ROLE").await.unwrap();
     }
+    // The relay's grants are enough to relay: postie logged in as that role.
+    let base = pg_base().replacen("postgres@", &format!("{relay}@"), 1);
+    let source = format!("{base}/{}", producer.name);
+    let serving = env.serve(settings_with(&env, &source, &[]));
+    let client = producer.client().await;
+    client
+        .batch_execute(&format!("SET ROLE {app}"))
+        .await
+        .unwrap();
+    let job = job("ob-role-relayed", "a@example.com");
+    client
+        .query_one("SELECT postie.enqueue($1::jsonb)", &[&job])
+        .await
+        .unwrap();
+    env.wait_for_emails(
+        "the job relayed by the relay's role",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(
+        env.emails_per_id()
+            .await
+            .get(&message_id("ob-role-relayed")),
+        Some(&1)
+    );
+    eventually("the row deleted", Duration::from_secs(10), || async {
+        (producer.waiting().await == 0).then_some(())
+    })
+    .await;
+    serving.stop().await;
 }
 
 /// The emails per Message-ID are exactly one for each of `keys`, but for a
