@@ -622,7 +622,7 @@ async fn enqueue_all(url: &str, keys: &[String]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_relay_resumes_after_the_producer_database_restarts() {
+async fn the_relay_resumes_after_the_producer_database_restarts_and_the_others_go_on() {
     let env = TestEnv::new("outbox-restart").await;
     let pg = PrivatePg::start();
     let client = connect_pg(&pg.url("postgres")).await;
@@ -650,10 +650,12 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         )
         .await
         .unwrap();
-    let source = format!("{url}?name=private");
+    // A second source, on the shared server, which goes on while the first is down.
+    let shop = ProducerDb::new(&env).await;
+    let sources = format!("{url}?name=private,{}?name=shop", shop.url());
     let listen = format!("127.0.0.1:{}", free_port());
     let postie = env.spawn_process(&[
-        ("POSTIE__OUTBOX__SOURCES", source.as_str()),
+        ("POSTIE__OUTBOX__SOURCES", sources.as_str()),
         ("POSTIE__OUTBOX__BATCH_SIZE", "20"),
         ("POSTIE__HTTP__LISTEN", listen.as_str()),
     ]);
@@ -680,10 +682,14 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         Some(0.0),
         "{metrics}"
     );
+    let others: Vec<String> = (0..20).map(|i| format!("ob-r-shop-{i}")).collect();
+    enqueue_all(&shop.url(), &others).await;
+    distinct_emails(&env, 220, Duration::from_secs(60), || postie.log()).await;
+    assert!(http_get(readyz).await.1.contains("outbox shop: up"));
     tokio::time::sleep(Duration::from_secs(5).saturating_sub(stopped.elapsed())).await;
     pg.pg_ctl_start();
     enqueue_all(&url, &after).await;
-    let keys: Vec<String> = before.into_iter().chain(after).collect();
+    let keys: Vec<String> = before.into_iter().chain(after).chain(others).collect();
     distinct_emails(&env, keys.len(), Duration::from_secs(180), || postie.log()).await;
     each_sent_once(&env, &keys).await;
     let (_, text) = http_get(readyz).await;
@@ -691,8 +697,14 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
     let left = count(&connect_pg(&url).await, "postie.outbox").await;
     assert_eq!(left, 0, "rows left in the outbox");
     let log = postie.log();
-    let down = log.matches("outbox source unavailable").count();
-    let relaying = log.matches("relaying the outbox source").count();
+    let private = |what: &str| {
+        let lines = log.lines().filter(|l| l.contains(what));
+        lines.filter(|l| l.contains("source=private")).count()
+    };
+    let (down, relaying) = (
+        private("source unavailable"),
+        private("relaying the outbox"),
+    );
     assert!(
         down == 1 && relaying == 2,
         "one line down and one back (down {down}, relaying {relaying}):\n{log}"
@@ -707,7 +719,7 @@ async fn the_relay_resumes_after_the_producer_database_restarts() {
         "the redacted URL:\n{log}"
     );
     eprintln!(
-        "FIGURES outbox restart: {} jobs, {sent_while_down} of the first 300 sent when the database stopped (100 held back), all sent once after it came back",
+        "FIGURES outbox restart: {} jobs, {sent_while_down} of the first 300 sent when the database stopped (100 held back), the other source's 20 sent while it was down, all sent once after it came back",
         keys.len()
     );
 }
