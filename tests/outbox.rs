@@ -761,6 +761,32 @@ async fn rows_wait_in_the_outbox_while_the_broker_is_unreachable_then_all_go() {
         1,
         "nothing sent while the broker is away"
     );
+    // The rows' age is shown while they wait (the relay outlives the session).
+    let metrics = http_get(&format!("http://{listen}/metrics")).await.1;
+    let oldest = sample(
+        &metrics,
+        "postie_outbox_oldest_row_age_seconds{source=\"source1\"}",
+    );
+    assert!(
+        oldest.is_some_and(|age| age >= 10.0),
+        "{oldest:?}\n{metrics}"
+    );
+    // `postie status` shows the lag (its own broker connection is not cut).
+    let mut vars = env.env_vars();
+    vars.push(("POSTIE__OUTBOX__SOURCES".into(), url.clone()));
+    let status = run_postie(&["status"], &vars);
+    let line = status
+        .stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("source1"));
+    let waiting = line.and_then(|l| l.split_whitespace().nth(1));
+    assert_eq!(
+        waiting,
+        Some("50"),
+        "postie status:\n{}{}",
+        status.stdout,
+        status.stderr
+    );
     proxy.up();
     let all: Vec<String> = first.into_iter().chain(keys).collect();
     distinct_emails(&env, all.len(), Duration::from_secs(120), || postie.log()).await;

@@ -129,6 +129,22 @@ where
     })
 }
 
+/// The age in seconds of the source's oldest row by id (0 when none): one index
+/// probe, for the gauge while rows cannot be published.
+pub(crate) async fn oldest_seconds(client: &Client) -> Result<f64, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT extract(epoch FROM clock_timestamp() - enqueued_at)::float8
+               FROM postie.outbox ORDER BY id LIMIT 1",
+            &[],
+        )
+        .await?;
+    Ok(match row {
+        Some(row) => row.try_get(0)?,
+        None => 0.0,
+    })
+}
+
 /// What waits in a source's outbox.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Lag {
