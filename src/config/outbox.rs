@@ -195,4 +195,27 @@ mod tests {
         let error = parse(&["amqp://h/a"]).unwrap_err();
         assert!(error.to_string().contains("postgres://"), "{error}");
     }
+
+    #[test]
+    fn the_bounds_are_refused_with_their_key() {
+        let db = DatabaseSettings::default();
+        for (batch_size, poll_interval, key) in [
+            (0, Duration::from_secs(1), "outbox.batch_size"),
+            (10_001, Duration::from_secs(1), "outbox.batch_size"),
+            (500, Duration::from_millis(1), "outbox.poll_interval"),
+            (500, Duration::from_secs(7200), "outbox.poll_interval"),
+        ] {
+            let settings = OutboxSettings {
+                batch_size,
+                poll_interval,
+                ..OutboxSettings::default()
+            };
+            let error = settings.parse_sources(&db).unwrap_err();
+            assert!(error.to_string().contains(key), "{error}");
+        }
+        assert!(OutboxSettings::default()
+            .parse_sources(&db)
+            .unwrap()
+            .is_empty());
+    }
 }
