@@ -86,6 +86,7 @@ async fn install(env: &TestEnv, url: &str) {
         .postie(&["outbox", "install", "--database", url])
         .expect("postie outbox install");
     assert!(out.contains("applied 0001_outbox"), "{out}");
+    assert!(out.contains("applied 0002_take"), "{out}");
     let client = connect_pg(url).await;
     client
         .batch_execute("CREATE TABLE orders (id serial PRIMARY KEY, note text)")
@@ -275,8 +276,25 @@ async fn installs_side_by_side_apply_each_script_once() {
     assert_eq!((applied, up_to_date), (1, 2), "{outputs:?}");
     assert_eq!(
         count(&producer.client().await, "postie.outbox_version").await,
-        1
+        2
     );
+    // An outbox installed by 0001 alone (an earlier postie) gets what is newer.
+    producer
+        .client()
+        .await
+        .batch_execute(
+            "DROP FUNCTION postie.take(integer); DELETE FROM postie.outbox_version WHERE version = 2",
+        )
+        .await
+        .unwrap();
+    let run = run_postie(&["outbox", "install", "--database", &producer.url()], &vars);
+    assert!(
+        run.stdout.contains("applied 0002_take"),
+        "{}{}",
+        run.stdout,
+        run.stderr
+    );
+    assert!(!run.stdout.contains("0001"), "{}", run.stdout);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,7 +324,7 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
         assert!(again.contains("up to date"), "{again}");
         let client = producer.client().await;
         let versions = count(&client, "postie.outbox_version").await;
-        assert_eq!(versions, 1, "each script recorded once");
+        assert_eq!(versions, 2, "each script recorded once");
         let job = job("ob-role", "a@example.com");
         // The application's role: enqueue, nothing else.
         client

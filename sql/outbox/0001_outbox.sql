@@ -67,27 +67,6 @@ LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT postie.enqueue(job, clock_timestamp() + coalesce(delay, interval '0')) $$;
 
--- The relay's batch: the oldest rows no other relay holds, locked until the relay's
--- transaction ends (it deletes them after the broker's confirms, then commits).
--- SECURITY DEFINER because a row lock needs the UPDATE privilege, which the relay's
--- role does not get: it may only take, read and delete.
-CREATE FUNCTION postie.take(n integer)
-RETURNS TABLE (id bigint, job text, enqueued_ms bigint, delay_ms bigint, age_seconds float8)
-LANGUAGE sql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT o.id, o.job::text,
-           (extract(epoch FROM o.enqueued_at) * 1000)::bigint,
-           (extract(epoch FROM o.due_at - o.enqueued_at) * 1000)::bigint,
-           extract(epoch FROM clock_timestamp() - o.enqueued_at)::float8
-      FROM postie.outbox o
-     ORDER BY o.id
-     LIMIT n
-       FOR UPDATE SKIP LOCKED
-$$;
-
--- Only the roles `postie outbox install` names may call these (--app-role enqueue,
--- --relay-role take).
+-- Only the roles `postie outbox install --app-role` names may enqueue.
 REVOKE ALL ON FUNCTION postie.enqueue(jsonb, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION postie.enqueue(jsonb, interval) FROM PUBLIC;
-REVOKE ALL ON FUNCTION postie.take(integer) FROM PUBLIC;

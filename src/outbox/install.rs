@@ -8,11 +8,18 @@
 use tokio_postgres::Client;
 
 /// The outbox's scripts, in order: (version, name, SQL).
-const SCRIPTS: &[(i32, &str, &str)] = &[(
-    1,
-    "0001_outbox",
-    include_str!("../../sql/outbox/0001_outbox.sql"),
-)];
+const SCRIPTS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "0001_outbox",
+        include_str!("../../sql/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "0002_take",
+        include_str!("../../sql/outbox/0002_take.sql"),
+    ),
+];
 
 /// The advisory lock every install takes (any fixed number; "postie outbox" in hex).
 const LOCK: i64 = 0x706f_7374_6965_6f62;
