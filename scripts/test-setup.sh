@@ -30,15 +30,17 @@ wait_for() { # what, seconds, command...
 
 # --- Tools --------------------------------------------------------------------------
 # Debian's packages: socat and openssl (TLS in front of the broker, tests/security.rs),
-# Go and Debian's amqp091-go (the Go producer example is built in GOPATH mode against
-# it, without the module proxy), and libfaketime (instances with a wrong clock,
-# tests/gray_clock.rs).
+# Go with Debian's amqp091-go and pgx v4 (the Go producer example is built in GOPATH
+# mode against them, without the module proxy), and libfaketime (instances with a
+# wrong clock, tests/gray_clock.rs).
 apt_missing=()
 command -v socat >/dev/null || apt_missing+=(socat)
 command -v openssl >/dev/null || apt_missing+=(openssl)
 command -v go >/dev/null || apt_missing+=(golang-go)
 [ -d /usr/share/gocode/src/github.com/rabbitmq/amqp091-go ] \
     || apt_missing+=(golang-github-rabbitmq-amqp091-go-dev)
+[ -d /usr/share/gocode/src/github.com/jackc/pgx/v4 ] \
+    || apt_missing+=(golang-github-jackc-pgx-v4-dev)
 [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || apt_missing+=(faketime)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     root || die "installing ${apt_missing[*]} needs root (apt-get); run as root or install them"
@@ -56,11 +58,12 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
         || die "apt-get install ${apt_missing[*]} failed$unreachable"
 fi
 
-# Python: pika (the Python producer example) and PyYAML (tests/deploy_files.rs).
+# Python: pika and psycopg (the Python producer examples) and PyYAML
+# (tests/deploy_files.rs).
 command -v python3 >/dev/null || die "python3 is missing (the Python example and the deploy file tests need it)"
 pip_args=()
-if ! python3 -c 'import pika' 2>/dev/null; then
-    say "installing pika (pip install -r examples/python/requirements.txt)"
+if ! python3 -c 'import pika, psycopg' 2>/dev/null; then
+    say "installing pika and psycopg (pip install -r examples/python/requirements.txt)"
     pip_args+=(-r examples/python/requirements.txt)
 fi
 if ! python3 -c 'import yaml' 2>/dev/null; then
@@ -76,11 +79,11 @@ if [ ${#pip_args[@]} -gt 0 ]; then
         || die "pip install failed (is PyPI reachable? may this user write to $(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')?)"
 fi
 
-# Node.js: the Node producer example's dependencies (amqplib), from its lock file.
+# Node.js: the Node producer examples' dependencies (amqplib, pg), from the lock file.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     die "node or npm is missing (the Node producer example needs both)"
 fi
-if ! (cd examples/node && node -e "require('amqplib')") >/dev/null 2>&1; then
+if ! (cd examples/node && node -e "require('amqplib'); require('pg')") >/dev/null 2>&1; then
     [ -w examples/node ] || die "npm ci needs to write examples/node, which this user cannot"
     say "installing the Node example's dependencies (npm ci --prefix examples/node)"
     npm ci --prefix examples/node --no-audit --no-fund --loglevel=error >"$log" 2>&1 \

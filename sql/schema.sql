@@ -52,7 +52,10 @@ CREATE TABLE postie_inbox (
     -- 0014: the job's type, for its events and the rates per type (0015)
     type        text,
     -- 0016: the terminal status last recorded; no second event for the same one
-    announced   text
+    announced   text,
+    -- 0017: a newer revision was recorded while this row was 'sending'; its
+    -- completion, unless 'sent', leaves the row 'scheduled' for that revision
+    rescheduled boolean NOT NULL DEFAULT false
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
@@ -197,7 +200,8 @@ BEGIN
     -- makes it wait and re-check the row, which is then 'sending': step 3.
     UPDATE postie_inbox i
        SET status = 'sending', owner = p_owner, lease_until = lease,
-           fence = i.fence + 1, revision = p_revision, updated_at = now()
+           fence = i.fence + 1, revision = p_revision, rescheduled = false,
+           updated_at = now()
      WHERE i.key = p_key
        AND i.status IN ('scheduled', 'retrying', 'dead', 'cancelled', 'throttled', 'suppressed')
        AND p_revision >= i.revision
@@ -230,7 +234,7 @@ BEGIN
        OR (r.status = 'sending' AND r.lease_until <= clock_timestamp()) THEN
         UPDATE postie_inbox i
            SET status = 'sending', owner = p_owner, lease_until = lease,
-               fence = i.fence + 1, revision = p_revision,
+               fence = i.fence + 1, revision = p_revision, rescheduled = false,
                takeovers = i.takeovers + (r.status = 'sending')::int,
                updated_at = now()
          WHERE i.key = p_key;

@@ -355,3 +355,115 @@ async fn pending_agrees_with_what_is_sent() {
     assert_eq!(sent, expected);
     assert!(postie(&env, &["pending"]).contains("0 pending"));
 }
+
+/// Finding 1 of the protocol's model (issue 34, `tests/model`): the relay records a
+/// newer revision while an older one is being sent (a reschedule that arrives during
+/// the send). It is kept, with its due time and body (sql/0017): if the older send
+/// fails, or ends dead, the row waits `scheduled` for the newer revision (which the
+/// reconciler re-publishes if the broker lost it), the older revision is stale and
+/// gets no event, and the newer one is claimed; if the older send succeeded, the key
+/// is sent and the newer revision finds it done. Before the fix the record was
+/// dropped: the older revision's retry was claimed and its superseded content sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revision_recorded_while_an_older_one_is_sending_is_kept() {
+    use postie::inbox::{Claim, Completion, Inbox, Scheduled};
+    let env = TestEnv::new("resched-sending").await;
+    let settings = env.settings();
+    let inbox = Inbox::new(&settings.database.plan().unwrap(), &settings.database).unwrap();
+    inbox.migrate().await.unwrap();
+    let db = env.db().await;
+    let lease = Duration::from_secs(30);
+    let record = |key: &str, revision: i32, due_ms: i64| Scheduled {
+        key: key.into(),
+        revision,
+        due_ms,
+        body: Some(format!("revision {revision}").into_bytes()),
+    };
+    let now_ms = now_ms();
+    let cases = [
+        ("rs-retrying", Completion::Retrying { error: "451 later" }),
+        ("rs-dead", Completion::Dead { error: "550 no" }),
+        (
+            "rs-sent",
+            Completion::Sent {
+                message_id: "<m@postie.local>",
+                due_ms: now_ms,
+                provider: "smtp",
+                provider_message_id: None,
+            },
+        ),
+    ];
+    for (key, completion) in cases {
+        inbox
+            .schedule_many(&[record(key, 0, now_ms)])
+            .await
+            .unwrap();
+        let Claim::Claimed { fence, .. } = inbox.claim(key, "w0", lease, 0).await.unwrap() else {
+            panic!("{key}: revision 0 is claimable");
+        };
+        // The producer reschedules: the relay records revision 1 during the send.
+        let due_1 = now_ms + 3_600_000;
+        inbox.schedule_many(&[record(key, 1, due_1)]).await.unwrap();
+        let row = db
+            .query_one(
+                "SELECT status, revision, rescheduled, body,
+                        (extract(epoch FROM due_at) * 1000)::bigint
+                   FROM postie_inbox WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap();
+        let kept: (&str, i32, bool, Vec<u8>, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        assert_eq!(
+            kept,
+            ("sending", 1, true, b"revision 1".to_vec(), due_1),
+            "{key}"
+        );
+
+        assert!(inbox
+            .complete(key, fence, Some("order"), completion)
+            .await
+            .unwrap());
+        let row = db
+            .query_one(
+                "SELECT status, revision, rescheduled, body IS NOT NULL,
+                        (SELECT count(*) FROM postie_events e WHERE e.key = i.key)
+                   FROM postie_inbox i WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .unwrap();
+        let after: (&str, i32, bool, bool, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        if matches!(completion, Completion::Sent { .. }) {
+            assert_eq!(after, ("sent", 1, false, false, 1), "{key}");
+            assert_eq!(
+                inbox.claim(key, "w1", lease, 1).await.unwrap(),
+                Claim::AlreadySent,
+                "{key}: an email that left is not sent again for the newer revision"
+            );
+        } else {
+            assert_eq!(
+                after,
+                ("scheduled", 1, false, true, 0),
+                "{key}: the newer revision waits, no event for the stale one"
+            );
+            assert_eq!(
+                inbox.claim(key, "w1", lease, 0).await.unwrap(),
+                Claim::Stale,
+                "{key}: the older revision's retry is stale"
+            );
+            assert!(
+                matches!(
+                    inbox.claim(key, "w1", lease, 1).await.unwrap(),
+                    Claim::Claimed {
+                        takeover: false,
+                        ..
+                    }
+                ),
+                "{key}: the newer revision is claimed"
+            );
+        }
+    }
+}

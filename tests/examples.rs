@@ -8,13 +8,19 @@
 //! earlier than its due time. In bulk mode (`--count 50 --window 10`, pipelined
 //! publisher confirms) each must deliver 50 distinct emails, each once, none early.
 //!
+//! The outbox variants (`outbox.py`, `outbox.js`, `publish outbox` in Go, `cargo run
+//! --example outbox`; issue 31) each write an order and enqueue its email in one
+//! transaction of a producer database of the test's own, where `postie outbox
+//! install` made the outbox, and `postie serve` relays it: a committed order's email
+//! is sent once, a rolled-back one's never.
+//!
 //! The Python, Node.js and Go examples need their client libraries. A missing one
 //! fails the test with the command that installs it (never a silent pass):
 //!
 //! ```sh
 //! pip install -r examples/python/requirements.txt
 //! npm ci --prefix examples/node
-//! apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev
+//! apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev golang-github-jackc-pgx-v4-dev
 //! ```
 //!
 //! (The Go example is built in GOPATH mode against Debian's packaged amqp091-go, as
@@ -32,12 +38,16 @@ mod publish_example;
 #[allow(dead_code)]
 mod events_example;
 
+#[path = "../examples/outbox.rs"]
+#[allow(dead_code)]
+mod outbox_example;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use postie::contract::IdempotencyKey;
-use support::{amqp_url, eventually, TestEnv};
+use support::{admin_sql_in, amqp_url, eventually, pg_admin, pg_base, TestEnv};
 
 /// `x-delay` of every example job.
 const DELAY_MS: i64 = 1000;
@@ -158,7 +168,29 @@ async fn assert_sent_once(
     published_after_ms: i64,
     language: &str,
 ) {
-    let message_id = IdempotencyKey::parse(key)
+    let text = format!("Hello from the {language} producer example.");
+    let email = Email {
+        key,
+        to,
+        subject: "Welcome!",
+        text: &text,
+    };
+    assert_one_email(env, &email, published_after_ms + DELAY_MS, language).await;
+}
+
+/// What an example's email must say.
+struct Email<'a> {
+    key: &'a str,
+    to: &'a str,
+    subject: &'a str,
+    /// A line of the body.
+    text: &'a str,
+}
+
+/// The sink receives exactly one email, `email`, not before `due_ms`; postie
+/// recorded its key as sent at the first attempt.
+async fn assert_one_email(env: &TestEnv, email: &Email<'_>, due_ms: i64, language: &str) {
+    let message_id = IdempotencyKey::parse(email.key)
         .expect("the example's key is valid")
         .message_id("postie.local");
     let id = &message_id;
@@ -174,22 +206,19 @@ async fn assert_sent_once(
         },
     )
     .await;
-    let due = published_after_ms + DELAY_MS;
     assert!(
-        message.received_at_ms >= due,
-        "sent {} ms early (received at {}, due no earlier than {due})",
-        due - message.received_at_ms,
+        message.received_at_ms >= due_ms,
+        "sent {} ms early (received at {}, due no earlier than {due_ms})",
+        due_ms - message.received_at_ms,
         message.received_at_ms
     );
-    assert_eq!(message.rcpt_to, vec![to.to_string()]);
-    assert_eq!(message.subject, "Welcome!");
+    assert_eq!(message.rcpt_to, vec![email.to.to_string()]);
+    assert_eq!(message.subject, email.subject);
     let raw = message.raw.as_deref().unwrap_or_default();
-    assert!(
-        raw.contains(&format!("Hello from the {language} producer example.")),
-        "{raw}"
-    );
+    assert!(raw.contains(email.text), "{raw}");
 
     // Exactly one: nothing else arrives, and postie recorded the key as sent.
+    let key = email.key;
     let row = eventually("the inbox row", Duration::from_secs(10), || async move {
         env.inbox_row(key).await.filter(|r| r.status == "sent")
     })
@@ -360,8 +389,9 @@ async fn build_go_example(name: &str) -> PathBuf {
     let dir = repo("examples/go");
     assert!(
         works("go", &["version"], &dir)
-            && Path::new(DEBIAN_GOPATH).join("src/github.com/rabbitmq/amqp091-go").is_dir(),
-        "the Go example needs go and amqp091-go: apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev"
+            && Path::new(DEBIAN_GOPATH).join("src/github.com/rabbitmq/amqp091-go").is_dir()
+            && Path::new(DEBIAN_GOPATH).join("src/github.com/jackc/pgx/v4").is_dir(),
+        "the Go example needs go, amqp091-go and pgx v4: apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev golang-github-jackc-pgx-v4-dev"
     );
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let binary = out.join("publish");
@@ -756,4 +786,209 @@ async fn rust_example_consumes_delivery_events() {
     );
     assert_eq!(got[0].routing_key, "email.sent.welcome");
     serving.stop().await;
+}
+
+// --- The outbox variants (issue 31) -------------------------------------------------
+
+/// A producer's own database, with postie's outbox installed by `postie outbox
+/// install`; dropped by [`ProducerDb::drop_db`].
+struct ProducerDb {
+    name: String,
+    url: String,
+}
+
+impl ProducerDb {
+    async fn new(env: &TestEnv) -> Self {
+        let name = format!("{}_producer", env.db_name);
+        admin_sql_in("postgres", &format!("CREATE DATABASE {name}")).await;
+        let url = format!("{}/{name}", pg_base());
+        env.postie(&["outbox", "install", "--database", &url])
+            .expect("postie outbox install");
+        Self { name, url }
+    }
+
+    async fn drop_db(self) {
+        admin_sql_in(
+            "postgres",
+            &format!("DROP DATABASE {} WITH (FORCE)", self.name),
+        )
+        .await;
+    }
+}
+
+/// An outbox example, by language.
+enum Producer {
+    Python,
+    Node,
+    /// The Go example's binary (`publish outbox …`).
+    Go(PathBuf),
+    /// `examples/outbox.rs`, compiled into this test.
+    Rust,
+}
+
+/// Runs the outbox example with `args` and the environment `vars`; its stdout.
+async fn run_outbox(producer: &Producer, args: &[String], vars: &[(&str, String)]) -> String {
+    let vars = vars.iter().map(|(k, v)| (*k, v.as_str()));
+    match producer {
+        Producer::Python => {
+            let mut cmd = tokio::process::Command::new("python3");
+            cmd.arg(repo("examples/python/outbox.py"));
+            run("examples/python/outbox.py", cmd.args(args).envs(vars)).await
+        }
+        Producer::Node => {
+            let mut cmd = tokio::process::Command::new("node");
+            cmd.arg(repo("examples/node/outbox.js"));
+            run("examples/node/outbox.js", cmd.args(args).envs(vars)).await
+        }
+        Producer::Go(binary) => {
+            let mut cmd = tokio::process::Command::new(binary);
+            cmd.arg("outbox");
+            run("examples/go outbox", cmd.args(args).envs(vars)).await
+        }
+        Producer::Rust => {
+            let vars: Vec<(&str, &str)> = vars.collect();
+            let options = outbox_example::Options::from_args(args.to_vec(), |name| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            })
+            .expect("options");
+            let id = outbox_example::enqueue(&options)
+                .await
+                .expect("the Rust outbox example enqueues");
+            options.outcome(id)
+        }
+    }
+}
+
+/// One order rolled back, one committed, each with its email enqueued in the same
+/// transaction through the example: the committed one's email is sent once, not
+/// before its due time counted from the enqueue; the rolled-back one's never; the
+/// producer's database holds the committed order only, and its outbox is emptied.
+async fn outbox_example_sends_committed_orders_once(
+    name: &str,
+    language: &str,
+    producer: Producer,
+) {
+    let env = TestEnv::new(name).await;
+    let producer_db = ProducerDb::new(&env).await;
+    let mut settings = env.settings();
+    settings.outbox.sources = vec![secrecy::SecretString::from(producer_db.url.clone())];
+    let serving = env.serve(settings);
+    let to = format!("{name}@example.com");
+    let vars = [
+        ("PRODUCER_DATABASE_URL", producer_db.url.clone()),
+        ("EMAIL_TO", to.clone()),
+        ("EMAIL_DELAY_MS", DELAY_MS.to_string()),
+    ];
+    let order = uuid::Uuid::new_v4().simple().to_string();
+    let (rolled, committed) = (format!("{order}-r"), format!("{order}-c"));
+    let key_of = |id: &str| format!("order-{id}:order_confirmation");
+
+    let args = ["--order-id", &rolled, "--rollback"].map(String::from);
+    let stdout = run_outbox(&producer, &args, &vars).await;
+    assert_eq!(
+        stdout.trim(),
+        format!("rolled back key={}", key_of(&rolled))
+    );
+
+    let before = now_ms();
+    let args = ["--order-id", &committed].map(String::from);
+    let stdout = run_outbox(&producer, &args, &vars).await;
+    let enqueued = format!("enqueued key={} outbox_id=", key_of(&committed));
+    assert!(stdout.trim().starts_with(&enqueued), "{stdout}");
+
+    let key = key_of(&committed);
+    let subject = format!("Order {committed} confirmed");
+    let text = format!("Hello from the {language} outbox example.");
+    let email = Email {
+        key: &key,
+        to: &to,
+        subject: &subject,
+        text: &text,
+    };
+    // Exactly one email in the sink: the rolled-back order's never came.
+    assert_one_email(&env, &email, before + DELAY_MS, language).await;
+    assert!(env.inbox_row(&key_of(&rolled)).await.is_none());
+
+    let db = pg_admin(&producer_db.name).await;
+    let orders: Vec<String> = db
+        .query("SELECT id FROM example_orders", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(orders, [committed.clone()], "only the committed order");
+    let db = &db;
+    eventually(
+        "the outbox emptied",
+        Duration::from_secs(10),
+        || async move {
+            let row = db
+                .query_one("SELECT count(*) FROM postie.outbox", &[])
+                .await
+                .unwrap();
+            (row.get::<_, i64>(0) == 0).then_some(())
+        },
+    )
+    .await;
+    serving.stop().await;
+    producer_db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_outbox_example_sends_committed_orders_once() {
+    let dir = repo("examples/python");
+    assert!(
+        works("python3", &["-c", "import psycopg"], &dir),
+        "the Python outbox example needs python3 with psycopg: pip install -r examples/python/requirements.txt"
+    );
+    outbox_example_sends_committed_orders_once("ex-py-outbox", "Python", Producer::Python).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_outbox_example_sends_committed_orders_once() {
+    let dir = repo("examples/node");
+    assert!(
+        works("node", &["-e", "require('pg')"], &dir),
+        "the Node.js outbox example needs node (18+) and its dependencies: npm ci --prefix examples/node"
+    );
+    outbox_example_sends_committed_orders_once("ex-node-outbox", "Node.js", Producer::Node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_outbox_example_sends_committed_orders_once() {
+    let binary = build_go_example("go-outbox").await;
+    outbox_example_sends_committed_orders_once("ex-go-outbox", "Go", Producer::Go(binary)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_outbox_example_sends_committed_orders_once() {
+    outbox_example_sends_committed_orders_once("ex-rust-outbox", "Rust", Producer::Rust).await;
+}
+
+#[test]
+fn rust_outbox_example_reads_flags_then_environment_then_defaults() {
+    use outbox_example::Options;
+    let none = |_: &str| None;
+    let defaults = Options::from_args(Vec::new(), none).unwrap();
+    assert_eq!(
+        defaults.database_url,
+        "postgres://postgres@127.0.0.1:5432/shop"
+    );
+    assert_eq!((defaults.delay_ms, defaults.rollback), (5000, false));
+    assert!(IdempotencyKey::parse(&defaults.key()).is_ok());
+
+    let env = |name: &str| (name == "ORDER_ID").then(|| "42".to_string());
+    let args = ["--delay-ms", "250", "--rollback"].map(String::from);
+    let o = Options::from_args(args, env).unwrap();
+    assert_eq!(o.key(), "order-42:order_confirmation");
+    assert_eq!((o.delay_ms, o.rollback), (250, true));
+    assert_eq!(o.outcome(7), "rolled back key=order-42:order_confirmation");
+
+    for bad in [vec!["--delay-ms", "soon"], vec!["--to"], vec!["stray"]] {
+        let args = bad.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(Options::from_args(args, none).is_err(), "{bad:?}");
+    }
 }

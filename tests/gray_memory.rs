@@ -124,7 +124,7 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
     assert_eq!(body.len(), BODY);
     if broker_refuses(&env, &body).await {
         // RabbitMQ 4.x: max_message_size defaults to 16 MiB, so the producer gets the
-        // broker's refusal and postie never sees the body (README, "Broker generations").
+        // broker's refusal and postie never sees the body (docs/brokers.md, "Broker generations").
         return;
     }
     // Through the relay (ladder intake), then straight onto the send queue, each

@@ -21,7 +21,9 @@
 // "published N jobs in S s (R jobs/s, window W)". Any failure (a nack, a closed
 // channel, no confirm within 30 s) exits non-zero.
 //
-// "go run . events [flags]" consumes postie's delivery events instead (events.go).
+// "go run . events [flags]" consumes postie's delivery events instead (events.go);
+// "go run . outbox [flags]" enqueues an order's email through postie's transactional
+// outbox (outbox.go).
 package main
 
 import (
@@ -218,6 +220,9 @@ func publish(ctx context.Context, s settings, confirmed func(key string)) error 
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == "events" {
 		os.Exit(eventsMain(os.Args[2:]))
+	}
+	if len(os.Args) > 1 && os.Args[1] == "outbox" {
+		os.Exit(outboxMain(os.Args[2:]))
 	}
 	s, err := parseSettings()
 	if err != nil {

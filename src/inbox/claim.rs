@@ -73,11 +73,20 @@ pub enum Completion<'a> {
 /// completions keep theirs); `$11` is the job's type (kept if NULL). A terminal status
 /// writes its delivery event in the same statement when `$12` (`events.enabled`)
 /// is true (`inbox::events`). One row back if recorded.
+///
+/// A row the relay `rescheduled` while it was sending (a newer revision recorded,
+/// `Inbox::schedule_many`, sql/0017) ends `scheduled` unless the send succeeded: the
+/// newer revision waits with its due time and body, for its own delivery or the
+/// reconciler, and the older one, now stale, gets no terminal status and no event.
 pub(super) const COMPLETE: &str = concat!(
     "WITH done AS (
   UPDATE postie_inbox
-    SET status = $3::text, attempts = attempts + $4::int, last_error = $5::text,
-        body = CASE WHEN $6::bool THEN NULL ELSE body END,
+    SET status = CASE WHEN rescheduled AND $3::text <> 'sent' THEN 'scheduled'
+                      ELSE $3::text END,
+        attempts = attempts + $4::int, last_error = $5::text,
+        body = CASE WHEN $6::bool AND NOT (rescheduled AND $3::text <> 'sent') THEN NULL
+                    ELSE body END,
+        rescheduled = false,
         message_id = coalesce($7::text, message_id),
         due_at = coalesce(to_timestamp($8::bigint / 1000.0), due_at),
         provider = coalesce($9::text, provider),
@@ -86,6 +95,7 @@ pub(super) const COMPLETE: &str = concat!(
         sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
         type = coalesce($11::text, type),
         announced = CASE WHEN $3::text IN ('sent', 'dead', 'suppressed', 'throttled')
+                              AND NOT (rescheduled AND $3::text <> 'sent')
                          THEN $3::text ELSE announced END,
         owner = NULL, lease_until = NULL, updated_at = now()
   WHERE key = $1 AND fence = $2
@@ -178,7 +188,7 @@ pub enum Claim {
 
 impl Inbox {
     /// Claims revision `revision` of `key` for `owner` for `lease` (see `postie_claim`
-    /// in `sql/schema.sql`, as of `sql/0010_state_machine.sql`). An answer this postie
+    /// in `sql/schema.sql`, as of `sql/0017_reschedule_while_sending.sql`). An answer this postie
     /// does not know is an error that the worker waits out as an outage (a database
     /// migrated by a newer postie), never a reason to defer or dead-letter the job.
     pub async fn claim(
@@ -263,11 +273,14 @@ impl Inbox {
                  SELECT k, 'scheduled', r, to_timestamp(d / 1000.0), b
                    FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bytea[]) AS t(k, r, d, b)
                  ON CONFLICT (key) DO UPDATE
-                    SET status = 'scheduled', due_at = EXCLUDED.due_at,
+                    SET status = CASE WHEN i.status = 'sending' THEN 'sending' ELSE 'scheduled' END,
+                        rescheduled = (i.status = 'sending'),
+                        due_at = EXCLUDED.due_at,
                         revision = EXCLUDED.revision, body = EXCLUDED.body,
                         reconciled_at = NULL, arrived_at = NULL, updated_at = now()
-                  WHERE i.status IN ('scheduled', 'cancelled', 'retrying')
-                    AND EXCLUDED.revision >= i.revision
+                  WHERE (i.status IN ('scheduled', 'cancelled', 'retrying')
+                         AND EXCLUDED.revision >= i.revision
+                         OR i.status = 'sending' AND EXCLUDED.revision > i.revision)
                     AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",
             )
             .await?;

@@ -88,12 +88,17 @@ impl Completer {
 
 /// `COMPLETE` over a batch: the rows as arrays, joined with `unnest`; each row's key
 /// and fence come back when it was recorded. Terminal rows write their events in the
-/// same statement (`$12`: `events.enabled`), as `COMPLETE` does.
+/// same statement (`$12`: `events.enabled`), and a `rescheduled` row that was not sent
+/// ends `scheduled`, as `COMPLETE` does.
 const COMPLETE_MANY: &str = concat!(
     "WITH done AS (
   UPDATE postie_inbox AS i
-    SET status = c.status, attempts = i.attempts + c.attempt, last_error = c.error,
-        body = CASE WHEN c.drops_body THEN NULL ELSE i.body END,
+    SET status = CASE WHEN i.rescheduled AND c.status <> 'sent' THEN 'scheduled'
+                      ELSE c.status END,
+        attempts = i.attempts + c.attempt, last_error = c.error,
+        body = CASE WHEN c.drops_body AND NOT (i.rescheduled AND c.status <> 'sent') THEN NULL
+                    ELSE i.body END,
+        rescheduled = false,
         message_id = coalesce(c.message_id, i.message_id),
         due_at = coalesce(to_timestamp(c.due_ms / 1000.0), i.due_at),
         provider = coalesce(c.provider, i.provider),
@@ -102,6 +107,7 @@ const COMPLETE_MANY: &str = concat!(
         sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
         type = coalesce(c.kind, i.type),
         announced = CASE WHEN c.status IN ('sent', 'dead', 'suppressed', 'throttled')
+                              AND NOT (i.rescheduled AND c.status <> 'sent')
                          THEN c.status ELSE i.announced END,
         owner = NULL, lease_until = NULL, updated_at = now()
    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],

@@ -51,6 +51,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (14, "0014_events"),
     (15, "0015_reputation"),
     (16, "0016_announced"),
+    (17, "0017_reschedule_while_sending"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.
