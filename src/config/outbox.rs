@@ -197,6 +197,22 @@ mod tests {
     }
 
     #[test]
+    fn the_relay_and_per_producer_keys_are_refused_together() {
+        let env: std::collections::HashMap<String, String> = [
+            ("POSTIE__OUTBOX__SOURCES", "postgres://127.0.0.1/shop"),
+            ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let error = crate::config::Settings::load_from(None, Some(env)).unwrap_err();
+        assert!(
+            error.to_string().contains("outbox.sources cannot be used"),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn the_bounds_are_refused_with_their_key() {
         let db = DatabaseSettings::default();
         for (batch_size, poll_interval, key) in [
