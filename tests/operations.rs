@@ -11,12 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use support::{eventually, free_port, job, proxy::Proxy, sample, TestEnv};
 
-async fn get(url: &str) -> (u16, String) {
-    match reqwest::get(url).await {
-        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
-        Err(_) => (0, String::new()),
-    }
-}
+use support::http_get as get;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_what_happened_and_health_endpoints_answer() {

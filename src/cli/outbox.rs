@@ -54,7 +54,17 @@ async fn run_install(settings: &Settings, args: &InstallArgs) -> anyhow::Result<
         app: args.app_role.as_deref(),
         relay: args.relay_role.as_deref(),
     };
-    let applied = install(&mut client, grants).await?;
+    // Each statement is quick, but the advisory lock waits for another install.
+    let limit = settings.database.statement_timeout;
+    let applied = tokio::time::timeout(limit, install(&mut client, grants))
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "no answer from {} within {} (database.statement_timeout): another install holding the lock?",
+                source.shown,
+                humantime::format_duration(limit)
+            )
+        })??;
     if applied.is_empty() {
         out!("the outbox in {} is up to date", source.shown);
     }

@@ -195,4 +195,43 @@ mod tests {
         let error = parse(&["amqp://h/a"]).unwrap_err();
         assert!(error.to_string().contains("postgres://"), "{error}");
     }
+
+    #[test]
+    fn the_relay_and_per_producer_keys_are_refused_together() {
+        let env: std::collections::HashMap<String, String> = [
+            ("POSTIE__OUTBOX__SOURCES", "postgres://127.0.0.1/shop"),
+            ("POSTIE__WORKER__KEY_NAMESPACE", "user_id"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let error = crate::config::Settings::load_from(None, Some(env)).unwrap_err();
+        assert!(
+            error.to_string().contains("outbox.sources cannot be used"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_bounds_are_refused_with_their_key() {
+        let db = DatabaseSettings::default();
+        for (batch_size, poll_interval, key) in [
+            (0, Duration::from_secs(1), "outbox.batch_size"),
+            (10_001, Duration::from_secs(1), "outbox.batch_size"),
+            (500, Duration::from_millis(1), "outbox.poll_interval"),
+            (500, Duration::from_secs(7200), "outbox.poll_interval"),
+        ] {
+            let settings = OutboxSettings {
+                batch_size,
+                poll_interval,
+                ..OutboxSettings::default()
+            };
+            let error = settings.parse_sources(&db).unwrap_err();
+            assert!(error.to_string().contains(key), "{error}");
+        }
+        assert!(OutboxSettings::default()
+            .parse_sources(&db)
+            .unwrap()
+            .is_empty());
+    }
 }

@@ -198,6 +198,14 @@ impl Settings {
         }
         let database = self.database.plan()?;
         let outbox = self.outbox.parse_sources(&self.database)?;
+        if !outbox.is_empty() && matches!(self.worker.key_namespace, super::KeyNamespace::UserId) {
+            return fail(
+                "outbox.sources cannot be used with worker.key_namespace = \"user_id\": the \
+                 relay publishes as postie's own RabbitMQ user, not as each producer; publish \
+                 directly in that mode"
+                    .into(),
+            );
+        }
         Ok(Parsed {
             amqp,
             providers,

@@ -17,7 +17,8 @@
 //! - `events.rs`: the delivery events' outbox published to `<p>.events`, on every
 //!   instance (`FOR UPDATE SKIP LOCKED`), on the session's confirm channel.
 //! - `outbox.rs`: the producers' transactional outboxes (`outbox.sources`) relayed
-//!   to `<p>.delayed`, a task per source, on the session's confirm channel.
+//!   to `<p>.delayed`, a task per source for the life of `serve`, on the current
+//!   session's confirm channel.
 //!
 //! If the connection, a channel or a consumer is lost, in-flight work finishes or is
 //! abandoned unacked (the broker redelivers), and the session is rebuilt with backoff.
@@ -114,9 +115,17 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     let service = Service::new(cx, outbox);
     service.announce(&connection.address);
     let maintenance = service.spawn_maintenance(stop.child_token());
+    let relays = service.spawn_outbox(&stop.child_token());
     service.run(connection, stop).await;
-    // `stop` is cancelled by now: maintenance ends and releases its lock.
+    // `stop` is cancelled by now: maintenance ends and releases its lock, and the
+    // outbox relays finish their pass.
     let _ = tokio::time::timeout(GOODBYE_TIMEOUT, maintenance).await;
+    for relay in relays {
+        let abort = relay.abort_handle();
+        if tokio::time::timeout(GOODBYE_TIMEOUT, relay).await.is_err() {
+            abort.abort();
+        }
+    }
     inbox.flush_sends().await;
     clock.abort();
     tracing::info!("postie stopped");
@@ -154,6 +163,9 @@ struct Service {
     arrivals: arrivals::Arrivals,
     /// The producers' outboxes this instance relays (`outbox.sources`).
     outbox: Arc<Vec<crate::outbox::Source>>,
+    /// The current broker session's confirm channel (None between sessions), for
+    /// the outbox relays, which outlive sessions.
+    session_publisher: Arc<tokio::sync::watch::Sender<Option<publisher::Publisher>>>,
 }
 
 impl Service {
@@ -170,6 +182,7 @@ impl Service {
             worker,
             cx,
             outbox: Arc::new(outbox),
+            session_publisher: Arc::new(tokio::sync::watch::channel(None).0),
         }
     }
 

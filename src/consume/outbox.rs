@@ -1,7 +1,10 @@
 //! The relay of the producers' transactional outboxes (issue 31; `outbox.sources`),
-//! on the session's confirm channel.
+//! on the current broker session's confirm channel (`Service::session_publisher`).
 //!
-//! One task per source and session. It holds a connection for the batches and,
+//! One task per source for the life of `serve`, so that a broker outage neither
+//! closes the sources' connections nor hides their rows' age: without a session the
+//! rows wait and the oldest one's age is still read. It holds a connection for the
+//! batches and,
 //! with `outbox.listen`, one that `LISTEN`s on `postie_outbox`: `postie.enqueue`'s
 //! notification, delivered at the producer's commit, starts a pass at once; polling
 //! every `outbox.poll_interval` is the fallback (and all there is without LISTEN). A
@@ -33,34 +36,30 @@ use crate::headers::{HEADER_PUBLISHED_AT, HEADER_X_DELAY};
 use crate::inbox::OutboxError;
 use crate::ops::backoff::Backoff;
 use crate::ops::metrics::SourceLabel;
-use crate::outbox::{relay_batch, Batch, Row, Source};
+use crate::outbox::{oldest_seconds, relay_batch, Batch, Row, Source};
 
 impl Service {
-    /// Starts this session's relay of every outbox source; each ends with `stop`.
+    /// Starts the relay of every outbox source, one task each, for the life of
+    /// `serve`; each ends with `stop`.
     pub(super) fn spawn_outbox(
         &self,
-        publisher: &Publisher,
         stop: &CancellationToken,
     ) -> Vec<tokio::task::JoinHandle<()>> {
         self.outbox
             .iter()
             .map(|source| {
-                let (service, source) = (self.clone(), source.clone());
-                let (publisher, stop) = (publisher.clone(), stop.clone());
-                tokio::spawn(async move { service.relay_source(&source, &publisher, &stop).await })
+                let (service, source, stop) = (self.clone(), source.clone(), stop.clone());
+                tokio::spawn(async move { service.relay_source(&source, &stop).await })
             })
             .collect()
     }
 
     /// Relays `source` until `stop`, reconnecting with backoff while it is down.
-    async fn relay_source(&self, source: &Source, publisher: &Publisher, stop: &CancellationToken) {
+    async fn relay_source(&self, source: &Source, stop: &CancellationToken) {
         let max = self.cx.settings.worker.outage_backoff_max;
         let mut backoff = Backoff::new(Duration::from_millis(200), max);
         while !stop.is_cancelled() {
-            let Err(cause) = self
-                .relay_connected(source, publisher, stop, &mut backoff)
-                .await
-            else {
+            let Err(cause) = self.relay_connected(source, stop, &mut backoff).await else {
                 return;
             };
             let wait = backoff.failed();
@@ -80,28 +79,11 @@ impl Service {
     async fn relay_connected(
         &self,
         source: &Source,
-        publisher: &Publisher,
         stop: &CancellationToken,
         backoff: &mut Backoff,
     ) -> Result<(), String> {
         let settings = &self.cx.settings;
-        let connect = settings.database.connect_timeout;
-        let no_answer =
-            |limit: Duration| format!("no answer within {}", humantime::format_duration(limit));
-        let mut client = tokio::time::timeout(connect, source.connect())
-            .await
-            .map_err(|_| no_answer(connect))?
-            .map_err(|e| e.cause())?;
-        let (sender, receiver) = mpsc::channel(1);
-        let (_listener, mut wake) = if settings.outbox.listen {
-            let listener = tokio::time::timeout(connect, source.listen(sender))
-                .await
-                .map_err(|_| no_answer(connect))?
-                .map_err(|e| e.cause())?;
-            (Some(listener), Some(receiver))
-        } else {
-            (None, None)
-        };
+        let (mut client, _listener, mut wake) = open(source, settings).await?;
         if self.cx.health.set_outbox_source(&source.name, true) {
             tracing::info!(source = %source.name, url = %source.shown, "relaying the outbox source");
         }
@@ -110,10 +92,21 @@ impl Service {
             source: source.name.clone(),
         };
         let mut refused = false;
+        let mut sessions = self.session_publisher.subscribe();
         loop {
+            let Some(publisher) = sessions.borrow_and_update().clone() else {
+                // No broker session: the rows wait, and their age is still shown.
+                self.note_oldest(&client, &label, deadline).await?;
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = sessions.changed() => {}
+                    _ = tokio::time::sleep(settings.outbox.poll_interval) => {}
+                }
+                continue;
+            };
             let started = Instant::now();
             let pass =
-                tokio::time::timeout(deadline, self.outbox_pass(&mut client, publisher)).await;
+                tokio::time::timeout(deadline, self.outbox_pass(&mut client, &publisher)).await;
             let wait = match pass {
                 Ok(Ok(batch)) => {
                     self.count_batch(&label, batch, started);
@@ -131,6 +124,7 @@ impl Service {
                         tracing::warn!(source = %source.name, %error,
                             "could not publish outbox rows; they stay in the outbox and are tried again");
                     }
+                    self.note_oldest(&client, &label, deadline).await?;
                     backoff.failed()
                 }
                 Ok(Err(OutboxError::Db(error))) => return Err(error.cause()),
@@ -161,7 +155,7 @@ impl Service {
         publisher: &Publisher,
     ) -> Result<Batch, OutboxError<PublishError>> {
         let exchange = self.cx.topology.delayed_exchange();
-        let limit = i64::from(self.cx.settings.outbox.batch_size);
+        let limit = self.cx.settings.outbox.batch_size as i32;
         relay_batch(client, limit, |rows: Vec<Row>| async move {
             let publishes = rows.iter().map(|row| {
                 publisher.publish(exchange, ROUTING_KEY, false, &row.body, properties(row))
@@ -170,6 +164,20 @@ impl Service {
             Ok(())
         })
         .await
+    }
+
+    /// Sets the source's oldest-row gauge from the table (the rows wait unpublished);
+    /// the cause in words if the source fails to answer.
+    async fn note_oldest(
+        &self,
+        client: &tokio_postgres::Client,
+        label: &SourceLabel,
+        deadline: Duration,
+    ) -> Result<(), String> {
+        let age = within(deadline, oldest_seconds(client)).await?;
+        let metrics = self.cx.metrics();
+        metrics.outbox_oldest_seconds.get_or_create(label).set(age);
+        Ok(())
     }
 
     /// Counts a batch under its source.
@@ -190,6 +198,44 @@ impl Service {
                 .observe(started.elapsed().as_secs_f64());
         }
     }
+}
+
+/// A source's connection for the batches and, with `outbox.listen`, its listening
+/// connection and the receiver of its notifications; the cause in words if not.
+async fn open(source: &Source, settings: &crate::config::Settings) -> Result<Connections, String> {
+    let connect = settings.database.connect_timeout;
+    let client = within(connect, source.connect()).await?;
+    if !settings.outbox.listen {
+        return Ok((client, None, None));
+    }
+    let (sender, receiver) = mpsc::channel(1);
+    let listener = within(connect, source.listen(sender)).await?;
+    Ok((client, Some(listener), Some(receiver)))
+}
+
+/// A source's connection for batches, its listening connection (kept open while
+/// held) and that one's notifications.
+type Connections = (
+    tokio_postgres::Client,
+    Option<tokio_postgres::Client>,
+    Option<mpsc::Receiver<()>>,
+);
+
+/// A source's step under `limit`; its failure in words.
+async fn within<T>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, crate::inbox::DbError>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(error.cause()),
+        Err(_) => Err(no_answer(limit)),
+    }
+}
+
+/// "no answer within …".
+fn no_answer(limit: Duration) -> String {
+    format!("no answer within {}", humantime::format_duration(limit))
 }
 
 /// The next notification of the listening connection; `None` once it is gone;

@@ -108,7 +108,6 @@ impl Service {
         let lost = CancellationToken::new();
         watch_connection(conn, lost.clone(), session_stop.clone());
         let events = self.spawn_events(publish.clone(), session_stop.clone());
-        let relays = self.spawn_outbox(&publish, &session_stop);
         self.cx.health.set_broker_up(true);
         let mut lanes = vec![Lane {
             role: Role::Send,
@@ -132,6 +131,8 @@ impl Service {
                 concurrency: self.cx.settings.worker.concurrency,
             });
         }
+        // The outbox relays publish on this session's channel from now on.
+        self.session_publisher.send_replace(Some(publish.clone()));
         let loops = lanes
             .into_iter()
             .map(|lane| Box::pin(self.consume_loop(conn, lane, &publish, (&session_stop, &lost))));
@@ -140,11 +141,12 @@ impl Service {
         let (end, _, rest) = futures_util::future::select_all(loops).await;
         lost.cancel();
         futures_util::future::join_all(rest).await;
-        // Ends the watchdog, the event publisher and the outbox relays of this session.
+        self.session_publisher.send_replace(None);
+        // Ends the watchdog and the event publisher of this session.
         session_stop.cancel();
-        for task in events.into_iter().chain(relays) {
-            let abort = task.abort_handle();
-            if tokio::time::timeout(GOODBYE_TIMEOUT, task).await.is_err() {
+        if let Some(events) = events {
+            let abort = events.abort_handle();
+            if tokio::time::timeout(GOODBYE_TIMEOUT, events).await.is_err() {
                 abort.abort();
             }
         }

@@ -207,7 +207,7 @@ declare! {
         outbox_batch_seconds: Family<SourceLabel, Histogram, fn() -> Histogram> = Family::new_with_constructor(|| seconds(0.001, 16))
             => "outbox_batch_duration_seconds", "One outbox batch: taken, published (confirms awaited), deleted, committed, by source";
         outbox_oldest_seconds: Family<SourceLabel, Gauge<f64, AtomicU64>>
-            => "outbox_oldest_row_age_seconds", "Age of the oldest row in the last batch this instance took from a source (0: none)";
+            => "outbox_oldest_row_age_seconds", "Age of the oldest row of a source: in this instance's last batch, or waiting while it cannot publish (0: none)";
         outbox_source_up: Family<SourceLabel, Gauge>
             => "outbox_source_up", "1 while this instance reaches the source's outbox, 0 while it does not";
     }

@@ -8,11 +8,18 @@
 use tokio_postgres::Client;
 
 /// The outbox's scripts, in order: (version, name, SQL).
-const SCRIPTS: &[(i32, &str, &str)] = &[(
-    1,
-    "0001_outbox",
-    include_str!("../../sql/outbox/0001_outbox.sql"),
-)];
+const SCRIPTS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "0001_outbox",
+        include_str!("../../sql/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "0002_take",
+        include_str!("../../sql/outbox/0002_take.sql"),
+    ),
+];
 
 /// The advisory lock every install takes (any fixed number; "postie outbox" in hex).
 const LOCK: i64 = 0x706f_7374_6965_6f62;
@@ -23,7 +30,8 @@ pub(crate) struct Grants<'a> {
     /// The application's role: may only call `postie.enqueue` (a SECURITY DEFINER
     /// function with its `search_path` pinned); it cannot read the table.
     pub(crate) app: Option<&'a str>,
-    /// postie's role for the relay: may only read and delete the table's rows.
+    /// postie's role for the relay: may only take a batch (`postie.take`, which locks
+    /// its rows), read and delete the table's rows.
     pub(crate) relay: Option<&'a str>,
 }
 
@@ -90,6 +98,7 @@ fn grant_statements(grants: Grants<'_>) -> String {
         sql.push_str(&format!(
             "GRANT USAGE ON SCHEMA postie TO {role};
              GRANT SELECT, DELETE ON postie.outbox TO {role};
+             GRANT EXECUTE ON FUNCTION postie.take(integer) TO {role};
              GRANT SELECT ON postie.outbox_version TO {role};\n"
         ));
     }

@@ -83,13 +83,13 @@ pub(crate) struct Batch {
     pub(crate) oldest_seconds: f64,
 }
 
-/// Takes up to `limit` rows, oldest first, that no other relay holds (`FOR UPDATE
-/// SKIP LOCKED`), hands them to `publish`, and deletes them only if it succeeded
+/// Takes up to `limit` rows, oldest first, that no other relay holds (`postie.take`:
+/// `FOR UPDATE SKIP LOCKED`), hands them to `publish`, and deletes them only if it succeeded
 /// (every publish confirmed), in one transaction: a failed publish, a lost
 /// connection or a killed instance leaves them to the next pass (at least once).
 pub(crate) async fn relay_batch<E, F, Fut>(
     client: &mut Client,
-    limit: i64,
+    limit: i32,
     publish: F,
 ) -> Result<Batch, OutboxError<E>>
 where
@@ -99,14 +99,7 @@ where
 {
     let tx = client.transaction().await.map_err(DbError::from)?;
     let found = tx
-        .query(
-            "SELECT id, job::text,
-                    (extract(epoch FROM enqueued_at) * 1000)::bigint,
-                    (extract(epoch FROM due_at - enqueued_at) * 1000)::bigint,
-                    extract(epoch FROM clock_timestamp() - enqueued_at)::float8
-               FROM postie.outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-            &[&limit],
-        )
+        .query("SELECT * FROM postie.take($1)", &[&limit])
         .await
         .map_err(DbError::from)?;
     let mut rows = Vec::with_capacity(found.len());
@@ -133,6 +126,22 @@ where
     Ok(Batch {
         rows: ids.len(),
         oldest_seconds,
+    })
+}
+
+/// The age in seconds of the source's oldest row by id (0 when none): one index
+/// probe, for the gauge while rows cannot be published.
+pub(crate) async fn oldest_seconds(client: &Client) -> Result<f64, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT extract(epoch FROM clock_timestamp() - enqueued_at)::float8
+               FROM postie.outbox ORDER BY id LIMIT 1",
+            &[],
+        )
+        .await?;
+    Ok(match row {
+        Some(row) => row.try_get(0)?,
+        None => 0.0,
     })
 }
 

@@ -807,12 +807,37 @@ fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
         .collect()
 }
 
-async fn connect_pg(url: &str) -> tokio_postgres::Client {
+/// A plain connection to `url` (no TLS), its driver spawned.
+pub async fn connect_pg(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL for tests at {url}: {e:?}"));
     tokio::spawn(connection);
     client
+}
+
+/// GET `url`: the status and the body; `(0, "")` if nothing answered.
+pub async fn http_get(url: &str) -> (u16, String) {
+    match reqwest::get(url).await {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(_) => (0, String::new()),
+    }
+}
+
+/// Runs `clean_up` to its end on a throwaway runtime of its own thread: async
+/// clean-up from a sync `Drop`, which runs inside the test's runtime.
+pub fn on_own_thread(clean_up: impl Future<Output = ()> + Send + 'static) {
+    let done = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(clean_up)
+    })
+    .join();
+    if done.is_err() {
+        eprintln!("a test clean-up failed");
+    }
 }
 
 /// A superuser connection to database `db` of the test server.
