@@ -149,6 +149,12 @@ impl Settings {
         if feedback.max_body_bytes == 0 || feedback.request_timeout.is_zero() {
             return fail("feedback.max_body_bytes and request_timeout must be above zero".into());
         }
+        let console = &self.console;
+        if console.dead_letter_scan == 0 || console.page_size <= 0 || console.max_batch == 0 {
+            return fail(
+                "console.dead_letter_scan, page_size and max_batch must be above zero".into(),
+            );
+        }
         Ok(())
     }
 

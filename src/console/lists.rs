@@ -1,0 +1,378 @@
+//! The lists and their actions: pending jobs (cancel one, or all matching after a
+//! confirm step with their count), dead letters (grouped by reason; replay one, a
+//! group or all matching a filter, after a confirm step with their count, through
+//! `dlq::replay`), and the suppression list (search, add, remove).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Form, Query, State};
+use axum::response::IntoResponse;
+use maud::html;
+
+use super::auth::Principal;
+use super::overview::urlencode;
+use super::{page, Answer, Console};
+use crate::dlq::{self, ReplayFilter};
+use crate::inbox::{PendingFilter, Suppress, SuppressionReason};
+
+/// A list's filter, from the query string or a form.
+#[derive(serde::Deserialize, Default)]
+pub(super) struct ListQuery {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default, rename = "type")]
+    kind: String,
+    #[serde(default)]
+    prefix: String,
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    page: i64,
+    /// The count the operator confirmed: an action moves at most this many.
+    #[serde(default)]
+    count: usize,
+}
+
+fn given(text: &str) -> Option<String> {
+    Some(text.trim().to_owned()).filter(|t| !t.is_empty())
+}
+
+impl ListQuery {
+    fn pending_filter(&self) -> PendingFilter {
+        PendingFilter {
+            key: given(&self.key),
+            kind: given(&self.kind),
+            key_prefix: given(&self.prefix),
+            ..PendingFilter::default()
+        }
+    }
+
+    fn replay_filter(&self, limit: Option<usize>) -> ReplayFilter {
+        ReplayFilter {
+            reason_contains: given(&self.reason),
+            key: given(&self.key),
+            limit,
+        }
+    }
+
+    /// The filter's fields as hidden inputs of a form.
+    fn fields(&self) -> [(&'static str, &str); 4] {
+        [
+            ("type", &self.kind),
+            ("prefix", &self.prefix),
+            ("key", &self.key),
+            ("reason", &self.reason),
+        ]
+    }
+}
+
+/// `GET /pending`: scheduled jobs by due time, filtered, one page at a time.
+pub(super) async fn pending(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<ListQuery>,
+) -> Answer {
+    let size = console.settings.console.page_size;
+    let page_no = q.page.max(0);
+    let (jobs, total) = console
+        .inbox
+        .pending_page(&q.pending_filter(), page_no * size, size)
+        .await?;
+    let link = |n: i64| {
+        format!(
+            "/pending?type={}&prefix={}&page={n}",
+            urlencode(&q.kind),
+            urlencode(&q.prefix)
+        )
+    };
+    let body = html! {
+        form action="/pending" method="get" {
+            label { "Type " input name="type" value=(q.kind); } " "
+            label { "Key prefix " input name="prefix" value=(q.prefix); } " "
+            button { "Filter" }
+        }
+        p #total { (total) " pending" @if total > 0 { ", " (page_no * size + 1) " to " (page_no * size + jobs.len() as i64) " shown" } }
+        @if total > 0 { p { a href=(format!("/pending/cancel?type={}&prefix={}", urlencode(&q.kind), urlencode(&q.prefix))) { "Cancel all " (total) " matching…" } } }
+        (page::table(&["due (UTC)", "key", "type", "revision", ""], jobs.iter().map(|job| {
+            let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
+                .map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string())
+                .unwrap_or_default();
+            html! { tr {
+                td { (due) }
+                td { a href=(format!("/job?key={}", urlencode(&job.key))) { (job.key) } }
+                td { (job.kind.as_deref().unwrap_or("-")) }
+                td { (job.revision) }
+                td { (page::action(&who, "/job/cancel", &[("key", &job.key)], "Cancel")) }
+            } }
+        })))
+        p {
+            @if page_no > 0 { a href=(link(page_no - 1)) { "← earlier" } " " }
+            @if (page_no + 1) * size < total { a href=(link(page_no + 1)) { "later →" } }
+        }
+    };
+    Ok(page::frame("Pending jobs", &who, body).into_response())
+}
+
+/// `GET /pending/cancel`: how many jobs match, and the button that cancels them.
+pub(super) async fn confirm_cancel(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<ListQuery>,
+) -> Answer {
+    let (_, total) = console
+        .inbox
+        .pending_page(&q.pending_filter(), 0, 0)
+        .await?;
+    let count = (total.max(0) as usize).min(console.settings.console.max_batch);
+    let count_text = count.to_string();
+    let mut fields = q.fields().to_vec();
+    fields.push(("count", &count_text));
+    let body = html! {
+        p #count { (total) " pending job(s) match type " code { (q.kind) } " and key prefix " code { (q.prefix) } "." }
+        @if count > 0 {
+            p { (page::action(&who, "/pending/cancel", &fields, &format!("Cancel {count} job(s)"))) }
+        }
+        p { a href="/pending" { "Back" } }
+    };
+    Ok(page::frame("Cancel pending jobs?", &who, body).into_response())
+}
+
+/// `POST /pending/cancel`: cancels at most the confirmed count of matching jobs.
+pub(super) async fn cancel(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Form(q): Form<ListQuery>,
+) -> Answer {
+    if let Err(refused) = console.auth.check_action(&who, &q.csrf) {
+        return Ok(refused.into_response());
+    }
+    let limit = q.count.min(console.settings.console.max_batch) as i64;
+    let (jobs, _) = console
+        .inbox
+        .pending_page(&q.pending_filter(), 0, limit)
+        .await?;
+    for job in &jobs {
+        console.inbox.cancel(&job.key, None).await?;
+    }
+    tracing::info!(who = who.name, action = "cancel_matching", kind = %q.kind, prefix = %q.prefix, cancelled = jobs.len(), "console action");
+    let message = format!("Cancelled {} pending job(s).", jobs.len());
+    Ok(page::done(&who, "Cancelled", &message, "/pending").into_response())
+}
+
+/// `GET /dead`: the dead letters grouped by reason, then each one.
+pub(super) async fn dead(who: Principal, State(console): State<Arc<Console>>) -> Answer {
+    let scan = console.settings.console.dead_letter_scan;
+    let (depth, letters) = dlq::peek(&console.settings, scan).await?;
+    let mut groups: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    for l in &letters {
+        *groups.entry((&l.kind, &l.reason)).or_default() += 1;
+    }
+    let body = html! {
+        p #depth { (depth) " dead letter(s) in " (console.topology.dead_queue())
+            @if letters.len() < depth as usize { "; the first " (letters.len()) " looked at" } }
+        form action="/dead/replay" method="get" {
+            label { "Replay those whose reason contains " input name="reason"; } " " button { "Count…" }
+        }
+        h2 { "By reason" }
+        (page::table(&["kind", "reason", "count", ""], groups.iter().map(|((kind, reason), n)| html! {
+            tr { td { (kind) } td { (reason) } td { (n) }
+                 td { a href=(format!("/dead/replay?reason={}", urlencode(reason))) { "replay group…" } } }
+        })))
+        h2 { "Dead letters" }
+        (page::table(&["key", "kind", "attempts", "dead at", "reason", ""], letters.iter().map(|l| html! {
+            tr { td { a href=(format!("/dead/letter?key={}", urlencode(&l.key))) { (l.key) } }
+                 td { (l.kind) } td { (l.attempts.map_or("-".into(), |n| n.to_string())) }
+                 td { (l.dead_at.as_deref().unwrap_or("-")) } td { (l.reason) }
+                 td { a href=(format!("/dead/replay?key={}", urlencode(&l.key))) { "replay…" } } }
+        })))
+    };
+    Ok(page::frame("Dead letters", &who, body).into_response())
+}
+
+/// `GET /dead/letter?key=…`: one dead letter's body and headers.
+pub(super) async fn letter(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<ListQuery>,
+) -> Answer {
+    let scan = console.settings.console.dead_letter_scan;
+    let (_, _, found) = dlq::inspect(&console.settings, scan, Some(&q.key)).await?;
+    let body = html! {
+        @match found {
+            None => p { "No dead letter with key " code { (q.key) } " among the first " (scan) "." },
+            Some(l) => {
+                p { "Key " code { (l.summary.key) } ": " (l.summary.kind) ", " (l.summary.reason) " "
+                    a href=(format!("/dead/replay?key={}", urlencode(&l.summary.key))) { "replay…" } }
+                h2 { "Headers" }
+                (page::table(&["header", "value"], l.headers.iter().map(|(k, v)| html! { tr { td { (k) } td { (v) } } })))
+                h2 { "Body" }
+                pre #body { (l.body) }
+            }
+        }
+    };
+    Ok(page::frame("Dead letter", &who, body).into_response())
+}
+
+/// `GET /dead/replay`: how many dead letters match, and the button that replays them.
+pub(super) async fn confirm_replay(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<ListQuery>,
+) -> Answer {
+    let scan = console.settings.console.dead_letter_scan;
+    let (_, letters) = dlq::peek(&console.settings, scan).await?;
+    let filter = q.replay_filter(None);
+    let matching = letters.iter().filter(|l| filter.matches(l)).count();
+    let count = matching.min(console.settings.console.max_batch);
+    let count_text = count.to_string();
+    let mut fields = q.fields().to_vec();
+    fields.push(("count", &count_text));
+    let body = html! {
+        p #count { (matching) " dead letter(s) match"
+            @if !q.key.is_empty() { " key " code { (q.key) } }
+            @if !q.reason.is_empty() { " reason containing " code { (q.reason) } } "." }
+        @if count > 0 {
+            p { (page::action(&who, "/dead/replay", &fields, &format!("Replay {count} dead letter(s)"))) }
+        }
+        p { a href="/dead" { "Back" } }
+    };
+    Ok(page::frame("Replay dead letters?", &who, body).into_response())
+}
+
+/// `POST /dead/replay`: `postie dlq replay` with the filter, at most the confirmed count.
+pub(super) async fn replay(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Form(q): Form<ListQuery>,
+) -> Answer {
+    if let Err(refused) = console.auth.check_action(&who, &q.csrf) {
+        return Ok(refused.into_response());
+    }
+    let limit = q.count.min(console.settings.console.max_batch);
+    let report = dlq::replay(&console.settings, &q.replay_filter(Some(limit))).await?;
+    tracing::info!(who = who.name, action = "replay", key = %q.key, reason = %q.reason, moved = report.moved, "console action");
+    let message = format!(
+        "Replayed {} dead letter(s) to {}.",
+        report.moved,
+        console.topology.send_queue()
+    );
+    Ok(page::done(&who, "Replayed", &message, "/dead").into_response())
+}
+
+#[derive(serde::Deserialize, Default)]
+pub(super) struct SuppressionForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    address: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    note: String,
+}
+
+/// `GET /suppression?address=…`: the list (one address's rows when given).
+pub(super) async fn suppression(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<SuppressionForm>,
+) -> Answer {
+    let size = console.settings.console.page_size;
+    let rows = console
+        .inbox
+        .suppression_list(given(&q.address).as_deref(), size)
+        .await?;
+    let body = html! {
+        form action="/suppression" method="get" {
+            label { "Address " input name="address" value=(q.address); } " " button { "Search" }
+        }
+        (page::table(&["address", "scope", "reason", "source", "note", "since", "until", ""], rows.iter().map(|r| html! {
+            tr { td { (r.address) } td { (r.scope) } td { (r.reason.as_str()) } td { (r.source) }
+                 td { (r.evidence.as_deref().unwrap_or("-")) } td { (r.created_at) }
+                 td { (r.expires_at.as_deref().unwrap_or("-")) }
+                 td { (page::action(&who, "/suppression/remove", &[("address", &r.address)], "Remove")) } }
+        })))
+        @if rows.len() as i64 == size { p.muted { "The first " (size) " shown." } }
+        @if who.role == super::auth::Role::Operate {
+            h2 { "Suppress an address" }
+            form action="/suppression/add" method="post" {
+                input type="hidden" name="csrf" value=(who.csrf);
+                label { "Address " input name="address"; } " "
+                label { "Reason " select name="reason" {
+                    @for r in SuppressionReason::ALL { option selected[r == SuppressionReason::Manual] { (r.as_str()) } }
+                } } " "
+                label { "Note " input name="note"; } " "
+                button { "Suppress" }
+            }
+        }
+    };
+    Ok(page::frame("Suppression list", &who, body).into_response())
+}
+
+/// `POST /suppression/add`: as `postie suppression add` (every scope, no expiry).
+pub(super) async fn suppress(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Form(f): Form<SuppressionForm>,
+) -> Answer {
+    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
+        return Ok(refused.into_response());
+    }
+    let address = f.address.trim();
+    let reason = SuppressionReason::parse(&f.reason).unwrap_or(SuppressionReason::Manual);
+    if !address.contains('@') {
+        return Ok(page::done(
+            &who,
+            "Not added",
+            "That is not an email address.",
+            "/suppression",
+        )
+        .into_response());
+    }
+    let source = format!("console:{}", who.name);
+    let added = console
+        .inbox
+        .suppress(Suppress {
+            address,
+            scope: "*",
+            reason,
+            source: &source,
+            evidence: given(&f.note).as_deref(),
+            lasts: None,
+        })
+        .await?;
+    tracing::info!(who = who.name, action = "suppress", added, "console action");
+    let message = if added {
+        "Suppressed."
+    } else {
+        "Already suppressed (unchanged)."
+    };
+    Ok(page::done(&who, "Suppression list", message, "/suppression").into_response())
+}
+
+/// `POST /suppression/remove`: every scope's row of the address.
+pub(super) async fn unsuppress(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Form(f): Form<SuppressionForm>,
+) -> Answer {
+    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
+        return Ok(refused.into_response());
+    }
+    let source = format!("console:{}", who.name);
+    let removed = console
+        .inbox
+        .unsuppress(f.address.trim(), None, &source)
+        .await?;
+    tracing::info!(
+        who = who.name,
+        action = "unsuppress",
+        removed,
+        "console action"
+    );
+    let message = format!("Removed {removed} row(s).");
+    Ok(page::done(&who, "Suppression list", &message, "/suppression").into_response())
+}

@@ -1,0 +1,186 @@
+//! The overview (inbox rows by status, queue depths, the maintenance leader, the last
+//! hour's sends and lateness as inline SVG) with its live part, and one job by key
+//! with its Cancel action.
+
+use std::sync::Arc;
+
+use axum::extract::{Form, Query, State};
+use axum::response::IntoResponse;
+use maud::{html, Markup};
+
+use super::auth::Principal;
+use super::{page, Answer, Console};
+use crate::inbox::MinuteSends;
+
+/// `GET /`: the frame around the live part, which htmx refreshes every 5 s.
+pub(super) async fn overview(who: Principal, State(console): State<Arc<Console>>) -> Answer {
+    let live = live_part(&console).await?;
+    let body = html! {
+        p.muted { "Prefix " code { (console.settings.topology.prefix) } ", delay mode "
+                  (console.topology.mode_name()) ". Refreshes every 5 s (with JavaScript)." }
+        (live)
+    };
+    Ok(page::frame("Overview", &who, body).into_response())
+}
+
+/// `GET /overview/live`: the part of the overview that refreshes.
+pub(super) async fn live(_who: Principal, State(console): State<Arc<Console>>) -> Answer {
+    Ok(live_part(&console).await?.into_response())
+}
+
+async fn live_part(console: &Console) -> anyhow::Result<Markup> {
+    let inbox = &console.inbox;
+    let counts = inbox.counts().await?;
+    let leader = inbox.maintenance_leader().await?;
+    let sends = inbox.sends_last_hour().await?;
+    let depths = queue_depths(console).await;
+    Ok(html! {
+        div #live hx-get="/overview/live" hx-trigger="every 5s" hx-swap="outerHTML" {
+            h2 { "Inbox rows by status" }
+            (page::table(&["status", "rows"], counts.by_status.iter().map(|(status, n)| html! {
+                tr { td { (status.as_str()) } td { (n) } }
+            })))
+            p { "Duplicates suppressed: " (counts.duplicates) "; leases taken over: " (counts.takeovers) }
+            h2 { "Queues" }
+            @match depths {
+                Ok(depths) => (page::table(&["queue", "ready", "consumers"], depths.into_iter().map(|(q, d)| html! {
+                    tr { td { (q) } @match d {
+                        Some((ready, consumers)) => { td { (ready) } td { (consumers) } }
+                        None => { td colspan="2" { "missing: run postie topology" } }
+                    } }
+                }))),
+                Err(error) => p.danger { "The broker did not answer: " (error) },
+            }
+            h2 { "Maintenance leader" }
+            @match leader {
+                Some(l) => p { "PostgreSQL backend " (l.pid) " from " (l.client) ", connected since " (l.since) " UTC" },
+                None => p { "No instance holds the maintenance lock." },
+            }
+            h2 { "The last hour" }
+            (chart(&sends))
+        }
+    })
+}
+
+/// Each queue's depth, on a connection of its own for this page.
+async fn queue_depths(console: &Console) -> anyhow::Result<Vec<crate::broker::QueueDepth>> {
+    let settings = &console.settings;
+    let conn = crate::broker::connect(
+        &settings.amqp.addresses()?,
+        "postie-console",
+        settings.amqp.connect_timeout,
+    )
+    .await?
+    .connection;
+    let depths = crate::broker::queue_depths(&conn, &console.topology.queues()).await;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(depths?)
+}
+
+/// Two bar charts, one bar per minute of the last hour: emails sent, and their mean
+/// lateness (sent minus due).
+fn chart(sends: &[MinuteSends]) -> Markup {
+    let total: i64 = sends.iter().map(|m| m.sent).sum();
+    let max_sent = sends.iter().map(|m| m.sent).max().unwrap_or(0).max(1) as f64;
+    let max_late = sends
+        .iter()
+        .filter_map(|m| m.lateness_s)
+        .fold(0.0_f64, f64::max)
+        .max(0.001);
+    let bars = |value: &dyn Fn(&MinuteSends) -> f64, color: &str| {
+        html! {
+            @for m in sends {
+                @let h = (value(m) * 56.0).clamp(0.0, 56.0);
+                rect x=(format!("{}", (59 - m.ago.clamp(0, 59)) * 10)) y=(format!("{:.1}", 58.0 - h))
+                     width="8" height=(format!("{h:.1}")) fill=(color) {}
+            }
+        }
+    };
+    html! {
+        p { (total) " sent in the last hour; at most " (max_sent as i64) " in one minute." }
+        svg width="600" height="60" viewBox="0 0 600 60" role="img" aria-label="emails sent per minute" {
+            rect width="600" height="60" fill="#f4f6fa" {}
+            (bars(&|m| m.sent as f64 / max_sent, "#3465a4"))
+        }
+        p { "Mean lateness (sent minus due) per minute; at most " (format!("{max_late:.3}")) " s." }
+        svg width="600" height="60" viewBox="0 0 600 60" role="img" aria-label="mean lateness per minute" {
+            rect width="600" height="60" fill="#f4f6fa" {}
+            (bars(&|m| m.lateness_s.unwrap_or(0.0) / max_late, "#c17d11"))
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct KeyQuery {
+    #[serde(default)]
+    key: String,
+}
+
+/// `GET /job?key=…`: its inbox row, its events, its dead letter, its actions.
+pub(super) async fn job(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Query(q): Query<KeyQuery>,
+) -> Answer {
+    let key = q.key.trim();
+    let row = console.inbox.job_row(key).await?;
+    let events = console.inbox.job_events(key).await?;
+    let scan = console.settings.console.dead_letter_scan;
+    let (_, _, letter) = crate::dlq::inspect(&console.settings, scan, Some(key)).await?;
+    let body = html! {
+        p { "Key " code { (key) } }
+        @match &row {
+            None => p { "No inbox row for this key (never seen, or pruned after inbox.retention)." },
+            Some(row) => {
+                p { "Status: " strong #status { (row.status) } " "
+                    (page::action(&who, "/job/cancel", &[("key", key)], "Cancel")) }
+                (page::table(&["column", "value"], row.fields.iter().map(|(name, value)| html! {
+                    tr { td { (name) } td { (value.as_deref().unwrap_or("-")) } }
+                })))
+            }
+        }
+        h2 { "Delivery events not yet published" }
+        (page::table(&["outcome", "at (UTC)", "attempts", "reason"], events.iter().map(|e| html! {
+            tr { td { (e.outcome) } td { (e.occurred_at) } td { (e.attempts) } td { (e.reason.as_deref().unwrap_or("-")) } }
+        })))
+        h2 { "Dead letter" }
+        @match &letter {
+            None => p { "None with this key in " (console.topology.dead_queue()) " (the first " (scan) " looked at)." },
+            Some(l) => p { (l.summary.kind) ": " (l.summary.reason) " "
+                a href=(format!("/dead/letter?key={}", urlencode(key))) { "its body and headers" } " "
+                a href=(format!("/dead/replay?key={}", urlencode(key))) { "replay…" } },
+        }
+    };
+    Ok(page::frame("Job", &who, body).into_response())
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct KeyForm {
+    #[serde(default)]
+    csrf: String,
+    key: String,
+}
+
+/// `POST /job/cancel`: `postie cancel KEY`.
+pub(super) async fn cancel_job(
+    who: Principal,
+    State(console): State<Arc<Console>>,
+    Form(form): Form<KeyForm>,
+) -> Answer {
+    if let Err(refused) = console.auth.check_action(&who, &form.csrf) {
+        return Ok(refused.into_response());
+    }
+    let cancelled = console.inbox.cancel(&form.key, None).await?;
+    tracing::info!(who = who.name, action = "cancel", key = %form.key, prior = %cancelled.prior_status, "console action");
+    let message = format!(
+        "{}: was {}, cancelled up to revision {}.",
+        form.key, cancelled.prior_status, cancelled.covers
+    );
+    let back = format!("/job?key={}", urlencode(&form.key));
+    Ok(page::done(&who, "Cancelled", &message, &back).into_response())
+}
+
+/// `text` as a URL query value.
+pub(super) fn urlencode(text: &str) -> String {
+    url::form_urlencoded::byte_serialize(text.as_bytes()).collect()
+}
