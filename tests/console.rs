@@ -119,7 +119,7 @@ async fn every_page_and_action_over_http_with_its_guards() {
     let stop = CancellationToken::new();
     let site = start(&env, &stop).await;
 
-    // No credentials: 401 with a Basic challenge and the sign-in form; a wrong token too.
+    // No credentials: 401 with the sign-in form; a wrong token too.
     let (status, body) = site.get("/", None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert!(body.contains("Sign in"), "{body}");

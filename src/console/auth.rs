@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use ring::hmac;
@@ -212,14 +212,9 @@ impl FromRequestParts<std::sync::Arc<Console>> for Principal {
         console
             .auth
             .principal(presented(parts).as_deref())
-            .ok_or_else(|| {
-                let mut response = (StatusCode::UNAUTHORIZED, page::login(None)).into_response();
-                response.headers_mut().insert(
-                    header::WWW_AUTHENTICATE,
-                    HeaderValue::from_static("Basic realm=\"postie console\", charset=\"UTF-8\""),
-                );
-                response
-            })
+            // No Basic challenge: a browser shows the sign-in form instead of its own
+            // dialog; `curl -u :TOKEN` still sends Basic auth unasked.
+            .ok_or_else(|| (StatusCode::UNAUTHORIZED, page::login(None)).into_response())
     }
 }
 

@@ -36,6 +36,8 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
     let depths = queue_depths(console).await;
     Ok(html! {
         div #live hx-get="/overview/live" hx-trigger="every 5s" hx-swap="outerHTML" {
+            h2 { "The last hour" }
+            (chart(&sends))
             h2 { "Inbox rows by status" }
             (page::table(&["status", "rows"], counts.by_status.iter().map(|(status, n)| html! {
                 tr { td { (status.as_str()) } td { (n) } }
@@ -56,8 +58,6 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
                 Some(l) => p { "PostgreSQL backend " (l.pid) " from " (l.client) ", connected since " (l.since) " UTC" },
                 None => p { "No instance holds the maintenance lock." },
             }
-            h2 { "The last hour" }
-            (chart(&sends))
         }
     })
 }
