@@ -126,7 +126,16 @@ pub(super) async fn job(
     let row = console.inbox.job_row(key).await?;
     let events = console.inbox.job_events(key).await?;
     let scan = console.settings.console.dead_letter_scan;
-    let (_, _, letter) = crate::dlq::inspect(&console.settings, scan, Some(key)).await?;
+    // Only a dead job (or one the inbox no longer knows) has its letter looked for:
+    // the look reads up to `scan` dead letters.
+    let letter = match row.as_ref().map(|r| r.status.as_str()) {
+        None | Some("dead") => {
+            crate::dlq::inspect(&console.settings, scan, Some(key))
+                .await?
+                .2
+        }
+        Some(_) => None,
+    };
     let body = html! {
         p { "Key " code { (key) } }
         @match &row {
@@ -145,7 +154,7 @@ pub(super) async fn job(
         })))
         h2 { "Dead letter" }
         @match &letter {
-            None => p { "None with this key in " (console.topology.dead_queue()) " (the first " (scan) " looked at)." },
+            None => p { "None with this key in " (console.topology.dead_queue()) " (looked for when the job is dead or unknown, among the first " (scan) ")." },
             Some(l) => p { (l.summary.kind) ": " (l.summary.reason) " "
                 a href=(format!("/dead/letter?key={}", urlencode(key))) { "its body and headers" } " "
                 a href=(format!("/dead/replay?key={}", urlencode(key))) { "replay…" } },

@@ -21,8 +21,11 @@ mod letter;
 
 pub use letter::{replay_headers, summarize, table, DeadLetterSummary};
 
+use futures_util::StreamExt as _;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
@@ -106,11 +109,18 @@ pub(crate) async fn inspect(
         let depth = depth(&channel, queue).await?;
         let (mut letters, mut found) = (Vec::new(), None);
         // Never more than the snapshot: messages held unacked are not handed out
-        // again, but one dead-lettered meanwhile would be.
-        while letters.len() < limit.min(depth as usize) {
-            let Some(delivery) = get(&channel, queue).await? else {
+        // again, but one dead-lettered meanwhile would be. A consumer with a prefetch
+        // of the snapshot, not basic.get: one round trip per message made a page of
+        // 10^4 dead letters take seconds. Each wait is bounded by
+        // amqp.connect_timeout (a queue emptied by someone else meanwhile).
+        let wanted = limit.min(depth as usize);
+        let mut deliveries = consumer(&channel, queue, wanted).await?;
+        while letters.len() < wanted {
+            let next = tokio::time::timeout(settings.amqp.connect_timeout, deliveries.next());
+            let Ok(Some(delivery)) = next.await else {
                 break;
             };
+            let delivery = delivery?;
             let headers = delivery.properties.headers().as_ref();
             let summary = summarize(&delivery.data, headers, &rules.for_user(user_id(&delivery)));
             if found.is_none() && detail.is_some_and(|key| key == summary.key) {
@@ -230,6 +240,26 @@ async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
         .await
         .map_err(|e| anyhow::anyhow!("queue {queue} is not there ({e}); run `postie topology`"))?;
     Ok(declared.message_count())
+}
+
+/// A consumer of `queue` (manual acks) that is handed at most `prefetch` messages.
+async fn consumer(
+    channel: &Channel,
+    queue: &str,
+    prefetch: usize,
+) -> anyhow::Result<lapin::Consumer> {
+    let prefetch = u16::try_from(prefetch.max(1)).unwrap_or(u16::MAX);
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    Ok(channel
+        .basic_consume(
+            queue.into(),
+            "postie-dlq-inspect".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?)
 }
 
 /// One message with manual ack, or `None` if the queue is empty.
