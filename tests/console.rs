@@ -262,6 +262,19 @@ async fn every_page_and_action_over_http_with_its_guards() {
         "outside the filter"
     );
 
+    // Reschedule: published again under the next revision, due in 1 s, and sent.
+    assert!(site.page("/job?key=d-later").await.contains("Reschedule"));
+    let (status, body) = site
+        .post(
+            "/job/reschedule",
+            Some(OPERATOR),
+            &[("csrf", &token), ("key", "d-later"), ("delay", "1s")],
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("published again as revision 1"), "{body}");
+    env.wait_for_status("d-later", "sent", WAIT).await;
+
     // Replay, after a confirm step with the count: the fault lifted, the job is sent.
     env.sink.set_faults(json!([])).await;
     let confirm = site.page("/dead/replay?reason=policy").await;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::extract::{Form, Query, State};
 use axum::response::IntoResponse;
-use maud::html;
+use maud::{html, Markup};
 
 use super::auth::Principal;
 use super::overview::urlencode;
@@ -69,6 +69,31 @@ impl ListQuery {
     }
 }
 
+/// An action's confirm step: what matches, and a button naming how many it moves (at
+/// most `console.max_batch`), which posts the filter and that count.
+struct Confirm {
+    matching: usize,
+    action: &'static str,
+    button: &'static str,
+    noun: &'static str,
+    back: &'static str,
+}
+
+impl Confirm {
+    fn form(&self, who: &Principal, console: &Console, q: &ListQuery, described: Markup) -> Markup {
+        let count = self.matching.min(console.settings.console.max_batch);
+        let count_text = count.to_string();
+        let mut fields = q.fields().to_vec();
+        fields.push(("count", &count_text));
+        let button = format!("{} {count} {}", self.button, self.noun);
+        html! {
+            p #count { (described) }
+            @if count > 0 { p { (page::action(who, self.action, &fields, &button)) } }
+            p { a href=(self.back) { "Back" } }
+        }
+    }
+}
+
 /// `GET /pending`: scheduled jobs by due time, filtered, one page at a time.
 pub(super) async fn pending(
     who: Principal,
@@ -126,17 +151,15 @@ pub(super) async fn confirm_cancel(
         .inbox
         .pending_page(&q.pending_filter(), 0, 0)
         .await?;
-    let count = (total.max(0) as usize).min(console.settings.console.max_batch);
-    let count_text = count.to_string();
-    let mut fields = q.fields().to_vec();
-    fields.push(("count", &count_text));
-    let body = html! {
-        p #count { (total) " pending job(s) match type " code { (q.kind) } " and key prefix " code { (q.prefix) } "." }
-        @if count > 0 {
-            p { (page::action(&who, "/pending/cancel", &fields, &format!("Cancel {count} job(s)"))) }
-        }
-        p { a href="/pending" { "Back" } }
+    let described = html! { (total) " pending job(s) match type " code { (q.kind) } " and key prefix " code { (q.prefix) } "." };
+    let confirm = Confirm {
+        matching: total.max(0) as usize,
+        action: "/pending/cancel",
+        button: "Cancel",
+        noun: "job(s)",
+        back: "/pending",
     };
+    let body = confirm.form(&who, &console, &q, described);
     Ok(page::frame("Cancel pending jobs?", &who, body).into_response())
 }
 
@@ -226,19 +249,17 @@ pub(super) async fn confirm_replay(
     let (_, letters) = dlq::peek(&console.settings, scan).await?;
     let filter = q.replay_filter(None);
     let matching = letters.iter().filter(|l| filter.matches(l)).count();
-    let count = matching.min(console.settings.console.max_batch);
-    let count_text = count.to_string();
-    let mut fields = q.fields().to_vec();
-    fields.push(("count", &count_text));
-    let body = html! {
-        p #count { (matching) " dead letter(s) match"
-            @if !q.key.is_empty() { " key " code { (q.key) } }
-            @if !q.reason.is_empty() { " reason containing " code { (q.reason) } } "." }
-        @if count > 0 {
-            p { (page::action(&who, "/dead/replay", &fields, &format!("Replay {count} dead letter(s)"))) }
-        }
-        p { a href="/dead" { "Back" } }
+    let described = html! { (matching) " dead letter(s) match"
+    @if !q.key.is_empty() { " key " code { (q.key) } }
+    @if !q.reason.is_empty() { " reason containing " code { (q.reason) } } "." };
+    let confirm = Confirm {
+        matching,
+        action: "/dead/replay",
+        button: "Replay",
+        noun: "dead letter(s)",
+        back: "/dead",
     };
+    let body = confirm.form(&who, &console, &q, described);
     Ok(page::frame("Replay dead letters?", &who, body).into_response())
 }
 

@@ -5,7 +5,8 @@
 //!
 //! - `auth.rs`: credentials, roles, the CSRF token of every action.
 //! - `page.rs`: the page frame and shared pieces (maud templates, compiled in).
-//! - `overview.rs`: the overview, its live part and chart; a job by key.
+//! - `overview.rs`: the overview, its live part and chart.
+//! - `job.rs`: a job by key; Cancel, Reschedule.
 //! - `lists.rs`: pending jobs, dead letters, the suppression list, and their actions.
 //!
 //! Every page is a GET that reads fine without JavaScript; htmx (vendored:
@@ -14,6 +15,7 @@
 //! refused to a read-only principal, and logged with the principal's name.
 
 mod auth;
+mod job;
 mod lists;
 mod overview;
 mod page;
@@ -54,6 +56,7 @@ pub async fn start(
     stop: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
     let auth = auth::Auth::new(credentials, listen, settings.console.read_only)?;
+    note_secrets(settings.passwords());
     let inbox = Inbox::connect(&settings.database)
         .await?
         .with_events(settings.events.enabled);
@@ -78,8 +81,9 @@ fn router(console: Arc<Console>) -> Router {
     Router::new()
         .route("/", get(overview::overview))
         .route("/overview/live", get(overview::live))
-        .route("/job", get(overview::job))
-        .route("/job/cancel", post(overview::cancel_job))
+        .route("/job", get(job::job))
+        .route("/job/cancel", post(job::cancel_job))
+        .route("/job/reschedule", post(job::reschedule))
         .route("/pending", get(lists::pending))
         .route(
             "/pending/cancel",
@@ -132,7 +136,27 @@ async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>)
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }
 
-/// A handler's failure: logged, and answered 500 with the error on one line.
+/// The passwords of every console's settings in this process, scrubbed from the
+/// error a failed page shows (as `main` scrubs the last error line).
+static SECRETS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn note_secrets(found: Vec<String>) {
+    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    for secret in found {
+        if !secrets.contains(&secret) {
+            secrets.push(secret);
+        }
+    }
+}
+
+/// An error on one line, every configured password scrubbed.
+pub(crate) fn scrubbed(error: &anyhow::Error) -> String {
+    let secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    crate::endpoint::scrub(&crate::describe_error(error), &secrets)
+}
+
+/// A handler's failure: logged, and answered 500 with the error on one line, every
+/// configured password scrubbed.
 pub(crate) struct Failure(anyhow::Error);
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
@@ -143,7 +167,7 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let text = crate::describe_error(&self.0);
+        let text = scrubbed(&self.0);
         tracing::warn!(error = %text, "console: a page failed");
         (
             StatusCode::INTERNAL_SERVER_ERROR,

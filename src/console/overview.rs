@@ -1,10 +1,9 @@
 //! The overview (inbox rows by status, queue depths, the maintenance leader, the last
-//! hour's sends and lateness as inline SVG) with its live part, and one job by key
-//! with its Cancel action.
+//! hour's sends and lateness as inline SVG) with its live part.
 
 use std::sync::Arc;
 
-use axum::extract::{Form, Query, State};
+use axum::extract::State;
 use axum::response::IntoResponse;
 use maud::{html, Markup};
 
@@ -51,7 +50,7 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
                         None => { td colspan="2" { "missing: run postie topology" } }
                     } }
                 }))),
-                Err(error) => p.danger { "The broker did not answer: " (error) },
+                Err(error) => p.danger { "The broker did not answer: " (super::scrubbed(&error)) },
             }
             h2 { "Maintenance leader" }
             @match leader {
@@ -108,85 +107,6 @@ fn chart(sends: &[MinuteSends]) -> Markup {
             (bars(&|m| m.lateness_s.unwrap_or(0.0) / max_late, "#c17d11"))
         }
     }
-}
-
-#[derive(serde::Deserialize)]
-pub(super) struct KeyQuery {
-    #[serde(default)]
-    key: String,
-}
-
-/// `GET /job?key=…`: its inbox row, its events, its dead letter, its actions.
-pub(super) async fn job(
-    who: Principal,
-    State(console): State<Arc<Console>>,
-    Query(q): Query<KeyQuery>,
-) -> Answer {
-    let key = q.key.trim();
-    let row = console.inbox.job_row(key).await?;
-    let events = console.inbox.job_events(key).await?;
-    let scan = console.settings.console.dead_letter_scan;
-    // Only a dead job (or one the inbox no longer knows) has its letter looked for:
-    // the look reads up to `scan` dead letters.
-    let letter = match row.as_ref().map(|r| r.status.as_str()) {
-        None | Some("dead") => {
-            crate::dlq::inspect(&console.settings, scan, Some(key))
-                .await?
-                .2
-        }
-        Some(_) => None,
-    };
-    let body = html! {
-        p { "Key " code { (key) } }
-        @match &row {
-            None => p { "No inbox row for this key (never seen, or pruned after inbox.retention)." },
-            Some(row) => {
-                p { "Status: " strong #status { (row.status) } " "
-                    (page::action(&who, "/job/cancel", &[("key", key)], "Cancel")) }
-                (page::table(&["column", "value"], row.fields.iter().map(|(name, value)| html! {
-                    tr { td { (name) } td { (value.as_deref().unwrap_or("-")) } }
-                })))
-            }
-        }
-        h2 { "Delivery events not yet published" }
-        (page::table(&["outcome", "at (UTC)", "attempts", "reason"], events.iter().map(|e| html! {
-            tr { td { (e.outcome) } td { (e.occurred_at) } td { (e.attempts) } td { (e.reason.as_deref().unwrap_or("-")) } }
-        })))
-        h2 { "Dead letter" }
-        @match &letter {
-            None => p { "None with this key in " (console.topology.dead_queue()) " (looked for when the job is dead or unknown, among the first " (scan) ")." },
-            Some(l) => p { (l.summary.kind) ": " (l.summary.reason) " "
-                a href=(format!("/dead/letter?key={}", urlencode(key))) { "its body and headers" } " "
-                a href=(format!("/dead/replay?key={}", urlencode(key))) { "replay…" } },
-        }
-    };
-    Ok(page::frame("Job", &who, body).into_response())
-}
-
-#[derive(serde::Deserialize)]
-pub(super) struct KeyForm {
-    #[serde(default)]
-    csrf: String,
-    key: String,
-}
-
-/// `POST /job/cancel`: `postie cancel KEY`.
-pub(super) async fn cancel_job(
-    who: Principal,
-    State(console): State<Arc<Console>>,
-    Form(form): Form<KeyForm>,
-) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &form.csrf) {
-        return Ok(refused.into_response());
-    }
-    let cancelled = console.inbox.cancel(&form.key, None).await?;
-    tracing::info!(who = who.name, action = "cancel", key = %form.key, prior = %cancelled.prior_status, "console action");
-    let message = format!(
-        "{}: was {}, cancelled up to revision {}.",
-        form.key, cancelled.prior_status, cancelled.covers
-    );
-    let back = format!("/job?key={}", urlencode(&form.key));
-    Ok(page::done(&who, "Cancelled", &message, &back).into_response())
 }
 
 /// `text` as a URL query value.

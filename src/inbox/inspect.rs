@@ -123,6 +123,20 @@ impl Inbox {
         }))
     }
 
+    /// The revision and kept body of `key` while it is scheduled (ladder mode, with
+    /// `delay.reconcile` keeping bodies).
+    pub(crate) async fn kept_job(&self, key: &str) -> Result<Option<(i32, Vec<u8>)>, DbError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                "SELECT revision, body FROM postie_inbox
+                  WHERE key = $1 AND status = 'scheduled' AND body IS NOT NULL",
+                &[&key],
+            )
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
     /// The delivery events of `key` still in the outbox, oldest first.
     pub(crate) async fn job_events(&self, key: &str) -> Result<Vec<EventRow>, DbError> {
         let client = self.pool.get().await?;
