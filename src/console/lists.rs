@@ -1,7 +1,7 @@
 //! The lists and their actions: pending jobs (cancel one, or all matching after a
-//! confirm step with their count), dead letters (grouped by reason; replay one, a
+//! confirm step with their count), and dead letters (grouped by reason; replay one, a
 //! group or all matching a filter, after a confirm step with their count, through
-//! `dlq::replay`), and the suppression list (search, add, remove).
+//! `dlq::replay`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use super::auth::Principal;
 use super::overview::urlencode;
 use super::{page, Answer, Console};
 use crate::dlq::{self, ReplayFilter};
-use crate::inbox::{PendingFilter, Suppress, SuppressionReason};
+use crate::inbox::PendingFilter;
 
 /// A list's filter, from the query string or a form.
 #[derive(serde::Deserialize, Default)]
@@ -36,7 +36,7 @@ pub(super) struct ListQuery {
     count: usize,
 }
 
-fn given(text: &str) -> Option<String> {
+pub(super) fn given(text: &str) -> Option<String> {
     Some(text.trim().to_owned()).filter(|t| !t.is_empty())
 }
 
@@ -281,119 +281,4 @@ pub(super) async fn replay(
         console.topology.send_queue()
     );
     Ok(page::done(&who, "Replayed", &message, "/dead").into_response())
-}
-
-#[derive(serde::Deserialize, Default)]
-pub(super) struct SuppressionForm {
-    #[serde(default)]
-    csrf: String,
-    #[serde(default)]
-    address: String,
-    #[serde(default)]
-    reason: String,
-    #[serde(default)]
-    note: String,
-}
-
-/// `GET /suppression?address=…`: the list (one address's rows when given).
-pub(super) async fn suppression(
-    who: Principal,
-    State(console): State<Arc<Console>>,
-    Query(q): Query<SuppressionForm>,
-) -> Answer {
-    let size = console.settings.console.page_size;
-    let rows = console
-        .inbox
-        .suppression_list(given(&q.address).as_deref(), size)
-        .await?;
-    let body = html! {
-        form action="/suppression" method="get" {
-            label { "Address " input name="address" value=(q.address); } " " button { "Search" }
-        }
-        (page::table(&["address", "scope", "reason", "source", "note", "since", "until", ""], rows.iter().map(|r| html! {
-            tr { td { (r.address) } td { (r.scope) } td { (r.reason.as_str()) } td { (r.source) }
-                 td { (r.evidence.as_deref().unwrap_or("-")) } td { (r.created_at) }
-                 td { (r.expires_at.as_deref().unwrap_or("-")) }
-                 td { (page::action(&who, "/suppression/remove", &[("address", &r.address)], "Remove")) } }
-        })))
-        @if rows.len() as i64 == size { p.muted { "The first " (size) " shown." } }
-        @if who.role == super::auth::Role::Operate {
-            h2 { "Suppress an address" }
-            form action="/suppression/add" method="post" {
-                input type="hidden" name="csrf" value=(who.csrf);
-                label { "Address " input name="address"; } " "
-                label { "Reason " select name="reason" {
-                    @for r in SuppressionReason::ALL { option selected[r == SuppressionReason::Manual] { (r.as_str()) } }
-                } } " "
-                label { "Note " input name="note"; } " "
-                button { "Suppress" }
-            }
-        }
-    };
-    Ok(page::frame("Suppression list", &who, body).into_response())
-}
-
-/// `POST /suppression/add`: as `postie suppression add` (every scope, no expiry).
-pub(super) async fn suppress(
-    who: Principal,
-    State(console): State<Arc<Console>>,
-    Form(f): Form<SuppressionForm>,
-) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
-        return Ok(refused.into_response());
-    }
-    let address = f.address.trim();
-    let reason = SuppressionReason::parse(&f.reason).unwrap_or(SuppressionReason::Manual);
-    if !address.contains('@') {
-        return Ok(page::done(
-            &who,
-            "Not added",
-            "That is not an email address.",
-            "/suppression",
-        )
-        .into_response());
-    }
-    let source = format!("console:{}", who.name);
-    let added = console
-        .inbox
-        .suppress(Suppress {
-            address,
-            scope: "*",
-            reason,
-            source: &source,
-            evidence: given(&f.note).as_deref(),
-            lasts: None,
-        })
-        .await?;
-    tracing::info!(who = who.name, action = "suppress", added, "console action");
-    let message = if added {
-        "Suppressed."
-    } else {
-        "Already suppressed (unchanged)."
-    };
-    Ok(page::done(&who, "Suppression list", message, "/suppression").into_response())
-}
-
-/// `POST /suppression/remove`: every scope's row of the address.
-pub(super) async fn unsuppress(
-    who: Principal,
-    State(console): State<Arc<Console>>,
-    Form(f): Form<SuppressionForm>,
-) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
-        return Ok(refused.into_response());
-    }
-    let source = format!("console:{}", who.name);
-    let removed = console
-        .inbox
-        .unsuppress(f.address.trim(), None, &source)
-        .await?;
-    tracing::info!(
-        who = who.name,
-        action = "unsuppress",
-        removed,
-        "console action"
-    );
-    let message = format!("Removed {removed} row(s).");
-    Ok(page::done(&who, "Suppression list", &message, "/suppression").into_response())
 }

@@ -7,7 +7,8 @@
 //! - `page.rs`: the page frame and shared pieces (maud templates, compiled in).
 //! - `overview.rs`: the overview, its live part and chart.
 //! - `job.rs`: a job by key; Cancel, Reschedule.
-//! - `lists.rs`: pending jobs, dead letters, the suppression list, and their actions.
+//! - `lists.rs`: pending jobs and dead letters, and their actions.
+//! - `suppression.rs`: the suppression list: search, add, remove.
 //!
 //! Every page is a GET that reads fine without JavaScript; htmx (vendored:
 //! `assets/htmx.min.js`, htmx 2.0.11, 0BSD licence, from the npm package `htmx.org`)
@@ -19,6 +20,7 @@ mod job;
 mod lists;
 mod overview;
 mod page;
+mod suppression;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -95,9 +97,9 @@ fn router(console: Arc<Console>) -> Router {
             "/dead/replay",
             get(lists::confirm_replay).post(lists::replay),
         )
-        .route("/suppression", get(lists::suppression))
-        .route("/suppression/add", post(lists::suppress))
-        .route("/suppression/remove", post(lists::unsuppress))
+        .route("/suppression", get(suppression::suppression))
+        .route("/suppression/add", post(suppression::suppress))
+        .route("/suppression/remove", post(suppression::unsuppress))
         .route("/login", get(|| async { page::login(None) }).post(login))
         .route("/assets/htmx.min.js", get(htmx))
         .with_state(console)
