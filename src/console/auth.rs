@@ -15,10 +15,11 @@
 
 use std::net::SocketAddr;
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Form;
 use base64::Engine as _;
 use ring::hmac;
 use secrecy::{ExposeSecret, SecretString};
@@ -215,6 +216,39 @@ impl FromRequestParts<std::sync::Arc<Console>> for Principal {
             // No Basic challenge: a browser shows the sign-in form instead of its own
             // dialog; `curl -u :TOKEN` still sends Basic auth unasked.
             .ok_or_else(|| (StatusCode::UNAUTHORIZED, page::login(None)).into_response())
+    }
+}
+
+/// A form that carries the CSRF token.
+pub(super) trait Csrf {
+    /// The form's `csrf` field.
+    fn csrf(&self) -> &str;
+}
+
+/// An action's request: its principal, who may act, and its form, whose CSRF token is
+/// theirs; else 401, or 403 ([`Auth::check_action`]).
+pub(super) struct Action<F>(pub(super) Principal, pub(super) F);
+
+impl<F> FromRequest<std::sync::Arc<Console>> for Action<F>
+where
+    F: serde::de::DeserializeOwned + Csrf + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request(
+        request: Request,
+        console: &std::sync::Arc<Console>,
+    ) -> Result<Self, Self::Rejection> {
+        let (mut parts, body) = request.into_parts();
+        let who = Principal::from_request_parts(&mut parts, console).await?;
+        let Form(form) = Form::<F>::from_request(Request::from_parts(parts, body), console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        console
+            .auth
+            .check_action(&who, form.csrf())
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self(who, form))
     }
 }
 

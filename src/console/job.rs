@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Form, Query, State};
+use axum::extract::{Query, State};
 use axum::response::IntoResponse;
 use lapin::types::{AMQPValue, FieldTable};
 use maud::html;
 
-use super::auth::Principal;
+use super::auth::{Action, Csrf, Principal};
 use super::overview::urlencode;
 use super::{page, Answer, Console};
 use crate::broker;
@@ -90,13 +90,9 @@ pub(super) struct KeyForm {
 
 /// `POST /job/cancel`: `postie cancel KEY`.
 pub(super) async fn cancel_job(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(form): Form<KeyForm>,
+    Action(who, form): Action<KeyForm>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &form.csrf) {
-        return Ok(refused.into_response());
-    }
     let cancelled = console.inbox.cancel(&form.key, None).await?;
     tracing::info!(who = who.name, action = "cancel", key = %form.key, prior = %cancelled.prior_status, "console action");
     let message = format!(
@@ -111,13 +107,9 @@ pub(super) async fn cancel_job(
 /// newest seen, published to `<p>.delayed` due in `delay`; the relay records the new
 /// due time and the old copy, when it comes due, is stale.
 pub(super) async fn reschedule(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(form): Form<KeyForm>,
+    Action(who, form): Action<KeyForm>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &form.csrf) {
-        return Ok(refused.into_response());
-    }
     let back = format!("/job?key={}", urlencode(&form.key));
     let settings = &console.settings;
     let refusal = match humantime::parse_duration(form.delay.trim()) {
@@ -177,4 +169,10 @@ pub(super) async fn reschedule(
         form.delay.trim()
     );
     Ok(page::done(&who, "Rescheduled", &message, &back).into_response())
+}
+
+impl Csrf for KeyForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
 }

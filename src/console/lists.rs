@@ -6,11 +6,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Form, Query, State};
+use axum::extract::{Query, State};
 use axum::response::IntoResponse;
 use maud::{html, Markup};
 
-use super::auth::Principal;
+use super::auth::{Action, Csrf, Principal};
 use super::overview::urlencode;
 use super::{page, Answer, Console};
 use crate::dlq::{self, ReplayFilter};
@@ -165,13 +165,9 @@ pub(super) async fn confirm_cancel(
 
 /// `POST /pending/cancel`: cancels at most the confirmed count of matching jobs.
 pub(super) async fn cancel(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(q): Form<ListQuery>,
+    Action(who, q): Action<ListQuery>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &q.csrf) {
-        return Ok(refused.into_response());
-    }
     let limit = q.count.min(console.settings.console.max_batch) as i64;
     let (jobs, _) = console
         .inbox
@@ -265,13 +261,9 @@ pub(super) async fn confirm_replay(
 
 /// `POST /dead/replay`: `postie dlq replay` with the filter, at most the confirmed count.
 pub(super) async fn replay(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(q): Form<ListQuery>,
+    Action(who, q): Action<ListQuery>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &q.csrf) {
-        return Ok(refused.into_response());
-    }
     let limit = q.count.min(console.settings.console.max_batch);
     let report = dlq::replay(&console.settings, &q.replay_filter(Some(limit))).await?;
     tracing::info!(who = who.name, action = "replay", key = %q.key, reason = %q.reason, moved = report.moved, "console action");
@@ -281,4 +273,10 @@ pub(super) async fn replay(
         console.topology.send_queue()
     );
     Ok(page::done(&who, "Replayed", &message, "/dead").into_response())
+}
+
+impl Csrf for ListQuery {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
 }

@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Form, Query, State};
+use axum::extract::{Query, State};
 use axum::response::IntoResponse;
 use maud::html;
 
-use super::auth::Principal;
+use super::auth::{Action, Csrf, Principal};
 use super::lists::given;
 use super::{page, Answer, Console};
 use crate::inbox::{Suppress, SuppressionReason};
@@ -64,13 +64,9 @@ pub(super) async fn suppression(
 
 /// `POST /suppression/add`: as `postie suppression add` (every scope, no expiry).
 pub(super) async fn suppress(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(f): Form<SuppressionForm>,
+    Action(who, f): Action<SuppressionForm>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
-        return Ok(refused.into_response());
-    }
     let address = f.address.trim();
     let reason = SuppressionReason::parse(&f.reason).unwrap_or(SuppressionReason::Manual);
     if !address.contains('@') {
@@ -105,13 +101,9 @@ pub(super) async fn suppress(
 
 /// `POST /suppression/remove`: every scope's row of the address.
 pub(super) async fn unsuppress(
-    who: Principal,
     State(console): State<Arc<Console>>,
-    Form(f): Form<SuppressionForm>,
+    Action(who, f): Action<SuppressionForm>,
 ) -> Answer {
-    if let Err(refused) = console.auth.check_action(&who, &f.csrf) {
-        return Ok(refused.into_response());
-    }
     let source = format!("console:{}", who.name);
     let removed = console
         .inbox
@@ -125,4 +117,10 @@ pub(super) async fn unsuppress(
     );
     let message = format!("Removed {removed} row(s).");
     Ok(page::done(&who, "Suppression list", &message, "/suppression").into_response())
+}
+
+impl Csrf for SuppressionForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
 }
