@@ -1,6 +1,7 @@
 //! The operator console in a real browser (headless Chromium through chromedriver):
 //! a person signs in, reads each page, cancels a pending job and replays a dead
-//! letter by clicking, and the effect shows in PostgreSQL and RabbitMQ.
+//! letter by clicking, and the effect shows in PostgreSQL and RabbitMQ; the overview
+//! refreshes itself.
 //!
 //! With POSTIE_CONSOLE_SCREENSHOTS=<folder> it also saves a screenshot of each page
 //! there (`make console-screenshots` writes docs/console/).
@@ -175,6 +176,15 @@ async fn a_person_reads_every_page_and_clicks_cancel_and_replay() {
     env.wait_for_status("order-9:confirmation", "sent", WAIT)
         .await;
     assert_eq!(env.depth(&dead).await, 0);
+
+    // The overview refreshes itself (htmx): a job sent meanwhile shows without a reload.
+    browser.open(&format!("{site}/")).await;
+    browser.wait_for_text("4 sent in the last hour").await;
+    env.publish(&job("order-10:confirmation", "alice@example.com"))
+        .await;
+    env.wait_for_status("order-10:confirmation", "sent", WAIT)
+        .await;
+    browser.wait_for_text("5 sent in the last hour").await;
 
     browser.close().await;
     stop.cancel();

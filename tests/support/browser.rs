@@ -95,9 +95,13 @@ impl Browser {
     /// than null, for at most 30 s (a page being replaced by a navigation answers
     /// errors meanwhile).
     async fn until(&self, script: &str) -> Value {
+        self.until_with(script, json!([])).await
+    }
+
+    async fn until_with(&self, script: &str, args: Value) -> Value {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let body = json!({ "script": script, "args": [] });
+            let body = json!({ "script": script, "args": args });
             match self.try_command("POST", "/execute/sync", body).await {
                 Ok(value) if !value.is_null() => return value,
                 result => assert!(Instant::now() < deadline, "{script}: {result:?}"),
@@ -129,6 +133,14 @@ impl Browser {
             .as_str()
             .unwrap_or_default()
             .to_owned()
+    }
+
+    /// Waits (up to 30 s) until the page, as scripts change it, shows `text`; the
+    /// page is not reloaded.
+    pub async fn wait_for_text(&self, text: &str) {
+        let script = "return document.body && document.body.innerText.includes(arguments[0]) \
+                      ? true : null";
+        self.until_with(script, json!([text])).await;
     }
 
     /// The first element matching a CSS selector.
