@@ -137,6 +137,8 @@ async fn every_page_and_action_over_http_with_its_guards() {
         &dead,
         "<svg",
         "1 sent in the last hour",
+        "<td>smtp</td>",
+        "<td>1</td><td>none</td>",
         "read-only",
     ] {
         assert!(

@@ -49,7 +49,10 @@ pub(super) async fn job(
             None => p { "No inbox row for this key (never seen, or pruned after inbox.retention)." },
             Some(row) => {
                 p { "Status: " strong #status { (row.status) } " "
-                    (page::action(&who, "/job/cancel", &[("key", key)], "Cancel")) }
+                    // A sent email is not un-sent; a cancelled job is cancelled.
+                    @if !matches!(row.status.as_str(), "sent" | "cancelled") {
+                        (page::action(&who, "/job/cancel", &[("key", key)], "Cancel"))
+                    } }
                 @if row.status == "scheduled" && who.role == super::auth::Role::Operate {
                     form action="/job/reschedule" method="post" {
                         input type="hidden" name="csrf" value=(who.csrf);

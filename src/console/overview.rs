@@ -33,10 +33,13 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
     let leader = inbox.maintenance_leader().await?;
     let sends = inbox.sends_last_hour().await?;
     let depths = queue_depths(console).await;
+    let transports = transports(console).await?;
     Ok(html! {
         div #live hx-get="/overview/live" hx-trigger="every 5s" hx-swap="outerHTML" {
             h2 { "The last hour" }
             (chart(&sends))
+            h2 { "Transports" }
+            (transports)
             h2 { "Inbox rows by status" }
             (page::table(&["status", "rows"], counts.by_status.iter().map(|(status, n)| html! {
                 tr { td { (status.as_str()) } td { (n) } }
@@ -58,6 +61,34 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
                 None => p { "No instance holds the maintenance lock." },
             }
         }
+    })
+}
+
+/// Each transport in order of preference with its sends over the last minute and
+/// hour (from the inbox) and its rate limit; then any other provider that sent.
+async fn transports(console: &Console) -> anyhow::Result<Markup> {
+    let plans = console.settings.provider_plans()?;
+    let sends = console.inbox.sent_by_provider().await?;
+    let sent = |name: Option<&str>| sends.iter().find(|s| s.provider.as_deref() == name);
+    let others = sends.iter().filter(|s| {
+        !plans
+            .iter()
+            .any(|p| s.provider.as_deref() == Some(p.name.as_str()))
+    });
+    Ok(html! {
+        table {
+            tr { th { "transport" } th { "sent, last 60 s" } th { "sent, last hour" } th { "rate limit" } }
+            @for plan in &plans {
+                @let s = sent(Some(&plan.name));
+                tr { td { (plan.name) } td { (s.map_or(0, |s| s.last_minute)) } td { (s.map_or(0, |s| s.last_hour)) }
+                     td { (plan.rate_limit.map_or("none".to_string(), |r| r.to_string())) } }
+            }
+            @for s in others {
+                tr { td { (s.provider.as_deref().unwrap_or("(unrecorded)")) } td { (s.last_minute) } td { (s.last_hour) }
+                     td { "not configured here" } }
+            }
+        }
+        p.muted { "Each instance's breakers: postie_provider_circuit_open on its /metrics." }
     })
 }
 
