@@ -415,6 +415,41 @@ async fn serve_also_serves_the_console_at_console_listen() {
         job_page.contains("<strong id=\"status\">sent</strong>"),
         "{job_page}"
     );
+    // An action is logged with who did it (the `local` operator here), and the
+    // address it suppressed is not.
+    let form = http
+        .get(format!("http://{listen}/suppression"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let body = format!(
+        "csrf={}&address=dave%40example.com&reason=manual",
+        csrf(&form)
+    );
+    let added = http
+        .post(format!("http://{listen}/suppression/add"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), StatusCode::OK);
+    let line = eventually("the action's log line", WAIT, || async {
+        serving
+            .log()
+            .lines()
+            .find(|l| l.contains("console action"))
+            .map(str::to_owned)
+    })
+    .await;
+    assert!(
+        line.contains("local") && line.contains("suppress"),
+        "{line}"
+    );
+    assert!(!line.contains("dave@example.com"), "{line}");
     assert!(
         serving
             .terminate(Duration::from_secs(60))
