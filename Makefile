@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -41,6 +41,12 @@ bench-transports: ## each transport (smtp, ses, sendgrid, postmark, mailgun) aga
 
 bench-checks: ## SMTP with and without the suppression check and the events' row, A B C C B A twice: each one's cost (target/bench/checks.json)
 	$(CARGO) test --release --locked --test bench_transports -- --ignored --nocapture bench_checks
+
+bench-console: ## each console page timed over HTTP with 10^5 pending jobs and 10^4 dead letters (tests/bench_console.rs)
+	$(CARGO) test --release --locked --test bench_console -- --ignored --nocapture bench_console_pages
+
+console-screenshots: ## the console in headless Chromium (tests/console_browser.rs), a screenshot of each page into docs/console/
+	POSTIE_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(CARGO) test --locked --test console_browser
 
 bench-abba: ## before and after, back to back: BASE=<rev> [HEAD=<rev>], send and delayed paths run A B B A (target/abba/abba.md)
 	@test -n "$(BASE)" || { echo "usage: make bench-abba BASE=<rev> [HEAD=<rev>]"; exit 2; }

@@ -42,6 +42,8 @@ command -v go >/dev/null || apt_missing+=(golang-go)
 [ -d /usr/share/gocode/src/github.com/jackc/pgx/v4 ] \
     || apt_missing+=(golang-github-jackc-pgx-v4-dev)
 [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || apt_missing+=(faketime)
+command -v chromium >/dev/null || apt_missing+=(chromium)
+command -v chromedriver >/dev/null || apt_missing+=(chromium-driver)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     root || die "installing ${apt_missing[*]} needs root (apt-get); run as root or install them"
     command -v apt-get >/dev/null || die "no apt-get to install ${apt_missing[*]}; install them"

@@ -37,6 +37,23 @@ pub fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
     }
 }
 
+/// Every header of a table by name, its value as text: a string or a number as
+/// [`header_text`] reads it, anything else (a table, an array, `x-death`) as AMQP
+/// spells it in Rust's debug form.
+pub(crate) fn as_text(headers: Option<&FieldTable>) -> Vec<(String, String)> {
+    let Some(table) = headers else {
+        return Vec::new();
+    };
+    table
+        .inner()
+        .iter()
+        .map(|(name, value)| {
+            let text = header_text(headers, name.as_str()).unwrap_or_else(|| format!("{value:?}"));
+            (name.as_str().to_owned(), text)
+        })
+        .collect()
+}
+
 /// A header value as an integer, if it is an integer, or a string holding one.
 pub(crate) fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
     let value = headers?.inner().get(name)?;

@@ -10,6 +10,7 @@
 //! - [`mail`]: the transport seam: building the email and handing it over.
 //! - [`dlq`]: dead letters for operators: list and replay.
 //! - [`ops`]: health, circuit breaker, metrics, the HTTP endpoint, logs and traces.
+//! - [`console`]: the operator console, a small web UI over what the CLI reaches.
 //! - [`cli`]: the command line.
 //!
 //! And the leaves everything may use: [`config`] (settings), [`headers`] (message
@@ -34,6 +35,7 @@ macro_rules! out {
 pub mod broker;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod consume;
 pub mod contract;
 pub mod dlq;

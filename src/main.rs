@@ -44,7 +44,7 @@ fn main() -> ExitCode {
     // The command runs as a task on the runtime's workers, not on this thread:
     // `block_on`'s own future is polled here, outside the worker pool, so a consume
     // loop left on it would hand every delivery across threads (a wake-up each).
-    let command = runtime.spawn(cli::run(cli.command, settings));
+    let command = runtime.spawn(cli::run(cli.command, settings, cli.config));
     let result = runtime
         .block_on(command)
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));

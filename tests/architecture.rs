@@ -21,7 +21,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "consume", "dlq", "feedback", "outbox", "work", "inbox", "mail", "broker", "topology",
+            "consume", "console", "dlq", "feedback", "outbox", "work", "inbox", "mail", "broker",
+            "topology",
             "contract", "ops", "config", "headers", "endpoint", "root",
         ],
     ),
@@ -42,6 +43,15 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "feedback",
         &["inbox", "mail", "ops", "config", "endpoint", "root"],
+    ),
+    // The operator console: what the CLI reaches, in a browser: the inbox, the dead
+    // letters (dlq), queue depths (broker, topology), served by ops::http.
+    (
+        "console",
+        &[
+            "dlq", "inbox", "broker", "topology", "contract", "ops", "config", "headers",
+            "endpoint", "root",
+        ],
     ),
     // Dead letters for operators: reads a letter (contract), replays it (broker).
     (

@@ -303,3 +303,36 @@ fn unknown_exchange_type(detail: &str) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+/// Ready messages and consumers of one queue (a passive declare), or `None` if the
+/// queue is missing.
+pub type QueueDepth = (String, Option<(u32, u32)>);
+
+/// The depth of each queue in `queues`, by passive declares on channels of `conn`
+/// (a missing queue closes its channel; the next one gets a new channel).
+pub async fn queue_depths(
+    conn: &lapin::Connection,
+    queues: &[String],
+) -> Result<Vec<QueueDepth>, lapin::Error> {
+    let mut depths = Vec::with_capacity(queues.len());
+    let mut channel = conn.create_channel().await?;
+    for queue in queues {
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(queue.as_str().into(), options, FieldTable::default())
+            .await
+        {
+            Ok(q) => depths.push((queue.clone(), Some((q.message_count(), q.consumer_count())))),
+            Err(_) => {
+                depths.push((queue.clone(), None));
+                // A failed passive declare closes the channel.
+                channel = conn.create_channel().await?;
+            }
+        }
+    }
+    let _ = channel.close(200, "done".into()).await;
+    Ok(depths)
+}

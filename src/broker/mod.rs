@@ -14,5 +14,5 @@ pub use amqp::{
     confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
     queue_exists, queue_state, Connected, PublishError, QueueState,
 };
-pub use declare::TopologyError;
+pub use declare::{queue_depths, QueueDepth, TopologyError};
 pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};

@@ -3,6 +3,7 @@
 //! [`run`].
 
 mod cancel;
+mod console;
 mod dlq;
 mod feedback;
 mod migrate;
@@ -52,6 +53,8 @@ pub enum Command {
     Publish(PublishArgs),
     /// Show inbox counts by status and queue depths.
     Status,
+    /// Serve the operator console (a web UI) until SIGTERM or Ctrl-C.
+    Console(console::ConsoleArgs),
     /// Cancel a key at once (a tombstone if no job for it was seen yet).
     Cancel(cancel::CancelArgs),
     /// List and count scheduled jobs by due time (ladder mode).
@@ -87,14 +90,20 @@ pub enum Command {
     },
 }
 
-/// Runs `command`.
-pub async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+/// Runs `command` with `settings`, loaded from `config` (`serve` loads them again
+/// for a console it also serves).
+pub async fn run(
+    command: Command,
+    settings: Settings,
+    config: Option<PathBuf>,
+) -> anyhow::Result<()> {
     match command {
-        Command::Serve => serve::run(settings).await,
+        Command::Serve => serve::run(settings, config.as_deref()).await,
         Command::Migrate => migrate::run(&settings).await,
         Command::Topology(args) => topology::run(&settings, &args).await,
         Command::Publish(args) => publish::run(&settings, &args).await,
         Command::Status => status::run(&settings).await,
+        Command::Console(args) => console::run(settings, &args).await,
         Command::Cancel(args) => cancel::run(&settings, &args).await,
         Command::Pending(args) => pending::run(&settings, &args).await,
         Command::Prune(args) => prune::run(&settings, &args).await,

@@ -2,15 +2,24 @@
 
 use tokio_util::sync::CancellationToken;
 
+use std::path::Path;
+
 use crate::broker;
 use crate::config::{KeyNamespace, Settings};
+use crate::console::{self, Credentials};
 
-/// Serves until a stop signal.
-pub(super) async fn run(settings: Settings) -> anyhow::Result<()> {
+/// Serves until a stop signal, and the console too when `console.listen` is set.
+pub(super) async fn run(settings: Settings, config: Option<&Path>) -> anyhow::Result<()> {
     if settings.worker.key_namespace == KeyNamespace::UserId {
         check_impersonation(&settings).await?;
     }
-    crate::consume::serve(settings, shutdown_signal()).await
+    let stop = shutdown_signal();
+    if let Some(listen) = settings.console.listen {
+        // The console keeps settings of its own: the same file and environment.
+        let own = Settings::load(config)?;
+        console::start(own, listen, Credentials::from_env(), stop.clone()).await?;
+    }
+    crate::consume::serve(settings, stop).await
 }
 
 /// Under `worker.key_namespace = "user_id"` postie re-publishes every job (ladder,
@@ -52,7 +61,7 @@ async fn check_impersonation(settings: &Settings) -> anyhow::Result<()> {
 }
 
 /// A token cancelled on SIGTERM or Ctrl-C.
-fn shutdown_signal() -> CancellationToken {
+pub(super) fn shutdown_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let cancel = token.clone();
     tokio::spawn(async move {

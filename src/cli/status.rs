@@ -1,8 +1,5 @@
 //! `postie status`: inbox counts by status and the depth of every queue.
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
-
 use crate::broker;
 use crate::config::{SendRate, Settings};
 use crate::inbox::Inbox;
@@ -31,29 +28,12 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     .await
     .map(|c| c.connection)?;
     out!("queues (ready messages, consumers):");
-    let mut channel = conn.create_channel().await?;
-    for queue in topology.queues() {
-        let options = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        match channel
-            .queue_declare(queue.as_str().into(), options, FieldTable::default())
-            .await
-        {
-            Ok(q) => out!(
-                "  {queue:<24} {:>8} {:>4}",
-                q.message_count(),
-                q.consumer_count()
-            ),
-            Err(_) => {
-                out!("  {queue:<24} (missing: run `postie topology`)");
-                // A failed passive declare closes the channel.
-                channel = conn.create_channel().await?;
-            }
+    for (queue, depth) in broker::queue_depths(&conn, &topology.queues()).await? {
+        match depth {
+            Some((ready, consumers)) => out!("  {queue:<24} {ready:>8} {consumers:>4}"),
+            None => out!("  {queue:<24} (missing: run `postie topology`)"),
         }
     }
-    let _ = channel.close(200, "done".into()).await;
     for old in &settings.topology.drain_prefixes {
         drain_check(settings, &conn, old).await?;
     }

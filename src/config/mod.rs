@@ -38,7 +38,7 @@ pub use feedback::{
     FeedbackSettings, MailgunSettings, PostmarkSettings, SendgridSettings, SnsSettings,
 };
 pub(crate) use memory::Prefetch;
-pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
+pub(crate) use observe::{ConsoleSettings, HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use outbox::source as outbox_source;
 pub use outbox::{OutboxSettings, OutboxSource};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};
@@ -72,6 +72,8 @@ pub struct Settings {
     pub delay: DelaySettings,
     /// The HTTP endpoint (metrics and health).
     pub http: HttpSettings,
+    /// The operator console.
+    pub console: ConsoleSettings,
     /// Logging.
     pub log: LogSettings,
     /// OpenTelemetry trace export.

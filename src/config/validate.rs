@@ -152,6 +152,14 @@ impl Settings {
         if feedback.max_body_bytes == 0 || feedback.request_timeout.is_zero() {
             return fail("feedback.max_body_bytes and request_timeout must be above zero".into());
         }
+        let console = &self.console;
+        if console.page_size <= 0 || console.max_batch == 0 {
+            return fail("console.page_size and max_batch must be above zero".into());
+        }
+        if !(1..=65_535).contains(&console.dead_letter_scan) {
+            // The letters are read by one consumer whose prefetch is this many.
+            return fail("console.dead_letter_scan must be 1 to 65535".into());
+        }
         Ok(())
     }
 

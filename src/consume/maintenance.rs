@@ -17,12 +17,10 @@ use super::pollers::{Warned, DEPTH_POLL, RATE_POLL};
 use super::session::bounded;
 use super::Service;
 use crate::broker;
-use crate::inbox::PrunePlan;
+use crate::inbox::{PrunePlan, MAINTENANCE_LOCK};
 use crate::ops::backoff::Backoff;
 use crate::ops::metrics::Pruned;
 
-/// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie").
-const MAINTENANCE_LOCK: i64 = 0x706f_7374_6965 + 1;
 /// How often a standby instance tries the lock (backing off from there, up to
 /// `worker.outage_backoff_max`, while PostgreSQL does not answer).
 const TRY_EVERY: Duration = Duration::from_secs(2);

@@ -21,14 +21,18 @@ mod letter;
 
 pub use letter::{replay_headers, summarize, table, DeadLetterSummary};
 
+use futures_util::StreamExt as _;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
 use crate::broker;
 use crate::config::Settings;
 use crate::contract::ParseRules;
+use crate::headers;
 use crate::topology::{Topology, ROUTING_KEY};
 
 /// Which dead letters [`replay`] moves. The default moves every one.
@@ -74,6 +78,27 @@ pub(crate) async fn peek(
     settings: &Settings,
     limit: usize,
 ) -> anyhow::Result<(u32, Vec<DeadLetterSummary>)> {
+    let (depth, letters, _) = inspect(settings, limit, None).await?;
+    Ok((depth, letters))
+}
+
+/// One dead letter in full: what [`summarize`] reads, its body and its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LetterDetail {
+    /// As `postie dlq list` shows it.
+    pub(crate) summary: DeadLetterSummary,
+    /// The body as published (UTF-8, invalid bytes replaced).
+    pub(crate) body: String,
+    /// Every header, by name, its value as text.
+    pub(crate) headers: Vec<(String, String)>,
+}
+
+/// Like [`peek`], and also the first of them whose key is `detail` in full.
+pub(crate) async fn inspect(
+    settings: &Settings,
+    limit: usize,
+    detail: Option<&str>,
+) -> anyhow::Result<(u32, Vec<DeadLetterSummary>, Option<LetterDetail>)> {
     let topology = names(settings);
     let queue = topology.dead_queue();
     let rules = ParseRules::from_settings(settings);
@@ -82,18 +107,30 @@ pub(crate) async fn peek(
         // A channel of its own: closing it is what hands the messages back.
         let channel = conn.create_channel().await?;
         let depth = depth(&channel, queue).await?;
-        let mut letters = Vec::new();
+        let (mut letters, mut found) = (Vec::new(), None);
         // Never more than the snapshot: messages held unacked are not handed out
-        // again, but one dead-lettered meanwhile would be.
-        while letters.len() < limit.min(depth as usize) {
-            let Some(delivery) = get(&channel, queue).await? else {
+        // again, but one dead-lettered meanwhile would be. A consumer with a prefetch
+        // of the snapshot, not basic.get: one round trip per message made a page of
+        // 10^4 dead letters take seconds. Each wait is bounded by
+        // amqp.connect_timeout (a queue emptied by someone else meanwhile).
+        let wanted = limit.min(depth as usize);
+        let mut deliveries = consumer(&channel, queue, wanted).await?;
+        while letters.len() < wanted {
+            let next = tokio::time::timeout(settings.amqp.connect_timeout, deliveries.next());
+            let Ok(Some(delivery)) = next.await else {
                 break;
             };
-            letters.push(summarize(
-                &delivery.data,
-                delivery.properties.headers().as_ref(),
-                &rules.for_user(user_id(&delivery)),
-            ));
+            let delivery = delivery?;
+            let headers = delivery.properties.headers().as_ref();
+            let summary = summarize(&delivery.data, headers, &rules.for_user(user_id(&delivery)));
+            if found.is_none() && detail.is_some_and(|key| key == summary.key) {
+                found = Some(LetterDetail {
+                    summary: summary.clone(),
+                    body: String::from_utf8_lossy(&delivery.data).into_owned(),
+                    headers: headers::as_text(headers),
+                });
+            }
+            letters.push(summary);
             // Not acked, on purpose.
         }
         // Closing the channel returns every unacked message to the queue. A quorum
@@ -102,7 +139,7 @@ pub(crate) async fn peek(
         // every quorum queue a default limit of 20 and count such returns against it,
         // so there `<p>.dead` needs an explicit, high limit.)
         channel.close(200, "listed".into()).await?;
-        Ok::<_, anyhow::Error>((depth, letters))
+        Ok::<_, anyhow::Error>((depth, letters, found))
     }
     .await;
     let _ = conn.close(200, "done".into()).await;
@@ -203,6 +240,26 @@ async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
         .await
         .map_err(|e| anyhow::anyhow!("queue {queue} is not there ({e}); run `postie topology`"))?;
     Ok(declared.message_count())
+}
+
+/// A consumer of `queue` (manual acks) that is handed at most `prefetch` messages.
+async fn consumer(
+    channel: &Channel,
+    queue: &str,
+    prefetch: usize,
+) -> anyhow::Result<lapin::Consumer> {
+    let prefetch = u16::try_from(prefetch.max(1)).unwrap_or(u16::MAX);
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    Ok(channel
+        .basic_consume(
+            queue.into(),
+            "postie-dlq-inspect".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?)
 }
 
 /// One message with manual ack, or `None` if the queue is empty.

@@ -34,6 +34,21 @@ pub struct PendingJob {
     pub revision: i32,
     /// Due time, Unix ms.
     pub due_ms: i64,
+    /// The job's type, if it has one.
+    pub kind: Option<String>,
+}
+
+/// Which scheduled jobs [`Inbox::pending_page`] reads; the default reads them all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingFilter {
+    /// Only jobs due before this time (Unix ms).
+    pub due_before_ms: Option<i64>,
+    /// Only this key.
+    pub key: Option<String>,
+    /// Only jobs of this type.
+    pub kind: Option<String>,
+    /// Only keys that start with this text.
+    pub key_prefix: Option<String>,
 }
 
 /// Counts for `postie status`.
@@ -167,6 +182,22 @@ impl Inbox {
         key: Option<&str>,
         limit: i64,
     ) -> Result<(Vec<PendingJob>, i64), DbError> {
+        let filter = PendingFilter {
+            due_before_ms,
+            key: key.map(str::to_owned),
+            ..PendingFilter::default()
+        };
+        self.pending_page(&filter, 0, limit).await
+    }
+
+    /// One page of the scheduled jobs that match `filter`, soonest first, from the
+    /// `offset`-th on; and how many match in all.
+    pub async fn pending_page(
+        &self,
+        filter: &PendingFilter,
+        offset: i64,
+        limit: i64,
+    ) -> Result<(Vec<PendingJob>, i64), DbError> {
         let mut client = self.pool.get().await?;
         // The list and its count read one snapshot: as two statements on their own,
         // a relay's commit between them listed none of six jobs it counted.
@@ -176,22 +207,35 @@ impl Inbox {
             .read_only(true)
             .start()
             .await?;
-        let filter = "status = 'scheduled'
+        // A scheduled row has no type yet (it is recorded with the outcome): it is read
+        // from the kept body, which the relay parsed as JSON before recording it.
+        let condition = "status = 'scheduled'
                       AND ($1::bigint IS NULL OR due_at < to_timestamp($1::bigint / 1000.0))
-                      AND ($2::text IS NULL OR key = $2)";
+                      AND ($2::text IS NULL OR key = $2)
+                      AND ($3::text IS NULL OR coalesce(type, convert_from(body, 'UTF8')::jsonb ->> 'type') = $3)
+                      AND ($4::text IS NULL OR starts_with(key, $4))";
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
+            &filter.due_before_ms,
+            &filter.key,
+            &filter.kind,
+            &filter.key_prefix,
+        ];
+        let page: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&limit, &offset];
         let rows = snapshot
             .query(
                 &format!(
-                    "SELECT key, revision, (extract(epoch FROM due_at) * 1000)::bigint
-                       FROM postie_inbox WHERE {filter} ORDER BY due_at, key LIMIT $3"
+                    "SELECT key, revision, (extract(epoch FROM due_at) * 1000)::bigint,
+                            coalesce(type, convert_from(body, 'UTF8')::jsonb ->> 'type')
+                       FROM postie_inbox WHERE {condition}
+                      ORDER BY due_at, key LIMIT $5 OFFSET $6"
                 ),
-                &[&due_before_ms, &key, &limit],
+                &[&params[..], &page[..]].concat(),
             )
             .await?;
         let total: i64 = snapshot
             .query_one(
-                &format!("SELECT count(*) FROM postie_inbox WHERE {filter}"),
-                &[&due_before_ms, &key],
+                &format!("SELECT count(*) FROM postie_inbox WHERE {condition}"),
+                &params,
             )
             .await?
             .get(0);
@@ -202,6 +246,7 @@ impl Inbox {
                 key: r.get(0),
                 revision: r.get(1),
                 due_ms: r.get(2),
+                kind: r.get(3),
             })
             .collect();
         Ok((jobs, total))

@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod bench;
+pub mod browser;
 pub mod cluster;
 pub mod providers;
 pub mod proxy;

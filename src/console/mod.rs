@@ -1,0 +1,183 @@
+//! The operator console: a small server-rendered web UI (`postie console`) over what
+//! the CLI commands reach: the overview (inbox counts, queue depths, the maintenance
+//! leader, the last hour's sends), one job's story by key, the pending jobs (ladder
+//! mode), the dead letters (through `dlq`) and the suppression list.
+//!
+//! - `auth.rs`: credentials, roles, the CSRF token of every action.
+//! - `page.rs`: the page frame and shared pieces (maud templates, compiled in).
+//! - `overview.rs`: the overview, its live part and chart.
+//! - `job.rs`: a job by key; Cancel, Reschedule.
+//! - `lists.rs`: pending jobs and dead letters, and their actions.
+//! - `suppression.rs`: the suppression list: search, add, remove.
+//!
+//! Every page is a GET that reads fine without JavaScript; htmx (vendored:
+//! `assets/htmx.min.js`, htmx 2.0.11, 0BSD licence, from the npm package `htmx.org`)
+//! only refreshes the overview's live part. Every action is a POST with a CSRF token,
+//! refused to a read-only principal, and logged with the principal's name.
+
+mod auth;
+mod job;
+mod lists;
+mod overview;
+mod page;
+mod suppression;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{Form, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::inbox::Inbox;
+use crate::topology::Topology;
+
+pub use auth::{Credentials, READ_TOKEN_ENV, TOKEN_ENV};
+
+/// htmx 2.0.11 (0BSD), `dist/htmx.min.js` of the npm package `htmx.org`.
+const HTMX: &[u8] = include_bytes!("assets/htmx.min.js");
+
+/// What every handler shares.
+pub(crate) struct Console {
+    settings: Settings,
+    inbox: Inbox,
+    topology: Topology,
+    auth: auth::Auth,
+}
+
+/// Binds `listen` (refusing an address off loopback without credentials) and serves
+/// the console until `stop`. Returns the bound address (useful with port 0).
+pub async fn start(
+    settings: Settings,
+    listen: SocketAddr,
+    credentials: Credentials,
+    stop: CancellationToken,
+) -> anyhow::Result<SocketAddr> {
+    let auth = auth::Auth::new(credentials, listen, settings.console.read_only)?;
+    note_secrets(settings.passwords());
+    let inbox = Inbox::connect(&settings.database)
+        .await?
+        .with_events(settings.events.enabled);
+    inbox.migrate().await?;
+    let topology = crate::broker::resolve_topology(&settings).await?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for the console on {listen}: {e}"))?;
+    let bound = listener.local_addr()?;
+    let console = Arc::new(Console {
+        settings,
+        inbox,
+        topology,
+        auth,
+    });
+    crate::ops::http::serve(listener, router(console), stop, "console");
+    tracing::info!(%bound, "console: http://{bound}/");
+    Ok(bound)
+}
+
+fn router(console: Arc<Console>) -> Router {
+    Router::new()
+        .route("/", get(overview::overview))
+        .route("/overview/live", get(overview::live))
+        .route("/job", get(job::job))
+        .route("/job/cancel", post(job::cancel_job))
+        .route("/job/reschedule", post(job::reschedule))
+        .route("/pending", get(lists::pending))
+        .route(
+            "/pending/cancel",
+            get(lists::confirm_cancel).post(lists::cancel),
+        )
+        .route("/dead", get(lists::dead))
+        .route("/dead/letter", get(lists::letter))
+        .route(
+            "/dead/replay",
+            get(lists::confirm_replay).post(lists::replay),
+        )
+        .route("/suppression", get(suppression::suppression))
+        .route("/suppression/add", post(suppression::suppress))
+        .route("/suppression/remove", post(suppression::unsuppress))
+        .route("/login", get(|| async { page::login(None) }).post(login))
+        .route("/assets/htmx.min.js", get(htmx))
+        .with_state(console)
+}
+
+async fn htmx() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "public, max-age=86400"),
+        ],
+        HTMX,
+    )
+}
+
+#[derive(serde::Deserialize)]
+struct LoginForm {
+    token: String,
+}
+
+/// `POST /login`: a configured token becomes the session cookie.
+async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>) -> Response {
+    if !console.auth.accepts(&form.token) {
+        tracing::warn!("console: a sign-in with an unknown token was refused");
+        return (
+            StatusCode::UNAUTHORIZED,
+            page::login(Some("That token is not one of the console's.")),
+        )
+            .into_response();
+    }
+    let cookie = format!(
+        "{}={}; HttpOnly; SameSite=Strict; Path=/",
+        auth::COOKIE,
+        form.token
+    );
+    ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
+}
+
+/// The passwords of every console's settings in this process, scrubbed from the
+/// error a failed page shows (as `main` scrubs the last error line).
+static SECRETS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn note_secrets(found: Vec<String>) {
+    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    for secret in found {
+        if !secrets.contains(&secret) {
+            secrets.push(secret);
+        }
+    }
+}
+
+/// An error on one line, every configured password scrubbed.
+pub(crate) fn scrubbed(error: &anyhow::Error) -> String {
+    let secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    crate::endpoint::scrub(&crate::describe_error(error), &secrets)
+}
+
+/// A handler's failure: logged, and answered 500 with the error on one line, every
+/// configured password scrubbed.
+pub(crate) struct Failure(anyhow::Error);
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self(error.into())
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let text = scrubbed(&self.0);
+        tracing::warn!(error = %text, "console: a page failed");
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            page::notice("Something failed", &text),
+        )
+            .into_response()
+    }
+}
+
+/// A handler's answer.
+type Answer = Result<Response, Failure>;

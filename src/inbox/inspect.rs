@@ -1,0 +1,213 @@
+//! What the operator console (`console`) reads from the inbox beyond the CLI's
+//! queries: one job's row and its delivery events, the sends of the last hour per
+//! minute, and the maintenance leader.
+
+use super::{DbError, Inbox};
+
+/// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie"):
+/// taken by `consume::maintenance`, looked up by [`Inbox::maintenance_leader`].
+pub(crate) const MAINTENANCE_LOCK: i64 = 0x706f_7374_6965 + 1;
+
+/// A timestamp column as text, in UTC to the millisecond.
+macro_rules! ts {
+    ($col:literal) => {
+        concat!(
+            "to_char(",
+            $col,
+            " AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.MS')"
+        )
+    };
+}
+
+/// One job's row as the console shows it: its status, then every other column that
+/// tells its story, by name, as text (`None`: NULL). The body is left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct JobRow {
+    /// `status`.
+    pub(crate) status: String,
+    /// The other columns, in the order of [`JOB_COLUMNS`].
+    pub(crate) fields: Vec<(&'static str, Option<String>)>,
+}
+
+/// The columns of [`JobRow::fields`].
+const JOB_COLUMNS: [&str; 19] = [
+    "type",
+    "attempts",
+    "owner",
+    "lease_until",
+    "fence",
+    "revision",
+    "takeovers",
+    "duplicates",
+    "due_at",
+    "created_at",
+    "updated_at",
+    "sent_at",
+    "cancelled_at",
+    "last_error",
+    "message_id",
+    "provider",
+    "provider_message_id",
+    "feedback",
+    "cancelled_through",
+];
+
+/// One row of `postie_events` (not yet published and deleted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EventRow {
+    /// `sent`, `dead`, `cancelled`, …
+    pub(crate) outcome: String,
+    /// When it happened (UTC).
+    pub(crate) occurred_at: String,
+    /// Attempts made by then.
+    pub(crate) attempts: i32,
+    /// Why (dead, suppressed, …), if said.
+    pub(crate) reason: Option<String>,
+}
+
+/// Sends of one minute of the last hour.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct MinuteSends {
+    /// Minutes before now (0: this minute).
+    pub(crate) ago: i64,
+    /// Emails sent in that minute.
+    pub(crate) sent: i64,
+    /// Mean lateness of those with a due time: sent minus due, seconds.
+    pub(crate) lateness_s: Option<f64>,
+}
+
+/// The PostgreSQL session that holds the maintenance lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Leader {
+    /// Its backend's process id.
+    pub(crate) pid: i32,
+    /// The client's address (`local` for a Unix socket).
+    pub(crate) client: String,
+    /// Since when it is connected (UTC).
+    pub(crate) since: String,
+}
+
+impl Inbox {
+    /// The row of `key`, if there is one.
+    pub(crate) async fn job_row(&self, key: &str) -> Result<Option<JobRow>, DbError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                concat!(
+                    "SELECT status, type, attempts::text, owner, ",
+                    ts!("lease_until"),
+                    ", fence::text, revision::text, takeovers::text, duplicates::text, ",
+                    ts!("due_at"),
+                    ", ",
+                    ts!("created_at"),
+                    ", ",
+                    ts!("updated_at"),
+                    ", ",
+                    ts!("sent_at"),
+                    ", ",
+                    ts!("cancelled_at"),
+                    ", last_error, message_id, provider, provider_message_id, feedback,
+                       cancelled_through::text
+                  FROM postie_inbox WHERE key = $1"
+                ),
+                &[&key],
+            )
+            .await?;
+        Ok(row.map(|r| JobRow {
+            status: r.get(0),
+            fields: JOB_COLUMNS
+                .iter()
+                .enumerate()
+                .map(|(i, name)| (*name, r.get::<_, Option<String>>(i + 1)))
+                .collect(),
+        }))
+    }
+
+    /// The revision and kept body of `key` while it is scheduled (ladder mode, with
+    /// `delay.reconcile` keeping bodies).
+    pub(crate) async fn kept_job(&self, key: &str) -> Result<Option<(i32, Vec<u8>)>, DbError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                "SELECT revision, body FROM postie_inbox
+                  WHERE key = $1 AND status = 'scheduled' AND body IS NOT NULL",
+                &[&key],
+            )
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
+    /// The delivery events of `key` still in the outbox, oldest first.
+    pub(crate) async fn job_events(&self, key: &str) -> Result<Vec<EventRow>, DbError> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                concat!(
+                    "SELECT outcome, ",
+                    ts!("occurred_at"),
+                    ", attempts, reason FROM postie_events WHERE key = $1 ORDER BY id LIMIT 100"
+                ),
+                &[&key],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| EventRow {
+                outcome: r.get(0),
+                occurred_at: r.get(1),
+                attempts: r.get(2),
+                reason: r.get(3),
+            })
+            .collect())
+    }
+
+    /// Emails sent in each minute of the last hour that had any, oldest first, with
+    /// their mean lateness.
+    pub(crate) async fn sends_last_hour(&self) -> Result<Vec<MinuteSends>, DbError> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT (extract(epoch FROM date_trunc('minute', now()) - date_trunc('minute', sent_at))
+                         / 60)::bigint AS ago,
+                        count(*),
+                        avg(extract(epoch FROM sent_at - due_at))::float8
+                   FROM postie_inbox
+                  WHERE status = 'sent' AND sent_at > date_trunc('minute', now()) - interval '59 minutes'
+                  GROUP BY 1 ORDER BY 1 DESC",
+                &[],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| MinuteSends {
+                ago: r.get(0),
+                sent: r.get(1),
+                lateness_s: r.get(2),
+            })
+            .collect())
+    }
+
+    /// Who holds the maintenance lock in this database, if anyone.
+    pub(crate) async fn maintenance_leader(&self) -> Result<Option<Leader>, DbError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                concat!(
+                    "SELECT a.pid, coalesce(host(a.client_addr), 'local'), ",
+                    ts!("a.backend_start"),
+                    " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND ((l.classid::bigint << 32) | l.objid::bigint) = $1
+                  LIMIT 1"
+                ),
+                &[&MAINTENANCE_LOCK],
+            )
+            .await?;
+        Ok(row.map(|r| Leader {
+            pid: r.get(0),
+            client: r.get(1),
+            since: r.get(2),
+        }))
+    }
+}
