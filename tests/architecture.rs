@@ -22,8 +22,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "cli",
         &[
             "consume", "console", "dlq", "feedback", "outbox", "work", "inbox", "mail", "broker",
-            "topology",
-            "contract", "ops", "config", "headers", "endpoint", "root",
+            "topology", "contract", "ops", "config", "headers", "endpoint", "root",
         ],
     ),
     // `postie serve`: the consume loops around the unit of work.

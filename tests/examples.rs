@@ -919,7 +919,11 @@ async fn outbox_example_sends_committed_orders_once(
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(orders, std::slice::from_ref(&committed), "only the committed order");
+    assert_eq!(
+        orders,
+        std::slice::from_ref(&committed),
+        "only the committed order"
+    );
     let db = &db;
     eventually(
         "the outbox emptied",
