@@ -6,9 +6,9 @@ use std::time::Duration;
 use postie_model::{check_exhaustively, simulate, Figures, Protocol};
 
 /// Promises the checker finds broken in postie's protocol as it is: found by this
-/// model (issue 34), reported, not fixed yet. Each is written up in
-/// `tests/model/README.md` with its interleaving and replayed against PostgreSQL by
-/// `tests/against_db.rs`. Fixing one means taking it off this list.
+/// model (issue 34), reported, not fixed yet. Each is written up with its
+/// interleaving, and replayed against PostgreSQL, in `tests/against_db.rs`
+/// (`finding_1_…`). Fixing one means taking it off this list.
 const KNOWN: &[&str] = &[
     // Finding 1: `Inbox::schedule_many` drops the relay's record of a newer revision
     // while the row is `sending`: an older revision is claimed after it...
