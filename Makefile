@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos model
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -51,3 +51,6 @@ bench-delay: ## producer publish rates; ladder lateness for a 10,000-job burst o
 
 chaos: ## fault-injection run: 10,000 jobs, 20 faults of each kind (POSTIE_CHAOS_SEED repeats a run)
 	$(CARGO) test --locked --test chaos -- --ignored --nocapture chaos_full
+
+model: ## the protocol's model (tests/model): exhaustive checks, then a random simulation of a larger configuration (POSTIE_MODEL_SECONDS, default 60); states, time, properties
+	$(CARGO) test --locked -p postie-model --test check -- --include-ignored --nocapture --test-threads 1
