@@ -31,6 +31,10 @@ pub fn all() -> Vec<Property<Protocol>> {
         Property::eventually("every published job ends", |p: &Protocol, s: &State| {
             p.finished(s)
         }),
+        Property::eventually(
+            "every row ends in a terminal status",
+            |p: &Protocol, s: &State| p.quiet(s) && s.row.is_some_and(|r| r.status.terminal()),
+        ),
         Property::sometimes(
             "a duplicate: crash between 250 and commit",
             |_, s: &State| s.tally.dup_crash > 0,

@@ -151,24 +151,28 @@ impl Protocol {
         })
     }
 
-    /// All published, nothing left anywhere, and each published revision ended: the
-    /// key sent, or the row terminal at that revision or a newer one, or cancelled
-    /// through it.
-    pub fn finished(&self, s: &State) -> bool {
-        let all = s.published.count_ones() as usize == self.jobs.len();
-        let quiet = s.intake.is_empty()
+    /// All published, and nothing left anywhere: no copy in the broker, the relay or
+    /// a worker.
+    pub fn quiet(&self, s: &State) -> bool {
+        s.published.count_ones() as usize == self.jobs.len()
+            && s.intake.is_empty()
             && s.relay.is_none()
             && s.ladder.is_empty()
             && s.retry.is_empty()
             && s.send.is_empty()
-            && s.workers.iter().all(|w| *w == Worker::Idle);
+            && s.workers.iter().all(|w| *w == Worker::Idle)
+    }
+
+    /// Quiet, and the newest revision ended: the key sent, or the row terminal at
+    /// that revision, or a cancel through it.
+    pub fn finished(&self, s: &State) -> bool {
         let newest = self.jobs.iter().map(|j| j.rev).max().unwrap_or(0);
         let ended = s.row.is_some_and(|r| {
             r.status == Status::Sent
                 || (r.status.terminal() && r.revision >= newest)
                 || r.cancelled_through.is_some_and(|c| c >= newest)
         });
-        all && quiet && ended
+        self.quiet(s) && ended
     }
 
     fn producer_actions(&self, s: &State, actions: &mut Vec<Action>) {

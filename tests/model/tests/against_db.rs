@@ -347,7 +347,7 @@ async fn crash_between_claim_and_complete() {
 ///
 /// And if the broker loses revision 1 (what the reconciler is for, I9), no scheduled
 /// row holds it: it is never re-published. The checker shows both
-/// (`tests/check.rs`, `KNOWN`). This test asks for what README promises ("older than
+/// (`tests/check.rs`, `FINDING_1`). This test asks for what README promises ("older than
 /// the newest revision seen for its key ... skipped as stale"); it fails today.
 /// Steps 1-3 of finding 1: revision 0 claimed, revision 1 recorded, the send failed.
 async fn finding_1(name: &str) -> Pair {
@@ -377,10 +377,46 @@ async fn finding_1_a_newer_revision_recorded_while_sending_is_remembered() {
 
 /// Finding 1 as postie behaves today (the interleaving above): the record of revision
 /// 1 is dropped and revision 0 is claimed again. When finding 1 is fixed this test
-/// fails: delete it, un-ignore the one above, and take the finding off `KNOWN`.
+/// fails: delete it, un-ignore the one above, and take the finding off `tests/check.rs`.
 #[tokio::test]
 async fn finding_1_as_it_is_today() {
     let mut p = finding_1("finding1_today").await;
     assert_eq!(p.row.unwrap().revision, 0);
     claimed(p.claim(1, 0).await);
+}
+
+/// Steps 1-3 of finding 2: worker 0 claims and dies; a cancel lands while the row is
+/// `sending`; its lease runs out; the redelivery's claim answers `cancelled`, and the
+/// worker finishes the cancel (`Inbox::finish_cancelled`).
+async fn finding_2(name: &str) -> Pair {
+    let mut p = Pair::new(name).await;
+    p.schedule(0, 0).await;
+    claimed(p.claim(0, 0).await);
+    p.cancel(0).await;
+    p.tick(LEASE + 1).await;
+    assert_eq!(p.claim(1, 0).await, Answer::Cancelled);
+    p.finish_cancelled(0).await;
+    p
+}
+
+/// Finding 2 of the model (issue 34), reported and not fixed: a row left `sending` by
+/// a worker that died (after its 250, or before it), then cancelled, stays `sending`
+/// for good: `postie_claim` answers `cancelled` (the cancel covers the revision) and
+/// `Inbox::finish_cancelled` ends only `retrying` rows. No terminal status, no
+/// delivery event, never pruned (in-flight rows are kept). This test asks for a
+/// terminal status; it fails today.
+#[tokio::test]
+#[ignore = "model finding 2, not fixed: a cancelled row a dead worker left sending stays sending"]
+async fn finding_2_a_cancelled_row_left_sending_ends() {
+    let p = finding_2("finding2").await;
+    assert!(p.row.unwrap().status.terminal(), "{:?}", p.row);
+}
+
+/// Finding 2 as postie behaves today: the row stays `sending`. When it is fixed this
+/// test fails: delete it, un-ignore the one above, and take the finding off
+/// `tests/check.rs`.
+#[tokio::test]
+async fn finding_2_as_it_is_today() {
+    let p = finding_2("finding2_today").await;
+    assert_eq!(p.row.unwrap().status, Status::Sending);
 }

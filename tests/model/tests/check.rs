@@ -5,17 +5,30 @@ use std::time::Duration;
 
 use postie_model::{check_exhaustively, simulate, Figures, Protocol};
 
-/// Promises the checker finds broken in postie's protocol as it is: found by this
-/// model (issue 34), reported, not fixed yet. Each is written up with its
-/// interleaving, and replayed against PostgreSQL, in `tests/against_db.rs`
-/// (`finding_1_…`). Fixing one means taking it off this list.
-const KNOWN: &[&str] = &[
-    // Finding 1: `Inbox::schedule_many` drops the relay's record of a newer revision
-    // while the row is `sending`: an older revision is claimed after it...
+// Promises the checker finds broken in postie's protocol as it is: found by this model
+// (issue 34), reported, not fixed yet. Each is written up with its interleaving, and
+// replayed against PostgreSQL, in `tests/against_db.rs` (`finding_1_…`, `finding_2_…`).
+// Fixing one means taking what it breaks off these lists.
+
+/// Finding 1: `Inbox::schedule_many` drops the relay's record of a newer revision while
+/// the row is `sending`: an older revision is claimed after it, and a broker that loses
+/// the newer one leaves nothing to reconcile.
+const FINDING_1: &[&str] = &[
     "no revision older than one recorded for its key is claimed",
-    // ... and a broker that loses the newer one leaves nothing to reconcile.
     "every published job ends",
 ];
+
+/// Finding 2: a cancel of a row left `sending` by a crashed worker is never finished:
+/// the claim answers `cancelled`, `Inbox::finish_cancelled` ends only `retrying` rows.
+const FINDING_2: &[&str] = &["every row ends in a terminal status"];
+
+/// What the known findings break in a run, in the order of `properties::all`.
+fn known(findings: &[&[&str]]) -> Vec<&'static str> {
+    postie_model::properties::promises()
+        .into_iter()
+        .filter(|p| findings.iter().any(|f| f.contains(p)))
+        .collect()
+}
 
 fn print(what: &str, f: &Figures) {
     println!(
@@ -27,10 +40,10 @@ fn print(what: &str, f: &Figures) {
     );
     for promise in postie_model::properties::promises() {
         let broken = f.broken().contains(&promise);
-        let known = if KNOWN.contains(&promise) {
-            " (known: finding 1)"
-        } else {
-            ""
+        let known = match () {
+            _ if FINDING_1.contains(&promise) => " (known: finding 1)",
+            _ if FINDING_2.contains(&promise) => " (known: finding 2)",
+            _ => "",
         };
         println!(
             "  {} {promise}{}",
@@ -53,9 +66,10 @@ fn one_revision_exhaustively() {
         "exhaustive, 2 workers, 1 revision, a cancel, 3 faults",
         &figures,
     );
-    assert!(
-        figures.broken().is_empty(),
-        "a promise is broken: see above"
+    assert_eq!(
+        figures.broken(),
+        known(&[FINDING_2]),
+        "broken promises other than the known ones: see above"
     );
 }
 
@@ -68,7 +82,7 @@ fn a_reschedule_exhaustively() {
     );
     assert_eq!(
         figures.broken(),
-        KNOWN,
+        known(&[FINDING_1, FINDING_2]),
         "broken promises other than the known ones: see above"
     );
 }
@@ -88,7 +102,7 @@ fn large_configuration_by_simulation() {
     let unknown: Vec<_> = figures
         .broken()
         .into_iter()
-        .filter(|b| !KNOWN.contains(b))
+        .filter(|b| !known(&[FINDING_1, FINDING_2]).contains(b))
         .collect();
     assert!(
         unknown.is_empty(),
