@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -16,7 +16,7 @@ test: ## the whole test suite; first installs/starts what it needs (scripts/test
 test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673)
 	bash scripts/test-setup.sh
 	bash scripts/rabbitmq-4.sh start
-	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets --no-fail-fast
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --exclude postie-model --all-targets --no-fail-fast
 
 demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh
@@ -57,3 +57,6 @@ bench-delay: ## producer publish rates; ladder lateness for a 10,000-job burst o
 
 chaos: ## fault-injection run: 10,000 jobs, 20 faults of each kind (POSTIE_CHAOS_SEED repeats a run)
 	$(CARGO) test --locked --test chaos -- --ignored --nocapture chaos_full
+
+model: ## the protocol's model (tests/model): exhaustive checks, then a random simulation of a larger configuration (POSTIE_MODEL_SECONDS, default 60); states, time, properties
+	$(CARGO) test --locked -p postie-model --test check -- --include-ignored --nocapture --test-threads 1

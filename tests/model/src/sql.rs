@@ -1,0 +1,90 @@
+//! The SQL the model mirrors, held by its digest: when one of these texts changes,
+//! `tests/sql_digest.rs` fails and names it, so that whoever changed it updates the
+//! model (`inbox.rs`, and the steps that call it) and then the digest here.
+
+use sha2::{Digest, Sha256};
+
+/// One text the model mirrors: where it is (from the repository's root), where it
+/// starts and where it ends (both included), and the SHA-256 of that text the model
+/// was last checked against.
+pub struct Mirrored {
+    pub what: &'static str,
+    pub file: &'static str,
+    pub start: &'static str,
+    pub end: &'static str,
+    pub sha256: &'static str,
+}
+
+/// Everything `inbox.rs` mirrors.
+pub const MIRRORED: &[Mirrored] = &[
+    Mirrored {
+        what: "postie_claim (inbox::postie_claim)",
+        file: "sql/schema.sql",
+        start: "CREATE FUNCTION postie_claim(",
+        end: "$$;",
+        sha256: "f06ae3b6671ce6b97197767ae0d950d44c091da1f24a79caaf3d3b7443842072",
+    },
+    Mirrored {
+        what: "postie_cancel (inbox::postie_cancel)",
+        file: "sql/schema.sql",
+        start: "CREATE FUNCTION postie_cancel(",
+        end: "$$;",
+        sha256: "25649b54f1365a0ea3d1318dfcb6fb497ccff141dc54180492f5f4ad2fa81d07",
+    },
+    Mirrored {
+        what: "COMPLETE, one completion (inbox::complete)",
+        file: "src/inbox/claim.rs",
+        start: "pub(super) const COMPLETE: &str",
+        end: "\n);",
+        sha256: "17ed73774e661d7e4e8278d6ec1de6e0041d61d6cf41116e02bf787595b78b7f",
+    },
+    Mirrored {
+        what: "COMPLETE_MANY, a batch of completions (inbox::complete)",
+        file: "src/inbox/complete.rs",
+        start: "const COMPLETE_MANY: &str",
+        end: "\n);",
+        sha256: "f2d24699005e3c0f97e8ce02877c0a16e5ac4606f0d97cba677753982b63b4a1",
+    },
+    Mirrored {
+        what: "Inbox::renew (inbox::renew)",
+        file: "src/inbox/claim.rs",
+        start: "SET lease_until = clock_timestamp()",
+        end: "status = 'sending'",
+        sha256: "466e6edee9bdcc4ed9f47f27d6fed46d40ea908dc8d5f8eab9a4f62560577df4",
+    },
+    Mirrored {
+        what: "Inbox::schedule_many (inbox::schedule)",
+        file: "src/inbox/claim.rs",
+        start: "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body)",
+        end: "EXCLUDED.revision > i.cancelled_through)",
+        sha256: "54d0ff43a8bc481dc4b270ad5f975c00700b56d3fc2f052a752ba68c6bb8cde1",
+    },
+    Mirrored {
+        what: "Inbox::finish_cancelled (inbox::finish_cancelled)",
+        file: "src/inbox/queries.rs",
+        start: "SET status = 'cancelled', body = NULL",
+        end: "RETURNING key, type, message_id, attempts)",
+        sha256: "a3f76ff03d67966126af4d88c898c24b8ab84eec6c14828142d4fc85ede14e5c",
+    },
+];
+
+impl Mirrored {
+    /// The text as it is now in `source` (the file's contents), or why it cannot be found.
+    pub fn text<'a>(&self, source: &'a str) -> Result<&'a str, String> {
+        let from = source
+            .find(self.start)
+            .ok_or_else(|| format!("{}: {:?} not found in {}", self.what, self.start, self.file))?;
+        let len = source[from..].find(self.end).ok_or_else(|| {
+            format!(
+                "{}: no {:?} after its start in {}",
+                self.what, self.end, self.file
+            )
+        })?;
+        Ok(&source[from..from + len + self.end.len()])
+    }
+}
+
+/// SHA-256 of a text, in hex.
+pub fn sha256(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
