@@ -12,6 +12,13 @@
 -- stale) instead of `retrying`, `dead`, `throttled` or `suppressed`; a `sent` stays
 -- `sent` (an email that left cannot be rescheduled: the newer revision finds the key
 -- done). Every claim clears the flag, so it only ever describes the send in progress.
+--
+-- Finding 2 of the same model: a cancel of a row whose sender crashed while
+-- `sending` was never finished. The claim answered `cancelled` even under the
+-- sender's live lease, the redelivery was acked, and `Inbox::finish_cancelled` ended
+-- only `retrying` rows. Now a covered revision under a live lease is answered
+-- `busy` (it comes back when the lease is out), and `finish_cancelled` also ends a
+-- `sending` row whose lease ran out, moving the fence.
 ALTER TABLE postie_inbox ADD COLUMN IF NOT EXISTS rescheduled boolean NOT NULL DEFAULT false;
 
 CREATE OR REPLACE FUNCTION postie_claim(p_key text, p_owner text, p_lease_ms bigint, p_revision integer)
@@ -60,7 +67,11 @@ BEGIN
     IF r.status = 'sent' THEN
         UPDATE postie_inbox i SET duplicates = i.duplicates + 1 WHERE i.key = p_key;
         RETURN QUERY SELECT 'done'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through THEN
+    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through
+      AND NOT (r.status = 'sending' AND r.lease_until > clock_timestamp()) THEN
+        -- (A cancel that came while another holds a live lease waits for that send's
+        -- end, as 'busy': answered 'cancelled' now, nothing would end a row whose
+        -- sender then crashed. Issue 34, the model's finding 2. 0017.)
         RETURN QUERY SELECT 'cancelled'::text, r.fence, r.attempts, r.status, 0::bigint;
     ELSIF p_revision < r.revision THEN
         RETURN QUERY SELECT 'stale'::text, r.fence, r.attempts, r.status, 0::bigint;

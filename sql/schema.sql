@@ -226,7 +226,11 @@ BEGIN
     IF r.status = 'sent' THEN
         UPDATE postie_inbox i SET duplicates = i.duplicates + 1 WHERE i.key = p_key;
         RETURN QUERY SELECT 'done'::text, r.fence, r.attempts, r.status, 0::bigint;
-    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through THEN
+    ELSIF r.cancelled_through IS NOT NULL AND p_revision <= r.cancelled_through
+      AND NOT (r.status = 'sending' AND r.lease_until > clock_timestamp()) THEN
+        -- (A cancel that came while another holds a live lease waits for that send's
+        -- end, as 'busy': answered 'cancelled' now, nothing would end a row whose
+        -- sender then crashed. Issue 34, the model's finding 2. 0017.)
         RETURN QUERY SELECT 'cancelled'::text, r.fence, r.attempts, r.status, 0::bigint;
     ELSIF p_revision < r.revision THEN
         RETURN QUERY SELECT 'stale'::text, r.fence, r.attempts, r.status, 0::bigint;

@@ -280,7 +280,8 @@ impl Inbox {
                         reconciled_at = NULL, arrived_at = NULL, updated_at = now()
                   WHERE (i.status IN ('scheduled', 'cancelled', 'retrying')
                          AND EXCLUDED.revision >= i.revision
-                         OR i.status = 'sending' AND EXCLUDED.revision > i.revision)
+                         OR i.status IN ('sending', 'dead', 'throttled', 'suppressed')
+                         AND EXCLUDED.revision > i.revision)
                     AND (i.cancelled_through IS NULL OR EXCLUDED.revision > i.cancelled_through)",
             )
             .await?;

@@ -92,11 +92,15 @@ impl Inbox {
         })
     }
 
-    /// Ends as `cancelled` the `retrying` row of `key` whose claim answered
-    /// `cancelled` for `revision`: a cancel that came while the job was being sent
-    /// (it keeps `sending`) and a send that then failed left it `retrying`, which
-    /// nothing would end or prune. Its `cancelled` event in the same statement. A
-    /// row in any other status is left alone (a cancel that ended it wrote its event).
+    /// Ends as `cancelled` the row of `key` whose claim answered `cancelled` for
+    /// `revision`, when a cancel came while the job was being sent (the row keeps
+    /// `sending`) and either the send then failed (`retrying`) or its sender is gone
+    /// (`sending` under an expired lease: a crash; the fence moves, so a late
+    /// completion of that sender is refused). Nothing else would end or prune such a
+    /// row (issue 34, the model's finding 2). Its `cancelled` event in the same
+    /// statement. A row in any other status is left alone (a cancel that ended it
+    /// wrote its event). A sender that crashed after its relay's 250 did send: the
+    /// documented window, here recorded `cancelled`.
     pub(crate) async fn finish_cancelled(
         &self,
         key: &str,
@@ -109,8 +113,11 @@ impl Inbox {
                 "WITH done AS (
                     UPDATE postie_inbox
                        SET status = 'cancelled', body = NULL, updated_at = now(),
-                           type = coalesce($4::text, type)
-                     WHERE key = $1 AND status = 'retrying' AND cancelled_through >= $2
+                           type = coalesce($4::text, type), owner = NULL, lease_until = NULL,
+                           fence = fence + (status = 'sending')::int
+                     WHERE key = $1 AND cancelled_through >= $2
+                       AND (status = 'retrying'
+                            OR status = 'sending' AND lease_until <= clock_timestamp())
                  RETURNING key, type, message_id, attempts),
                  events AS (
                     INSERT INTO postie_events (key, outcome, type, message_id, attempts)

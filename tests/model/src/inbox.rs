@@ -41,6 +41,8 @@ pub struct Row {
     /// `due_at` and `body IS NOT NULL` of a scheduled row (the relay's record).
     pub due: u8,
     pub body: bool,
+    /// `rescheduled` (sql/0017): the relay recorded a newer revision while `sending`.
+    pub rescheduled: bool,
 }
 
 impl Row {
@@ -54,6 +56,7 @@ impl Row {
             cancelled_through: None,
             due: 0,
             body: false,
+            rescheduled: false,
         }
     }
 
@@ -67,6 +70,7 @@ impl Row {
         self.lease_until = lease_until;
         self.fence += 1;
         self.revision = revision;
+        self.rescheduled = false;
     }
 }
 
@@ -108,9 +112,10 @@ pub fn postie_claim(row: &mut Option<Row>, owner: u8, lease: u8, revision: u8, n
         };
     }
     // ③ in the order the function checks.
+    let live = r.status == Status::Sending && r.lease_until > now;
     if r.status == Status::Sent {
         Answer::Done
-    } else if r.covered(revision) {
+    } else if r.covered(revision) && !live {
         Answer::Cancelled
     } else if revision < r.revision {
         Answer::Stale
@@ -151,18 +156,22 @@ pub enum Completion {
 }
 
 /// `COMPLETE` / `COMPLETE_MANY`: `UPDATE … WHERE key = $1 AND fence = $2`, the lease
-/// released. True if a row was recorded.
+/// released. A `rescheduled` row that was not sent ends `scheduled` for the newer
+/// revision, its body kept (sql/0017). True if a row was recorded.
 pub fn complete(row: &mut Option<Row>, fence: u8, completion: Completion) -> bool {
     match row {
         Some(r) if r.fence == fence => {
+            let waits = r.rescheduled && completion != Completion::Sent;
             r.status = match completion {
+                _ if waits => Status::Scheduled,
                 Completion::Sent => Status::Sent,
                 Completion::Retrying => Status::Retrying,
                 Completion::Dead => Status::Dead,
             };
-            if completion != Completion::Retrying {
+            if completion != Completion::Retrying && !waits {
                 r.body = false;
             }
+            r.rescheduled = false;
             r.owner = None;
             r.lease_until = 0;
             true
@@ -184,7 +193,10 @@ pub fn renew(row: &mut Option<Row>, fence: u8, lease: u8, now: u8) -> bool {
 }
 
 /// `Inbox::schedule_many` for one job: inserted, or a `scheduled`, `cancelled` or
-/// `retrying` row replaced by a newer or equal revision a cancel does not cover.
+/// `retrying` row replaced by a newer or equal revision a cancel does not cover (a
+/// `dead` one by a newer revision only); a
+/// `sending` row given a newer one keeps `sending` and is marked `rescheduled`
+/// (sql/0017).
 pub fn schedule(row: &mut Option<Row>, revision: u8, due: u8) {
     let Some(r) = row else {
         let mut new = Row::new(Status::Scheduled, revision);
@@ -197,20 +209,36 @@ pub fn schedule(row: &mut Option<Row>, revision: u8, due: u8) {
         r.status,
         Status::Scheduled | Status::Cancelled | Status::Retrying
     );
-    if replaceable && revision >= r.revision && !r.covered(revision) {
+    let ended = r.status == Status::Dead && revision > r.revision;
+    if (replaceable && revision >= r.revision || ended) && !r.covered(revision) {
         r.status = Status::Scheduled;
+        r.revision = revision;
+        r.due = due;
+        r.body = true;
+    } else if r.status == Status::Sending && revision > r.revision && !r.covered(revision) {
+        r.rescheduled = true;
         r.revision = revision;
         r.due = due;
         r.body = true;
     }
 }
 
-/// `Inbox::finish_cancelled`: a `retrying` row a cancel covers ends `cancelled`.
-pub fn finish_cancelled(row: &mut Option<Row>, revision: u8) {
+/// `Inbox::finish_cancelled` at `now`: a row a cancel covers ends `cancelled` if it is
+/// `retrying`, or `sending` under an expired lease (its holder is gone: the fence
+/// moves, so a late completion of that holder is refused).
+pub fn finish_cancelled(row: &mut Option<Row>, revision: u8, now: u8) {
     if let Some(r) = row {
-        if r.status == Status::Retrying && r.cancelled_through.is_some_and(|c| c >= revision) {
+        let abandoned = r.status == Status::Sending && r.lease_until <= now;
+        if (r.status == Status::Retrying || abandoned)
+            && r.cancelled_through.is_some_and(|c| c >= revision)
+        {
+            if abandoned {
+                r.fence += 1;
+            }
             r.status = Status::Cancelled;
             r.body = false;
+            r.owner = None;
+            r.lease_until = 0;
         }
     }
 }

@@ -414,7 +414,7 @@ pub(crate) fn claim_for(p: &Protocol, s: &mut State, w: u8, job: Job) -> Option<
         }
         Answer::Done | Answer::Stale => Some(Worker::Settling(job, Disposition::Ack)),
         Answer::Cancelled => {
-            inbox::finish_cancelled(&mut s.row, job.rev);
+            inbox::finish_cancelled(&mut s.row, job.rev, s.clock);
             Some(Worker::Settling(job, Disposition::Ack))
         }
         Answer::Busy => Some(Worker::Settling(job, Disposition::Republish)),

@@ -22,7 +22,7 @@ pub const MIRRORED: &[Mirrored] = &[
         file: "sql/schema.sql",
         start: "CREATE FUNCTION postie_claim(",
         end: "$$;",
-        sha256: "f06ae3b6671ce6b97197767ae0d950d44c091da1f24a79caaf3d3b7443842072",
+        sha256: "5ccca5f2bd49234e2fd2554c4ff83dfb9ac33cd9f023ab366b0f7487c69e5bbf",
     },
     Mirrored {
         what: "postie_cancel (inbox::postie_cancel)",
@@ -36,14 +36,14 @@ pub const MIRRORED: &[Mirrored] = &[
         file: "src/inbox/claim.rs",
         start: "pub(super) const COMPLETE: &str",
         end: "\n);",
-        sha256: "17ed73774e661d7e4e8278d6ec1de6e0041d61d6cf41116e02bf787595b78b7f",
+        sha256: "9512adf4c0e353bbb545b0713ded19b418c3194de5d29db6bc8103301af096a8",
     },
     Mirrored {
         what: "COMPLETE_MANY, a batch of completions (inbox::complete)",
         file: "src/inbox/complete.rs",
         start: "const COMPLETE_MANY: &str",
         end: "\n);",
-        sha256: "f2d24699005e3c0f97e8ce02877c0a16e5ac4606f0d97cba677753982b63b4a1",
+        sha256: "14e54809c469182e7e3f19004d441dc2c3447046cbdb5bed8c18515c0805877a",
     },
     Mirrored {
         what: "Inbox::renew (inbox::renew)",
@@ -57,14 +57,14 @@ pub const MIRRORED: &[Mirrored] = &[
         file: "src/inbox/claim.rs",
         start: "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body)",
         end: "EXCLUDED.revision > i.cancelled_through)",
-        sha256: "54d0ff43a8bc481dc4b270ad5f975c00700b56d3fc2f052a752ba68c6bb8cde1",
+        sha256: "2eeace3cc27366ab62b2792950e4e7bc690263dfe636949b48143ad9e70a86bd",
     },
     Mirrored {
         what: "Inbox::finish_cancelled (inbox::finish_cancelled)",
         file: "src/inbox/queries.rs",
         start: "SET status = 'cancelled', body = NULL",
         end: "RETURNING key, type, message_id, attempts)",
-        sha256: "a3f76ff03d67966126af4d88c898c24b8ab84eec6c14828142d4fc85ede14e5c",
+        sha256: "cdba287cd339a3a9931dcee8b52c80d62cc67c6d43468e33480038f9f61ee680",
     },
 ];
 

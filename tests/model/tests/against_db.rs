@@ -189,7 +189,7 @@ impl Pair {
             .execute(&sql, &[&KEY, &(rev as i32), &true, &Some("reminder")])
             .await
             .unwrap();
-        model::finish_cancelled(&mut self.row, rev);
+        model::finish_cancelled(&mut self.row, rev, self.clock);
         self.same_row().await;
     }
 
@@ -198,7 +198,8 @@ impl Pair {
         let got = self
             .db
             .query_opt(
-                "SELECT status, owner IS NOT NULL, fence, revision, cancelled_through, body IS NOT NULL
+                "SELECT status, owner IS NOT NULL, fence, revision, cancelled_through, body IS NOT NULL,
+                        rescheduled
                    FROM postie_inbox WHERE key = $1",
                 &[&KEY],
             )
@@ -206,7 +207,7 @@ impl Pair {
             .unwrap()
             .map(|r| {
                 let status: String = r.get(0);
-                (status, r.get::<_, bool>(1), r.get::<_, i64>(2), r.get::<_, i32>(3), r.get::<_, Option<i32>>(4), r.get::<_, bool>(5))
+                (status, r.get::<_, bool>(1), r.get::<_, i64>(2), r.get::<_, i32>(3), r.get::<_, Option<i32>>(4), r.get::<_, bool>(5), r.get::<_, bool>(6))
             });
         let want = self.row.map(|r| {
             let status = format!("{:?}", r.status).to_lowercase();
@@ -217,6 +218,7 @@ impl Pair {
                 r.revision as i32,
                 r.cancelled_through.map(i32::from),
                 r.body,
+                r.rescheduled,
             )
         });
         assert_eq!(
@@ -335,20 +337,19 @@ async fn crash_between_claim_and_complete() {
     claimed(p.claim(0, 0).await);
 }
 
-/// Finding 1 of the model (issue 34), reported and not fixed: the relay's record of a
-/// newer revision is dropped while the row is `sending` (`Inbox::schedule_many`
-/// updates only `scheduled`, `cancelled` and `retrying` rows), so postie forgets it:
+/// Finding 1 of the model (issue 34), fixed by sql/0017: the relay's record of a
+/// newer revision was dropped while the row was `sending` (`Inbox::schedule_many`
+/// updated only `scheduled`, `cancelled` and `retrying` rows), so postie forgot it:
 ///
 /// 1. revision 0 is recorded and claimed by worker 0 (`sending`);
-/// 2. the producer reschedules: the relay records revision 1, which changes nothing;
+/// 2. the producer reschedules: the relay recorded revision 1, which changed nothing;
 /// 3. worker 0's send fails (4xx): `retrying`, still at revision 0;
-/// 4. the retry of revision 0 claims it again (step ②) and its superseded content
-///    goes out; revision 1 later finds the key `sent`.
+/// 4. the retry of revision 0 claimed it again (step ②) and its superseded content
+///    went out; revision 1 later found the key `sent`.
 ///
-/// And if the broker loses revision 1 (what the reconciler is for, I9), no scheduled
-/// row holds it: it is never re-published. The checker shows both
-/// (`tests/check.rs`, `FINDING_1`). This test asks for what README promises ("older than
-/// the newest revision seen for its key ... skipped as stale"); it fails today.
+/// And if the broker lost revision 1 (what the reconciler is for, I9), no scheduled
+/// row held it. Now the record marks the row `rescheduled` and the failed send leaves
+/// it `scheduled` for revision 1, with its body.
 /// Steps 1-3 of finding 1: revision 0 claimed, revision 1 recorded, the send failed.
 async fn finding_1(name: &str) -> Pair {
     let mut p = Pair::new(name).await;
@@ -360,7 +361,6 @@ async fn finding_1(name: &str) -> Pair {
 }
 
 #[tokio::test]
-#[ignore = "model finding 1, not fixed: the relay's record of a newer revision is dropped while sending"]
 async fn finding_1_a_newer_revision_recorded_while_sending_is_remembered() {
     let mut p = finding_1("finding1").await;
     assert_eq!(
@@ -369,20 +369,15 @@ async fn finding_1_a_newer_revision_recorded_while_sending_is_remembered() {
         "the relay's record of revision 1 is remembered"
     );
     assert_eq!(
+        p.row.unwrap().status,
+        model::Status::Scheduled,
+        "the failed send leaves the row scheduled for revision 1"
+    );
+    assert_eq!(
         p.claim(1, 0).await,
         Answer::Stale,
         "revision 0 is stale once revision 1 is recorded"
     );
-}
-
-/// Finding 1 as postie behaves today (the interleaving above): the record of revision
-/// 1 is dropped and revision 0 is claimed again. When finding 1 is fixed this test
-/// fails: delete it, un-ignore the one above, and take the finding off `tests/check.rs`.
-#[tokio::test]
-async fn finding_1_as_it_is_today() {
-    let mut p = finding_1("finding1_today").await;
-    assert_eq!(p.row.unwrap().revision, 0);
-    claimed(p.claim(1, 0).await);
 }
 
 /// Steps 1-3 of finding 2: worker 0 claims and dies; a cancel lands while the row is
@@ -399,24 +394,19 @@ async fn finding_2(name: &str) -> Pair {
     p
 }
 
-/// Finding 2 of the model (issue 34), reported and not fixed: a row left `sending` by
-/// a worker that died (after its 250, or before it), then cancelled, stays `sending`
-/// for good: `postie_claim` answers `cancelled` (the cancel covers the revision) and
-/// `Inbox::finish_cancelled` ends only `retrying` rows. No terminal status, no
-/// delivery event, never pruned (in-flight rows are kept). This test asks for a
-/// terminal status; it fails today.
+/// Finding 2 of the model (issue 34), fixed: a row left `sending` by a worker that
+/// died (after its 250, or before it), then cancelled, stayed `sending` for good:
+/// `postie_claim` answers `cancelled` (the cancel covers the revision) and
+/// `Inbox::finish_cancelled` ended only `retrying` rows. No terminal status, no
+/// delivery event, never pruned. Now `finish_cancelled` also ends a `sending` row
+/// whose lease ran out, moving the fence.
 #[tokio::test]
-#[ignore = "model finding 2, not fixed: a cancelled row a dead worker left sending stays sending"]
 async fn finding_2_a_cancelled_row_left_sending_ends() {
     let p = finding_2("finding2").await;
     assert!(p.row.unwrap().status.terminal(), "{:?}", p.row);
-}
-
-/// Finding 2 as postie behaves today: the row stays `sending`. When it is fixed this
-/// test fails: delete it, un-ignore the one above, and take the finding off
-/// `tests/check.rs`.
-#[tokio::test]
-async fn finding_2_as_it_is_today() {
-    let p = finding_2("finding2_today").await;
-    assert_eq!(p.row.unwrap().status, Status::Sending);
+    assert_eq!(
+        p.row.unwrap().fence,
+        3,
+        "the dead worker's fence (2) is refused"
+    );
 }
