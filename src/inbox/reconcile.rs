@@ -22,7 +22,10 @@ impl Inbox {
     /// The keys (and due times, Unix ms) of up to `limit` scheduled jobs due before `due_before_ms` (Unix
     /// ms), with a kept body, that no worker has marked as arrived and that were not
     /// re-published within the last `grace`; most overdue first. Bodies are read
-    /// later, a few at a time ([`Inbox::mark_reconciled`]).
+    /// later, a few at a time ([`Inbox::mark_reconciled`]). A row the relay
+    /// rescheduled while it was `sending` counts as scheduled once its sender is gone
+    /// (its lease ran out): the newer revision's copy may be lost, and the older one's
+    /// redelivery is stale (the model's finding 3, issue 34).
     pub(crate) async fn overdue(
         &self,
         due_before_ms: i64,
@@ -34,7 +37,10 @@ impl Inbox {
         let rows = client
             .query(
                 "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
-                  WHERE status = 'scheduled' AND body IS NOT NULL AND arrived_at IS NULL
+                  WHERE (status = 'scheduled' AND arrived_at IS NULL
+                         OR status = 'sending' AND rescheduled
+                            AND lease_until <= clock_timestamp())
+                    AND body IS NOT NULL
                     AND due_at < to_timestamp($1::bigint / 1000.0)
                     AND (reconciled_at IS NULL
                          OR reconciled_at < now() - $2::bigint * interval '1 millisecond')
@@ -67,8 +73,10 @@ impl Inbox {
         let rows = client
             .query(
                 "UPDATE postie_inbox SET reconciled_at = now(), reconciled = reconciled + 1
-                  WHERE key = ANY($1) AND status = 'scheduled' AND arrived_at IS NULL
-                    AND body IS NOT NULL
+                  WHERE key = ANY($1) AND body IS NOT NULL
+                    AND (status = 'scheduled' AND arrived_at IS NULL
+                         OR status = 'sending' AND rescheduled
+                            AND lease_until <= clock_timestamp())
                  RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body",
                 &[&keys],
             )

@@ -106,12 +106,10 @@ impl Protocol {
     /// The reconciler's candidate: the scheduled row's job, overdue by the grace.
     fn overdue(&self, s: &State) -> Option<Job> {
         let row = s.row?;
-        (row.status == Status::Scheduled && row.body && s.clock >= row.due + self.grace).then_some(
-            Job {
-                rev: row.revision,
-                due: row.due,
-            },
-        )
+        (reconcilable(&row, s.clock) && s.clock >= row.due + self.grace).then_some(Job {
+            rev: row.revision,
+            due: row.due,
+        })
     }
 
     /// Whether time has a reason to pass: something waits on the clock.
@@ -130,7 +128,9 @@ impl Protocol {
                 due: r.due,
             };
             let early = s.clock < r.due + self.grace;
-            r.status == Status::Scheduled && r.body && early && !self.in_flight(s, job)
+            let waits =
+                r.status == Status::Scheduled || r.status == Status::Sending && r.rescheduled;
+            waits && r.body && early && !self.in_flight(s, job)
         });
         holding || ladder || lease || reconcile || !s.retry.is_empty()
     }
@@ -419,4 +419,12 @@ pub(crate) fn claim_for(p: &Protocol, s: &mut State, w: u8, job: Job) -> Option<
         }
         Answer::Busy => Some(Worker::Settling(job, Disposition::Republish)),
     }
+}
+
+/// What `Inbox::overdue` reads: a scheduled row with its body, or a row rescheduled
+/// while `sending` whose sender is gone (its lease ran out; sql/0017, finding 3).
+pub fn reconcilable(row: &crate::inbox::Row, clock: u8) -> bool {
+    row.body
+        && (row.status == Status::Scheduled
+            || row.status == Status::Sending && row.rescheduled && row.lease_until <= clock)
 }

@@ -66,6 +66,13 @@ pub const MIRRORED: &[Mirrored] = &[
         end: "RETURNING key, type, message_id, attempts)",
         sha256: "cdba287cd339a3a9931dcee8b52c80d62cc67c6d43468e33480038f9f61ee680",
     },
+    Mirrored {
+        what: "Inbox::overdue (protocol::reconcilable)",
+        file: "src/inbox/reconcile.rs",
+        start: "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox",
+        end: "ORDER BY due_at LIMIT $3",
+        sha256: "58da44a9d4a0c9106e453a8144b646ad55cb7d82b02f3b57925f6d95f79f36ce",
+    },
 ];
 
 impl Mirrored {

@@ -193,6 +193,24 @@ impl Pair {
         self.same_row().await;
     }
 
+    /// Whether the reconciler would re-publish the row now (`Inbox::overdue`, due
+    /// and grace aside), both ways.
+    async fn overdue(&self) -> bool {
+        let sql = statement("Inbox::overdue (protocol::reconcilable)");
+        // Due before 2096, no grace: only the row's status decides.
+        let rows = self
+            .db
+            .query(&sql, &[&4_000_000_000_000i64, &0i64, &10i64])
+            .await
+            .unwrap();
+        let real = rows.iter().any(|r| r.get::<_, &str>(0) == KEY);
+        let modelled = self
+            .row
+            .is_some_and(|r| postie_model::protocol::reconcilable(&r, self.clock));
+        assert_eq!(real, modelled, "overdue at step {}", self.clock);
+        real
+    }
+
     /// The row in PostgreSQL is the model's row (the columns the model keeps).
     async fn same_row(&self) {
         let got = self
@@ -409,4 +427,27 @@ async fn finding_2_a_cancelled_row_left_sending_ends() {
         3,
         "the dead worker's fence (2) is refused"
     );
+}
+
+/// Finding 3 of the model (issue 34), fixed: a row the relay rescheduled while it was
+/// `sending`, whose sender then crashed, was left `sending` when the broker lost the
+/// newer revision's copy: the older revision's redelivery is stale, and the
+/// reconciler read `scheduled` rows only. Now it also re-publishes such a row once
+/// its sender's lease has run out, and the newer revision takes it over.
+#[tokio::test]
+async fn finding_3_a_rescheduled_row_whose_sender_is_gone_is_reconciled() {
+    let mut p = Pair::new("finding3").await;
+    p.schedule(0, 0).await;
+    claimed(p.claim(0, 0).await);
+    p.schedule(1, 1).await;
+    assert!(!p.overdue().await, "not while its sender's lease runs");
+    p.tick(LEASE + 1).await;
+    assert_eq!(
+        p.claim(1, 0).await,
+        Answer::Stale,
+        "the older revision's redelivery"
+    );
+    assert!(p.overdue().await, "the reconciler re-publishes revision 1");
+    let (_, takeover) = claimed(p.claim(1, 1).await);
+    assert!(takeover, "revision 1 takes over the crashed sender's claim");
 }
