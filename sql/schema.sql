@@ -156,6 +156,16 @@ CREATE TABLE postie_events (
     occurred_at         timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
+-- Each instance's transport breakers (0018), for the console: written when one opens
+-- and when it closes; closed rows older than a day deleted on each write.
+CREATE TABLE postie_breakers (
+    owner      text        NOT NULL,  -- the instance (worker.owner, postie_inbox.owner)
+    provider   text        NOT NULL,  -- the transport's name (transport.providers)
+    open       boolean     NOT NULL,
+    since      timestamptz NOT NULL DEFAULT now(),  -- when it took this state
+    PRIMARY KEY (owner, provider)
+);
+
 -- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
 CREATE TABLE postie_rate_limit (
     name text PRIMARY KEY,

@@ -128,7 +128,21 @@ async fn every_page_and_action_over_http_with_its_guards() {
         StatusCode::UNAUTHORIZED
     );
 
-    // Overview: rows by status, the queues, the chart; the viewer sees it too.
+    // An instance's open breaker, as its prober writes it (sql/0018).
+    let (status, overview) = site.get("/", Some(VIEWER)).await;
+    assert!(overview.contains("No breaker has opened"), "{overview}");
+    env.db()
+        .await
+        .execute(
+            "INSERT INTO postie_breakers (owner, provider, open) VALUES ('host-1', 'smtp', true)",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+
+    // Overview: rows by status, the queues, the chart, the breakers; the viewer sees
+    // it too.
     let (status, overview) = site.get("/", Some(VIEWER)).await;
     assert_eq!(status, StatusCode::OK, "{overview}");
     for text in [
@@ -139,6 +153,7 @@ async fn every_page_and_action_over_http_with_its_guards() {
         "1 sent in the last hour",
         "<td>smtp</td>",
         "<td>1</td><td>none</td>",
+        "<td>smtp</td><td>host-1</td><td><strong>open</strong></td>",
         "read-only",
     ] {
         assert!(

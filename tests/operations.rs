@@ -230,6 +230,22 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
         },
     )
     .await;
+    // The console's view of the breaker (sql/0018), as the prober wrote it.
+    let breaker = || async {
+        let db = env.db().await;
+        db.query("SELECT provider, open FROM postie_breakers", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
+            .collect::<Vec<_>>()
+    };
+    eventually(
+        "the open breaker written",
+        Duration::from_secs(10),
+        || async { (breaker().await == [("smtp".to_string(), true)]).then_some(()) },
+    )
+    .await;
     tokio::time::sleep(Duration::from_secs(30)).await; // well past every retry step (1+2+5 s)
     assert_eq!(
         env.depth(env.topology.dead_queue()).await,
@@ -245,6 +261,12 @@ async fn an_smtp_relay_down_for_30_s_pauses_instead_of_dead_lettering() {
     )
     .await;
     let recovery = back.elapsed();
+    eventually(
+        "the closed breaker written",
+        Duration::from_secs(10),
+        || async { (breaker().await == [("smtp".to_string(), false)]).then_some(()) },
+    )
+    .await;
     serving.stop().await;
     let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
     for m in env.sink.messages(false).await {

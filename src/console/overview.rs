@@ -34,12 +34,15 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
     let sends = inbox.sends_last_hour().await?;
     let depths = queue_depths(console).await;
     let transports = transports(console).await?;
+    let breakers = breakers(console).await?;
     Ok(html! {
         div #live hx-get="/overview/live" hx-trigger="every 5s" hx-swap="outerHTML" {
             h2 { "The last hour" }
             (chart(&sends))
             h2 { "Transports" }
             (transports)
+            h3 { "Breakers, by instance" }
+            (breakers)
             h2 { "Inbox rows by status" }
             (page::table(&["status", "rows"], counts.by_status.iter().map(|(status, n)| html! {
                 tr { td { (status.as_str()) } td { (n) } }
@@ -88,7 +91,26 @@ async fn transports(console: &Console) -> anyhow::Result<Markup> {
                      td { "not configured here" } }
             }
         }
-        p.muted { "Each instance's breakers: postie_provider_circuit_open on its /metrics." }
+    })
+}
+
+/// Each instance's breakers as they last wrote them (`postie_breakers`): open ones
+/// first; an open row whose instance stopped stays until that instance's name
+/// returns, and closed rows for a day.
+async fn breakers(console: &Console) -> anyhow::Result<Markup> {
+    let breakers = console.inbox.breakers().await?;
+    Ok(html! {
+        @if breakers.is_empty() {
+            p { "No breaker has opened in the last day." }
+        } @else {
+            table {
+                tr { th { "transport" } th { "instance" } th { "breaker" } th { "since (UTC)" } }
+                @for b in &breakers {
+                    tr { td { (b.provider) } td { (b.owner) }
+                         td { @if b.open { strong { "open" } } @else { "closed" } } td { (b.since) } }
+                }
+            }
+        }
     })
 }
 

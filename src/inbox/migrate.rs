@@ -52,6 +52,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (15, "0015_reputation"),
     (16, "0016_announced"),
     (17, "0017_reschedule_while_sending"),
+    (18, "0018_breakers"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -8,6 +8,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use secrecy::{ExposeSecret, SecretString};
 use tokio_postgres::NoTls;
 
+mod breakers;
 mod claim;
 pub mod clock;
 mod complete;
@@ -26,6 +27,7 @@ mod status;
 mod suppression;
 mod tls;
 
+pub use breakers::Breaker;
 pub use claim::{Claim, Completion, Scheduled};
 pub(crate) use dial::Dialer;
 pub(crate) use error::DbError;

@@ -41,21 +41,35 @@ impl Worker {
     }
 
     /// Asks `route`'s transport until it answers, then closes its breaker (and the
-    /// transport circuit: a route is up again).
+    /// transport circuit: a route is up again). The breaker's state, open and then
+    /// closed, is written for the console (`Inbox::record_breaker`).
     pub(super) fn spawn_transport_prober(&self, route: RouteId) {
         let (mailer, health) = (self.cx.mailer.clone(), self.cx.health.clone());
         let max = self.cx.settings.worker.outage_backoff_max;
+        let note = self.breaker_note(route);
         tokio::spawn(async move {
+            note.write(true).await;
             let mut backoff = Backoff::new(Duration::from_millis(500), max);
             loop {
                 tokio::time::sleep(backoff.failed()).await;
                 if mailer.probe(route).await {
                     mailer.routes().recovered(route);
                     health.transport_recovered();
+                    note.write(false).await;
                     return;
                 }
             }
         });
+    }
+
+    /// What the prober of `route` needs to write its breaker's state.
+    fn breaker_note(&self, route: RouteId) -> BreakerNote {
+        BreakerNote {
+            inbox: self.cx.inbox.clone(),
+            owner: self.cx.owner.clone(),
+            provider: self.cx.mailer.routes().get(route).name.clone(),
+            deadline: self.cx.settings.database.statement_timeout,
+        }
     }
 
     /// Records a send and names the outcome.
@@ -101,5 +115,31 @@ impl Worker {
         } else {
             Outcome::SentFenceLost { key }
         })
+    }
+}
+
+/// One breaker's row in `postie_breakers`, written by its prober.
+struct BreakerNote {
+    inbox: crate::inbox::Inbox,
+    owner: String,
+    provider: String,
+    deadline: Duration,
+}
+
+impl BreakerNote {
+    /// Writes the breaker's state, once and under the statement deadline: it is for
+    /// the console's eyes, so a database that does not answer costs a log line, not
+    /// the prober's work.
+    async fn write(&self, open: bool) {
+        let write = self.inbox.record_breaker(&self.owner, &self.provider, open);
+        match tokio::time::timeout(self.deadline, write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(provider = %self.provider, open, cause = %error.cause(), "breaker state not written")
+            }
+            Err(_) => {
+                tracing::debug!(provider = %self.provider, open, "breaker state not written in time")
+            }
+        }
     }
 }
