@@ -12,12 +12,16 @@ WORKDIR /build
 # 1. Dependencies only: build against stand-in sources so this layer is cached until
 #    the manifests or Cargo.lock change. Cargo.toml is a workspace: every member's
 #    manifest must be present for it (and --locked) to resolve, but only postie, the
-#    default member, is built; the other members' sources are not needed.
+#    default member, is built; the other members' sources are not needed, except an
+#    empty lib.rs for the model, whose manifest names no target of its own
+#    (tests/deploy_files.rs checks that every member is here).
 COPY Cargo.toml Cargo.lock ./
 COPY tests/smtp-sink/Cargo.toml tests/smtp-sink/Cargo.toml
-RUN mkdir -p src \
+COPY tests/provider-server/Cargo.toml tests/provider-server/Cargo.toml
+COPY tests/model/Cargo.toml tests/model/Cargo.toml
+RUN mkdir -p src tests/model/src \
  && echo 'fn main() {}' > src/main.rs \
- && touch src/lib.rs \
+ && touch src/lib.rs tests/model/src/lib.rs \
  && cargo build --release --locked --bin postie \
  && rm -rf src \
            target/release/postie target/release/postie.d \

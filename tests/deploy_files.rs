@@ -912,3 +912,39 @@ fn broker_image_recipe_adds_and_enables_the_delay_plugin() {
         );
     }
 }
+
+/// The image's dependency layer resolves the workspace, so the Dockerfile copies every
+/// member's manifest (a member added to `[workspace] members` and not to the
+/// Dockerfile breaks `docker build` at its first `cargo build`), and a member whose
+/// manifest names no target gets a stand-in `src/lib.rs`.
+#[test]
+fn image_recipe_copies_every_workspace_member_manifest() {
+    let manifest = std::fs::read_to_string(repo("Cargo.toml")).unwrap();
+    let members_line = manifest
+        .lines()
+        .find(|l| l.trim_start().starts_with("members"))
+        .expect("[workspace] members");
+    let members: Vec<&str> = members_line
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .filter(|m| *m != ".")
+        .collect();
+    assert!(members.len() >= 3, "{members_line}");
+    let recipe = std::fs::read_to_string(repo("Dockerfile")).unwrap();
+    for member in members {
+        let copy = format!("COPY {member}/Cargo.toml {member}/Cargo.toml");
+        assert!(
+            recipe.lines().any(|l| l.trim() == copy),
+            "the Dockerfile does not copy {member}'s manifest: add `{copy}`"
+        );
+        let own = std::fs::read_to_string(repo(&format!("{member}/Cargo.toml"))).unwrap();
+        let names_a_target = own.contains("[[bin]]") || own.contains("[lib]");
+        if !names_a_target {
+            assert!(
+                recipe.contains(&format!("{member}/src/lib.rs")),
+                "{member}'s manifest names no target: the Dockerfile needs a stand-in {member}/src/lib.rs"
+            );
+        }
+    }
+}
