@@ -220,7 +220,7 @@ pub struct TopologySettings {
     pub quorum_initial_group_size: Option<u32>,
     /// Earlier prefixes whose `<old>.send` this instance also consumes until it is
     /// gone, e.g. a plugin-mode deployment's while the fleet moves to the ladder under
-    /// a new prefix (README, "Leaving the plugin"). Their jobs are processed under this
+    /// a new prefix (docs/brokers.md, "Leaving the plugin"). Their jobs are processed under this
     /// prefix's topology: retries and dead letters go to the new queues. Nothing is
     /// declared under them; `postie status` shows how much they still hold.
     pub drain_prefixes: Vec<String>,
