@@ -367,11 +367,48 @@ async fn every_page_and_action_over_http_with_its_guards() {
     let with_cookie = site
         .http
         .get(format!("{}/", site.base))
-        .header("cookie", cookie)
+        .header("cookie", &cookie)
         .send()
         .await
         .unwrap();
     assert_eq!(with_cookie.status(), StatusCode::OK);
+    assert!(
+        !response.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("Secure"),
+        "plain HTTP: a Secure cookie would not be kept"
+    );
+
+    // Behind a proxy that speaks HTTPS, the cookie is Secure.
+    let proxied = site
+        .http
+        .post(format!("{}/login", site.base))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("x-forwarded-proto", "https")
+        .body(format!("token={OPERATOR}"))
+        .send()
+        .await
+        .unwrap();
+    let set = proxied.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(set.contains("; Secure"), "{set}");
+
+    // Sign out: the cookie is cleared, and the page offers the button.
+    assert!(with_cookie.text().await.unwrap().contains("Sign out"));
+    let out = site
+        .http
+        .post(format!("{}/logout", site.base))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(out.status(), StatusCode::SEE_OTHER);
+    assert_eq!(out.headers()["location"], "/login");
+    let cleared = out.headers()["set-cookie"].to_str().unwrap();
+    assert!(
+        cleared.starts_with("postie_console=;") && cleared.contains("Max-Age=0"),
+        "{cleared}"
+    );
 
     stop.cancel();
     serving.stop().await;

@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::{Form, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -101,6 +101,7 @@ fn router(console: Arc<Console>) -> Router {
         .route("/suppression/add", post(suppression::suppress))
         .route("/suppression/remove", post(suppression::unsuppress))
         .route("/login", get(|| async { page::login(None) }).post(login))
+        .route("/logout", post(logout))
         .route("/assets/htmx.min.js", get(htmx))
         .with_state(console)
 }
@@ -120,8 +121,13 @@ struct LoginForm {
     token: String,
 }
 
-/// `POST /login`: a configured token becomes the session cookie.
-async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>) -> Response {
+/// `POST /login`: a configured token becomes the session cookie (`Secure` when the
+/// request came through a proxy that says it spoke HTTPS).
+async fn login(
+    State(console): State<Arc<Console>>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> Response {
     if !console.auth.accepts(&form.token) {
         tracing::warn!("console: a sign-in with an unknown token was refused");
         return (
@@ -131,11 +137,50 @@ async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>)
             .into_response();
     }
     let cookie = format!(
-        "{}={}; HttpOnly; SameSite=Strict; Path=/",
+        "{}={}; HttpOnly; SameSite=Strict; Path=/{}",
         auth::COOKIE,
-        form.token
+        form.token,
+        secure_flag(&headers)
     );
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
+}
+
+/// `POST /logout`: the session cookie is cleared, then the sign-in page. It needs no
+/// credential: it can only take one away from the browser that sends it.
+async fn logout(headers: HeaderMap) -> Response {
+    let cookie = format!(
+        "{}=; Max-Age=0; HttpOnly; SameSite=Strict; Path=/{}",
+        auth::COOKIE,
+        secure_flag(&headers)
+    );
+    ([(header::SET_COOKIE, cookie)], Redirect::to("/login")).into_response()
+}
+
+/// `; Secure` when a proxy in front says the browser spoke HTTPS (`X-Forwarded-Proto`
+/// or `Forwarded: proto=https`): the browser then sends the cookie over HTTPS only.
+/// The console itself speaks plain HTTP, where a Secure cookie would not be kept.
+fn secure_flag(headers: &HeaderMap) -> &'static str {
+    let values = |name: &'static str| {
+        headers
+            .get_all(name)
+            .into_iter()
+            .filter_map(|value| value.to_str().ok())
+    };
+    let https = |proto: &str| proto.trim().eq_ignore_ascii_case("https");
+    let forwarded_proto =
+        values("x-forwarded-proto").any(|value| value.split(',').next().is_some_and(https));
+    let forwarded = values("forwarded").any(|value| {
+        value.split([';', ',']).any(|pair| {
+            pair.split_once('=').is_some_and(|(key, proto)| {
+                key.trim().eq_ignore_ascii_case("proto") && https(proto)
+            })
+        })
+    });
+    if forwarded_proto || forwarded {
+        "; Secure"
+    } else {
+        ""
+    }
 }
 
 /// The passwords of every console's settings in this process, scrubbed from the
@@ -181,3 +226,39 @@ impl IntoResponse for Failure {
 
 /// A handler's answer.
 type Answer = Result<Response, Failure>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, value.parse().unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn the_cookie_is_secure_only_when_a_proxy_says_https() {
+        assert_eq!(secure_flag(&headers(&[])), "");
+        assert_eq!(secure_flag(&headers(&[("x-forwarded-proto", "http")])), "");
+        assert_eq!(
+            secure_flag(&headers(&[("x-forwarded-proto", "HTTPS")])),
+            "; Secure"
+        );
+        // The first proxy's word counts: the browser spoke to it.
+        assert_eq!(
+            secure_flag(&headers(&[("x-forwarded-proto", "https, http")])),
+            "; Secure"
+        );
+        assert_eq!(
+            secure_flag(&headers(&[("forwarded", "for=192.0.2.1;proto=https;by=x")])),
+            "; Secure"
+        );
+        assert_eq!(
+            secure_flag(&headers(&[("forwarded", "for=192.0.2.1;proto=http")])),
+            ""
+        );
+    }
+}

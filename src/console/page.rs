@@ -36,6 +36,8 @@ pub(super) fn frame(title: &str, who: &Principal, body: Markup) -> Markup {
                     span.who {
                         (who.name) " · "
                         (if who.role == Role::Operate { "may act" } else { "read-only" })
+                        " "
+                        form action="/logout" method="post" { button { "Sign out" } }
                     }
                 }
                 main { h1 { (title) } (body) }
