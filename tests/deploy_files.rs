@@ -484,7 +484,7 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 fn exported_series() -> BTreeSet<String> {
     use postie::ops::metrics::{
         DeadReason, Dependency, FeedbackKind, Metrics, ProviderLabel, ProviderName, ProviderResult,
-        QueueLabel, RateLabel, RateWindow, RelayRoute, Step,
+        QueueLabel, RateLabel, RateWindow, RelayRoute, SourceLabel, Step,
     };
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
@@ -520,6 +520,15 @@ fn exported_series() -> BTreeSet<String> {
             window: RateWindow::Day,
         })
         .set(0.0);
+    let source = SourceLabel {
+        source: "orders".into(),
+    };
+    metrics.outbox_relayed.get_or_create(&source).inc();
+    metrics
+        .outbox_oldest_seconds
+        .get_or_create(&source)
+        .set(0.0);
+    metrics.outbox_source_up.get_or_create(&source).set(1);
     let rendered = metrics.render();
     let mut out = BTreeSet::new();
     for line in rendered.lines() {
