@@ -62,6 +62,18 @@ impl Site {
     }
 }
 
+impl Site {
+    /// An action as the operator, with `csrf` and `fields`, which must answer 200:
+    /// the result page.
+    async fn act(&self, path: &str, csrf: &str, fields: &[(&str, &str)]) -> String {
+        let mut form = vec![("csrf", csrf)];
+        form.extend_from_slice(fields);
+        let (status, body) = self.post(path, Some(OPERATOR), &form).await;
+        assert_eq!(status, StatusCode::OK, "POST {path} {fields:?}: {body}");
+        body
+    }
+}
+
 /// The CSRF token in a page's first action form.
 fn csrf(page: &str) -> String {
     let start = page.find("name=\"csrf\" value=\"").expect("an action form") + 19;
@@ -213,7 +225,6 @@ async fn every_page_and_action_over_http_with_its_guards() {
     // Actions are refused without credentials, without or with a wrong CSRF token,
     // and to the viewer even with the operator's token.
     let token = csrf(&site.page("/pending").await);
-    let with_token = [("csrf", token.as_str()), ("key", "c-later-1")];
     let wrong = "0".repeat(64);
     let refused = [
         (
@@ -250,8 +261,8 @@ async fn every_page_and_action_over_http_with_its_guards() {
     );
 
     // Cancel one.
-    let (status, body) = site.post("/job/cancel", Some(OPERATOR), &with_token).await;
-    assert_eq!(status, StatusCode::OK, "{body}");
+    site.act("/job/cancel", &token, &[("key", "c-later-1")])
+        .await;
     assert_eq!(
         env.inbox_row("c-later-1").await.unwrap().status,
         "cancelled"
@@ -260,14 +271,13 @@ async fn every_page_and_action_over_http_with_its_guards() {
     // Cancel all matching, after a confirm step with the count.
     let confirm = site.page("/pending/cancel?prefix=c-later").await;
     assert!(confirm.contains("1 pending job(s) match"), "{confirm}");
-    let (status, body) = site
-        .post(
+    let body = site
+        .act(
             "/pending/cancel",
-            Some(OPERATOR),
-            &[("csrf", &token), ("prefix", "c-later"), ("count", "1")],
+            &token,
+            &[("prefix", "c-later"), ("count", "1")],
         )
         .await;
-    assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body.contains("Cancelled 1 pending job(s)"), "{body}");
     assert_eq!(
         env.inbox_row("c-later-2").await.unwrap().status,
@@ -281,14 +291,13 @@ async fn every_page_and_action_over_http_with_its_guards() {
 
     // Reschedule: published again under the next revision, due in 1 s, and sent.
     assert!(site.page("/job?key=d-later").await.contains("Reschedule"));
-    let (status, body) = site
-        .post(
+    let body = site
+        .act(
             "/job/reschedule",
-            Some(OPERATOR),
-            &[("csrf", &token), ("key", "d-later"), ("delay", "1s")],
+            &token,
+            &[("key", "d-later"), ("delay", "1s")],
         )
         .await;
-    assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body.contains("published again as revision 1"), "{body}");
     env.wait_for_status("d-later", "sent", WAIT).await;
 
@@ -296,32 +305,28 @@ async fn every_page_and_action_over_http_with_its_guards() {
     env.sink.set_faults(json!([])).await;
     let confirm = site.page("/dead/replay?reason=policy").await;
     assert!(confirm.contains("1 dead letter(s) match"), "{confirm}");
-    let (status, body) = site
-        .post(
+    let body = site
+        .act(
             "/dead/replay",
-            Some(OPERATOR),
-            &[("csrf", &token), ("reason", "policy"), ("count", "1")],
+            &token,
+            &[("reason", "policy"), ("count", "1")],
         )
         .await;
-    assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body.contains("Replayed 1 dead letter(s)"), "{body}");
     env.wait_for_status("c-nobody", "sent", WAIT).await;
     assert_eq!(env.depth(&dead).await, 0);
 
     // Suppression: add, find, remove.
-    let (status, _) = site
-        .post(
-            "/suppression/add",
-            Some(OPERATOR),
-            &[
-                ("csrf", &token),
-                ("address", "Carol@Example.com"),
-                ("reason", "manual"),
-                ("note", "asked by phone"),
-            ],
-        )
-        .await;
-    assert_eq!(status, StatusCode::OK);
+    site.act(
+        "/suppression/add",
+        &token,
+        &[
+            ("address", "Carol@Example.com"),
+            ("reason", "manual"),
+            ("note", "asked by phone"),
+        ],
+    )
+    .await;
     let list = site.page("/suppression?address=carol@example.com").await;
     assert!(
         list.contains("carol@example.com")
@@ -329,14 +334,13 @@ async fn every_page_and_action_over_http_with_its_guards() {
             && list.contains("asked by phone"),
         "{list}"
     );
-    let (status, body) = site
-        .post(
+    let body = site
+        .act(
             "/suppression/remove",
-            Some(OPERATOR),
-            &[("csrf", &token), ("address", "carol@example.com")],
+            &token,
+            &[("address", "carol@example.com")],
         )
         .await;
-    assert_eq!(status, StatusCode::OK);
     assert!(body.contains("Removed 1 row(s)"), "{body}");
     assert!(!site
         .page("/suppression?address=carol@example.com")
