@@ -136,24 +136,24 @@ async fn login(
         )
             .into_response();
     }
-    let cookie = format!(
-        "{}={}; HttpOnly; SameSite=Strict; Path=/{}",
-        auth::COOKIE,
-        form.token,
-        secure_flag(&headers)
-    );
+    let cookie = session_cookie(&form.token, "", &headers);
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }
 
 /// `POST /logout`: the session cookie is cleared, then the sign-in page. It needs no
 /// credential: it can only take one away from the browser that sends it.
 async fn logout(headers: HeaderMap) -> Response {
-    let cookie = format!(
-        "{}=; Max-Age=0; HttpOnly; SameSite=Strict; Path=/{}",
-        auth::COOKIE,
-        secure_flag(&headers)
-    );
+    let cookie = session_cookie("", "Max-Age=0; ", &headers);
     ([(header::SET_COOKIE, cookie)], Redirect::to("/login")).into_response()
+}
+
+/// The session cookie holding `value`, with `attributes` before the ones it always has.
+fn session_cookie(value: &str, attributes: &str, headers: &HeaderMap) -> String {
+    format!(
+        "{}={value}; {attributes}HttpOnly; SameSite=Strict; Path=/{}",
+        auth::COOKIE,
+        secure_flag(headers)
+    )
 }
 
 /// `; Secure` when a proxy in front says the browser spoke HTTPS (`X-Forwarded-Proto`
