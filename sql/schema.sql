@@ -55,7 +55,9 @@ CREATE TABLE postie_inbox (
     announced   text,
     -- 0017: a newer revision was recorded while this row was 'sending'; its
     -- completion, unless 'sent', leaves the row 'scheduled' for that revision
-    rescheduled boolean NOT NULL DEFAULT false
+    rescheduled boolean NOT NULL DEFAULT false,
+    -- 0019: the lane of a scheduled job (NULL: the default lane), for the reconciler
+    lane        text
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.

@@ -277,6 +277,7 @@ async fn pending_lists_what_it_counts_while_jobs_are_recorded() {
                 key: format!("snap-{i}"),
                 revision: 0,
                 due_ms: now_ms() + 600_000,
+                lane: None,
                 body: None,
             };
             writer.schedule_many(&[job]).await.unwrap();
@@ -377,6 +378,7 @@ async fn a_revision_recorded_while_an_older_one_is_sending_is_kept() {
         key: key.into(),
         revision,
         due_ms,
+        lane: None,
         body: Some(format!("revision {revision}").into_bytes()),
     };
     let now_ms = now_ms();

@@ -229,6 +229,7 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
         key: key.to_owned(),
         revision,
         due_ms: chrono::Utc::now().timestamp_millis(),
+        lane: None,
         body: Some(b"{}".to_vec()),
     };
     // A claim no longer reports the key's prior attempts (no caller read them): the

@@ -77,15 +77,18 @@ impl Topology {
             "x-delivery-limit",
             AMQPValue::LongInt(self.delivery_limit as i32),
         );
-        self.declare_queue(channel, self.send_queue(), send_args)
+        // Each lane's send queue (the default lane's is `<p>.send`, routed `email`).
+        for lane in self.lanes() {
+            self.declare_queue(channel, &lane.queue, send_args.clone())
+                .await?;
+            self.bind(
+                channel,
+                &lane.queue,
+                self.work_exchange(),
+                &lane.routing_key,
+            )
             .await?;
-        self.bind(
-            channel,
-            self.send_queue(),
-            self.work_exchange(),
-            ROUTING_KEY,
-        )
-        .await?;
+        }
 
         for (n, step) in self.retry_steps.iter().enumerate() {
             let mut args = self.quorum_args();
@@ -114,13 +117,13 @@ impl Topology {
 
         match self.delay {
             DelayLayout::Plugin => {
-                self.bind(
-                    channel,
-                    self.send_queue(),
-                    self.delayed_exchange(),
-                    ROUTING_KEY,
-                )
-                .await
+                // A lane's routing key on the plugin's exchange reaches its queue.
+                for lane in self.lanes() {
+                    let key = &lane.routing_key;
+                    self.bind(channel, &lane.queue, self.delayed_exchange(), key)
+                        .await?;
+                }
+                Ok(())
             }
             DelayLayout::Ladder(ladder) => self.declare_ladder(channel, ladder).await,
         }
@@ -147,15 +150,14 @@ impl Topology {
             "x-delivery-limit",
             AMQPValue::LongInt(self.delivery_limit as i32),
         );
-        self.declare_queue(channel, self.intake_queue(), intake_args)
-            .await?;
-        self.bind(
-            channel,
-            self.intake_queue(),
-            self.delayed_exchange(),
-            ROUTING_KEY,
-        )
-        .await?;
+        // An intake per lane (the default lane's is `<p>.intake`, routed `email`).
+        for lane in self.lanes() {
+            self.declare_queue(channel, &lane.intake, intake_args.clone())
+                .await?;
+            let key = &lane.routing_key;
+            self.bind(channel, &lane.intake, self.delayed_exchange(), key)
+                .await?;
+        }
 
         for k in 0..ladder.levels() {
             let name = self.delay_level(k);

@@ -12,9 +12,9 @@ use super::{ConfigError, Settings};
 /// Each lane's effective prefetch, as the budget allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Prefetch {
-    /// Unacked deliveries on `<p>.send`.
+    /// Unacked deliveries on each lane's send queue (`<p>.send`, `<p>.send.<lane>`).
     pub(crate) send: u16,
-    /// Unacked deliveries on `<p>.intake` (ladder mode; 0 otherwise).
+    /// Unacked deliveries on each lane's intake (ladder mode; 0 otherwise).
     pub(crate) relay: u16,
 }
 
@@ -25,20 +25,28 @@ impl Settings {
         self.worker.inflight_bytes / body
     }
 
-    /// Each lane's prefetch within the byte budget; `ladder` when the relay runs.
-    /// [`Settings::check_budget`] has made sure each lane gets at least its
+    /// Lanes: a send loop each, and in ladder mode a relay loop each (`topology.lanes`,
+    /// at least one).
+    fn lanes(&self) -> u64 {
+        self.topology.lane_list().len() as u64
+    }
+
+    /// Each loop's prefetch within the byte budget: every lane's send loop gets
+    /// `send`, every lane's relay loop `relay` (`ladder`: when the relay runs).
+    /// [`Settings::check_budget`] has made sure each loop gets at least its
     /// concurrency.
     pub(crate) fn prefetch(&self, ladder: bool) -> Prefetch {
         let slots = self.budget_slots();
+        let lanes = self.lanes();
         let relay_min = if ladder {
-            u64::from(self.delay.relay_concurrency)
+            u64::from(self.delay.relay_concurrency) * lanes
         } else {
             0
         };
-        let send = u64::from(self.amqp.prefetch).min(slots.saturating_sub(relay_min));
+        let send = u64::from(self.amqp.prefetch).min(slots.saturating_sub(relay_min) / lanes);
         let relay = if ladder {
             let wanted = self.delay.relay_prefetch.max(self.delay.relay_concurrency);
-            u64::from(wanted).min(slots - send)
+            u64::from(wanted).min((slots - send * lanes) / lanes)
         } else {
             0
         };
@@ -56,17 +64,18 @@ impl Settings {
                 "worker.max_body_bytes must be at least 1".into(),
             ));
         }
-        let needed = self.worker.concurrency as u64
-            + match self.delay.mode {
-                super::DelayMode::Plugin => 0,
-                _ => u64::from(self.delay.relay_concurrency),
-            };
+        let needed = self.lanes()
+            * (self.worker.concurrency as u64
+                + match self.delay.mode {
+                    super::DelayMode::Plugin => 0,
+                    _ => u64::from(self.delay.relay_concurrency),
+                });
         let slots = self.budget_slots();
         if slots < needed {
             return Err(ConfigError(format!(
                 "worker.inflight_bytes ({}) holds {slots} bodies of worker.max_body_bytes ({}); \
-                 it must hold at least {needed} (worker.concurrency plus, unless delay.mode = \
-                 plugin, delay.relay_concurrency)",
+                 it must hold at least {needed} (for each lane, worker.concurrency plus, unless \
+                 delay.mode = plugin, delay.relay_concurrency)",
                 self.worker.inflight_bytes, self.worker.max_body_bytes
             )));
         }

@@ -20,6 +20,7 @@ mod database;
 mod de;
 mod events;
 mod feedback;
+mod lanes;
 mod memory;
 mod observe;
 mod outbox;
@@ -37,6 +38,8 @@ pub use events::EventsSettings;
 pub use feedback::{
     FeedbackSettings, MailgunSettings, PostmarkSettings, SendgridSettings, SnsSettings,
 };
+pub(crate) use lanes::is_lane_name;
+pub use lanes::LaneSettings;
 pub(crate) use memory::Prefetch;
 pub(crate) use observe::{ConsoleSettings, HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use outbox::source as outbox_source;

@@ -218,12 +218,15 @@ pub struct TopologySettings {
     /// Replicas of each quorum queue at declaration (`x-quorum-initial-group-size`);
     /// unset: one per cluster node. Fixed once a queue exists.
     pub quorum_initial_group_size: Option<u32>,
-    /// Earlier prefixes whose `<old>.send` this instance also consumes until it is
-    /// gone, e.g. a plugin-mode deployment's while the fleet moves to the ladder under
-    /// a new prefix (docs/brokers.md, "Leaving the plugin"). Their jobs are processed under this
-    /// prefix's topology: retries and dead letters go to the new queues. Nothing is
-    /// declared under them; `postie status` shows how much they still hold.
+    /// Earlier prefixes whose `<old>.send` this instance also consumes until it is gone
+    /// (docs/brokers.md, "Leaving the plugin"), under this prefix's topology: retries
+    /// and dead letters go to the new queues. `postie status` shows what they hold.
     pub drain_prefixes: Vec<String>,
+    /// Lanes (docs/lanes.md): each its own queues (`<p>.send.<lane>`; the default
+    /// keeps `<p>.send`) and its weighted share of the send rate. None: one lane.
+    pub lanes: std::collections::BTreeMap<String, super::LaneSettings>,
+    /// The lane of a job that names none, or one not in `lanes`.
+    pub default_lane: String,
 }
 
 impl Default for TopologySettings {
@@ -237,6 +240,8 @@ impl Default for TopologySettings {
             delivery_limit: 50,
             quorum_initial_group_size: None,
             drain_prefixes: Vec::new(),
+            lanes: Default::default(),
+            default_lane: "default".into(),
         }
     }
 }

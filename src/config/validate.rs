@@ -102,7 +102,7 @@ impl Settings {
         if topology.retry_steps.iter().any(|d| d.is_zero()) {
             return fail("topology.retry_steps must all be above zero".into());
         }
-        Ok(())
+        topology.check_lanes()
     }
 
     fn check_delay_and_throttles(&self) -> Result<(), ConfigError> {

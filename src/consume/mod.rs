@@ -48,7 +48,8 @@ use crate::config::Settings;
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
-use crate::ops::metrics::Metrics;
+use crate::ops::metrics::{LaneLabel, Metrics};
+use crate::topology::LaneId;
 use crate::work::{Context, SharedContext, Worker};
 
 /// The longest a goodbye (channel or connection close, consumer cancel, ack) may take
@@ -143,8 +144,8 @@ enum SessionEnd {
 /// What a consume loop does with its deliveries.
 #[derive(Clone, Copy, Debug)]
 enum Role {
-    /// `<p>.send`: claim, send, record.
-    Send,
+    /// A lane's send queue (`<p>.send`, `<p>.send.<lane>`): claim, send, record.
+    Send(LaneId),
     /// `<p>.intake`: route into the ladder.
     Relay,
 }
@@ -166,6 +167,8 @@ struct Service {
     /// The current broker session's confirm channel (None between sessions), for
     /// the outbox relays, which outlive sessions.
     session_publisher: Arc<tokio::sync::watch::Sender<Option<publisher::Publisher>>>,
+    /// Each lane's metric label, in lane order, spelled once.
+    lane_labels: Arc<[LaneLabel]>,
 }
 
 impl Service {
@@ -180,9 +183,14 @@ impl Service {
             arrivals: arrivals::Arrivals::start(cx.inbox.clone(), marks),
             scheduler: scheduler::Scheduler::start(worker.clone()),
             worker,
-            cx,
+            cx: cx.clone(),
             outbox: Arc::new(outbox),
             session_publisher: Arc::new(tokio::sync::watch::channel(None).0),
+            lane_labels: (cx.topology.lanes().iter())
+                .map(|lane| LaneLabel {
+                    lane: lane.name.clone(),
+                })
+                .collect(),
         }
     }
 
@@ -192,6 +200,7 @@ impl Service {
             instance = %self.cx.owner,
             delay_mode = self.cx.topology.mode_name(),
             queue = %self.cx.topology.send_queue(),
+            lanes = %self.cx.topology.lanes().iter().map(|l| format!("{}={}", l.name, l.weight)).collect::<Vec<_>>().join(","),
             broker = %broker,
             "postie serving"
         );
@@ -201,7 +210,7 @@ impl Service {
             relay_prefetch = prefetch.relay,
             inflight_bytes = self.cx.settings.worker.inflight_bytes,
             max_body_bytes = self.cx.settings.worker.max_body_bytes,
-            "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
+            "in-flight bodies bounded: the prefetches × max_body_bytes fit inflight_bytes"
         );
     }
 }

@@ -36,9 +36,9 @@ use crate::broker;
 use crate::config::KeyNamespace;
 use crate::contract::{self, IdempotencyKey};
 use crate::headers::{self, HEADER_DUE_AT};
-use crate::inbox::{Overdue, Status};
+use crate::inbox::{LaneRows, Overdue, Status};
 use crate::ops::metrics::Metrics;
-use crate::topology::{DelayLayout, ROUTING_KEY};
+use crate::topology::{DelayLayout, LaneId};
 use crate::work::{now_ms, DeadKind, Outcome};
 
 /// Jobs re-published per pass at most.
@@ -77,50 +77,83 @@ impl Service {
         Some(conn)
     }
 
-    /// Ready messages in the send queue (a passive declare on `channel`).
-    async fn send_ready(&self, channel: &Channel) -> anyhow::Result<u32> {
+    /// Ready messages in `queue` (a passive declare on `channel`).
+    async fn ready(&self, channel: &Channel, queue: &str) -> anyhow::Result<u32> {
         let passive = lapin::options::QueueDeclareOptions {
             passive: true,
             ..Default::default()
         };
-        let queue = self.cx.topology.send_queue();
         let declared = channel
             .queue_declare(queue.into(), passive, FieldTable::default())
             .await?;
         Ok(declared.message_count())
     }
 
-    /// The due time (Unix ms) before which an unmarked scheduled job is lost: a grace
-    /// ago, or, while `<p>.send` has ready messages and workers hold jobs waiting
-    /// their turn, a grace before the latest due time among those (the frontier).
-    /// With ready messages but nothing waiting, the queue is flowing: a job in it
-    /// reaches a worker within moments, so the grace alone decides.
-    async fn lost_before(&self, channel: &Channel) -> anyhow::Result<(i64, u32)> {
+    /// The due time (Unix ms) before which an unmarked scheduled job of `lane` is
+    /// lost: a grace ago, or, while the lane's queue has ready messages and workers
+    /// hold jobs of it waiting their turn, a grace before the latest due time among
+    /// those (the lane's frontier). With ready messages but nothing waiting, the
+    /// queue is flowing: a job in it reaches a worker within moments, so the grace
+    /// alone decides. Each lane is consumed at its own pace, so each has its own.
+    async fn lost_before(
+        &self,
+        channel: &Channel,
+        lane: LaneId,
+        rows: LaneRows<'_>,
+    ) -> anyhow::Result<(i64, u32)> {
         let grace_ms = self.cx.settings.delay.reconcile_grace.as_millis() as i64;
-        let ready = self.send_ready(channel).await?;
+        let ready = self
+            .ready(channel, &self.cx.topology.lane(lane).queue)
+            .await?;
         let mut due_before = now_ms() - grace_ms;
         if ready > 0 {
-            if let Some(frontier) = self.cx.inbox.arrived_frontier().await? {
+            if let Some(frontier) = self.cx.inbox.arrived_frontier(rows).await? {
                 due_before = due_before.min(frontier - grace_ms);
             }
         }
         Ok((due_before, ready))
     }
 
-    /// One reconciler pass on `conn`; the number of jobs re-published.
+    /// One reconciler pass on `conn`, lane by lane; the number of jobs re-published.
     async fn reconcile_pass(&self, conn: &Connection) -> anyhow::Result<usize> {
+        let channel = broker::confirm_channel(conn).await?;
+        let lanes = self.cx.topology.lanes();
+        let others: Vec<&str> = lanes[1..].iter().map(|l| l.name.as_str()).collect();
+        let mut published = 0;
+        for id in (0..lanes.len()).map(LaneId) {
+            let rows = LaneRows {
+                lane: (id.0 > 0).then(|| lanes[id.0].name.as_str()),
+                others: &others,
+            };
+            match self.reconcile_lane(&channel, id, rows).await {
+                Ok(n) => published += n,
+                Err(error) => {
+                    let _ = channel.close(200, "reconciled".into()).await;
+                    return Err(error);
+                }
+            }
+        }
+        let _ = channel.close(200, "reconciled".into()).await;
+        Ok(published)
+    }
+
+    /// One lane's share of a pass.
+    async fn reconcile_lane(
+        &self,
+        channel: &Channel,
+        lane: LaneId,
+        rows: LaneRows<'_>,
+    ) -> anyhow::Result<usize> {
         let inbox = &self.cx.inbox;
         let grace = self.cx.settings.delay.reconcile_grace;
-        let channel = broker::confirm_channel(conn).await?;
-        let (due_before, _) = self.lost_before(&channel).await?;
-        let overdue = inbox.overdue(due_before, grace, PASS_LIMIT).await?;
+        let (due_before, _) = self.lost_before(channel, lane, rows).await?;
+        let overdue = inbox.overdue(rows, due_before, grace, PASS_LIMIT).await?;
         if overdue.is_empty() {
-            let _ = channel.close(200, "reconciled".into()).await;
             return Ok(0);
         }
         // Deliveries on their way to a worker: let their marks land, then judge again.
         tokio::time::sleep(SETTLE).await;
-        let (due_before, ready) = self.lost_before(&channel).await?;
+        let (due_before, ready) = self.lost_before(channel, lane, rows).await?;
         let overdue: Vec<String> = overdue
             .into_iter()
             .filter(|(_, due_ms)| *due_ms < due_before)
@@ -137,22 +170,19 @@ impl Service {
         for keys in overdue.chunks(chunk) {
             let lost = inbox.mark_reconciled(keys).await?;
             oldest_due_ms = oldest_due_ms.or(lost.first().map(|job| job.due_ms));
-            let sent = self.republish(&channel, &lost).await;
+            let sent = self.republish(channel, lane, &lost).await;
             let n = match &sent {
                 Ok(n) => *n,
                 Err(partial) => partial.published,
             };
             count(self.cx.metrics(), n);
             published += n;
-            if let Err(partial) = sent {
-                let _ = channel.close(200, "reconciled".into()).await;
-                return Err(partial.into());
-            }
+            sent?;
         }
-        let _ = channel.close(200, "reconciled".into()).await;
         if published > 0 {
             tracing::warn!(
                 jobs = published,
+                lane = %self.cx.topology.lane(lane).name,
                 send_queue_ready = ready,
                 oldest_due_ms,
                 "re-published scheduled jobs the ladder had not delivered (overdue past the grace, in no queue a worker reads)"
@@ -161,10 +191,17 @@ impl Service {
         Ok(published)
     }
 
-    /// Publishes `jobs` to the work exchange, confirmed, stamped with their due time;
-    /// how many went out (an error after some: those are counted by the caller).
-    async fn republish(&self, channel: &Channel, jobs: &[Overdue]) -> Result<usize, Partial> {
+    /// Publishes `jobs` to the work exchange, to `lane`'s queue, confirmed, stamped
+    /// with their due time; how many went out (an error after some: those are
+    /// counted by the caller).
+    async fn republish(
+        &self,
+        channel: &Channel,
+        lane: LaneId,
+        jobs: &[Overdue],
+    ) -> Result<usize, Partial> {
         let exchange = self.cx.topology.work_exchange();
+        let routing_key = &self.cx.topology.lane(lane).routing_key;
         for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
@@ -175,7 +212,7 @@ impl Service {
                     properties = properties.with_user_id(owner.as_str().into());
                 }
             }
-            broker::publish_confirmed(channel, exchange, ROUTING_KEY, true, &job.body, properties)
+            broker::publish_confirmed(channel, exchange, routing_key, true, &job.body, properties)
                 .await
                 .map_err(|error| Partial { published, error })?;
         }

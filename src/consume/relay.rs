@@ -22,7 +22,7 @@ use crate::contract::{self, readable, IdempotencyKey, ParseRules};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::{DeadReason, RelayRoute};
 use crate::topology::ladder::Route;
-use crate::topology::{DelayLayout, Topology, ROUTING_KEY};
+use crate::topology::{DelayLayout, LaneId, Topology};
 use crate::work::{dead_letter, now_ms, DeadKind, Disposition, Interrupted, Target};
 
 /// What becomes of one intake delivery, decided when it arrives.
@@ -54,14 +54,19 @@ fn decide(
 
 /// Where a job due at `due_ms` goes at `now_ms`: the ladder's entry with the time
 /// left spelled as the routing key, or the work exchange when it is due.
-fn route(topology: &Topology, due_ms: i64, now_ms: i64) -> (String, String) {
+/// A job due now goes to its lane's queue at once; one routed through the ladder
+/// lands in `<p>.send` and is moved to its lane there.
+fn route(topology: &Topology, due_ms: i64, now_ms: i64, lane: LaneId) -> (String, String) {
     let route = match topology.delay() {
         DelayLayout::Ladder(ladder) => ladder.route(due_ms.saturating_sub(now_ms)),
         DelayLayout::Plugin => Route::Now,
     };
     match (route, topology.ladder_entry()) {
         (Route::Ladder { routing_key, .. }, Some(entry)) => (entry.to_owned(), routing_key),
-        _ => (topology.work_exchange().to_owned(), ROUTING_KEY.to_owned()),
+        _ => (
+            topology.work_exchange().to_owned(),
+            topology.lane(lane).routing_key.clone(),
+        ),
     }
 }
 
@@ -164,6 +169,13 @@ impl<T> DueOrder<T> {
     }
 }
 
+/// A job as the relay records it: its key (namespaced), revision and lane.
+pub(super) struct ScheduledJob {
+    key: IdempotencyKey,
+    revision: i32,
+    lane: LaneId,
+}
+
 impl Service {
     /// One delivery of `<p>.intake`, with the decision made when it arrived: recorded
     /// as scheduled (when pending jobs are tracked), then forwarded into the ladder or
@@ -175,8 +187,16 @@ impl Service {
         publish: &Publisher,
         acks: &Acks,
     ) {
+        let mut lane = LaneId::default();
         if let Decision::Forward { due_ms } = decision {
-            if self.record_scheduled(&mut delivery, due_ms).await.is_err() {
+            // One read of the body for the record and the lane.
+            let peeked = self.scheduled_job(&delivery);
+            lane = peeked.as_ref().map_or(lane, |job| job.lane);
+            if self
+                .record_scheduled(&mut delivery, due_ms, peeked)
+                .await
+                .is_err()
+            {
                 tracing::warn!("stopping: leaving the intake delivery unacked");
                 return;
             }
@@ -185,8 +205,8 @@ impl Service {
         let metrics = self.cx.metrics();
         let disposition = match decision {
             Decision::Forward { due_ms } => {
-                let (exchange, routing_key) = route(&self.cx.topology, due_ms, now_ms());
-                let route = if routing_key == ROUTING_KEY {
+                let (exchange, routing_key) = route(&self.cx.topology, due_ms, now_ms(), lane);
+                let route = if exchange == self.cx.topology.work_exchange() {
                     RelayRoute::Now
                 } else {
                     RelayRoute::Ladder
@@ -221,21 +241,42 @@ impl Service {
     /// scheduled, read without parsing the whole body: in its producer's key space
     /// (`worker.key_namespace`); `None` for a job the worker will refuse.
     pub(super) fn scheduled_key(&self, delivery: &Delivery) -> Option<(IdempotencyKey, i32)> {
+        self.scheduled_job(delivery)
+            .map(|job| (job.key, job.revision))
+    }
+
+    /// [`Service::scheduled_key`] and the job's lane, from one read of the body.
+    fn scheduled_job(&self, delivery: &Delivery) -> Option<ScheduledJob> {
         let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
         let rules = contract::ParseRules::from_settings(&self.cx.settings).for_user(user_id);
-        let (key, revision) = contract::peek_key(&delivery.data)?;
-        Some((rules.namespaced(&key).ok()?, revision))
+        let peeked = contract::peek_job(&delivery.data)?;
+        Some(ScheduledJob {
+            key: rules.namespaced(&peeked.key).ok()?,
+            revision: peeked.revision,
+            lane: self.cx.topology.lane_named(peeked.lane.as_deref()),
+        })
+    }
+
+    /// A lane as the inbox records it: `None` for the default lane.
+    fn lane_column(&self, lane: LaneId) -> Option<&str> {
+        (lane.0 > 0).then(|| self.cx.topology.lane(lane).name.as_str())
     }
 
     async fn record_scheduled(
         &self,
         delivery: &mut Delivery,
         due_ms: i64,
+        job: Option<ScheduledJob>,
     ) -> Result<(), Interrupted> {
         if !self.cx.settings.delay.track_pending {
             return Ok(());
         }
-        let Some((key, revision)) = self.scheduled_key(delivery) else {
+        let Some(ScheduledJob {
+            key,
+            revision,
+            lane,
+        }) = job
+        else {
             return Ok(());
         };
         let body = self
@@ -246,7 +287,7 @@ impl Service {
             .then(|| std::mem::take(&mut delivery.data));
         let kept = self
             .scheduler
-            .schedule(&key, revision, due_ms, body)
+            .schedule(&key, revision, due_ms, self.lane_column(lane), body)
             .await?;
         if let Some(body) = kept {
             delivery.data = body;
@@ -297,7 +338,7 @@ mod tests {
             Decision::Forward { due_ms: 15_000 }
         );
         assert_eq!(
-            route(&topology, 15_000, 12_000),
+            route(&topology, 15_000, 12_000, LaneId::default()),
             ("p.delay.5".into(), "0.0.0.0.1.1.email".into())
         );
     }
@@ -308,7 +349,10 @@ mod tests {
         for h in [x_delay(0), x_delay(-1), x_delay(999)] {
             match decide(&topology, Some(&h), None, 1_000) {
                 Decision::Forward { due_ms } => {
-                    assert_eq!(route(&topology, due_ms, 1_000).0, "p.work")
+                    assert_eq!(
+                        route(&topology, due_ms, 1_000, LaneId::default()).0,
+                        "p.work"
+                    )
                 }
                 other => panic!("{other:?}"),
             }

@@ -54,13 +54,14 @@ impl Scheduler {
     }
 
     /// Records `key` (at `revision`, due at `due_ms`, with its body when given) as
-    /// scheduled; returns the body once the record is committed, or `Interrupted` if
+    /// scheduled (in `lane`, `None` for the default); returns the body once the record is committed, or `Interrupted` if
     /// the process is stopping.
     pub(super) async fn schedule(
         &self,
         key: &IdempotencyKey,
         revision: i32,
         due_ms: i64,
+        lane: Option<&str>,
         body: Option<Vec<u8>>,
     ) -> Answer {
         let (done, answer) = oneshot::channel();
@@ -68,6 +69,7 @@ impl Scheduler {
             key: key.as_str().to_owned(),
             revision,
             due_ms,
+            lane: lane.map(str::to_owned),
             body,
         };
         let request = Request { job, done };

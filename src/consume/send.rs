@@ -13,16 +13,16 @@ use crate::broker::{self, Acks, PublishError};
 use crate::config::KeyNamespace;
 use crate::headers::{self, header_int, HEADER_ATTEMPT};
 use crate::ops::backoff::Backoff;
-use crate::topology::DelayLayout;
-use crate::work::{Disposition, Target};
+use crate::topology::{DelayLayout, LaneId};
+use crate::work::{Disposition, Outcome, Target};
 
 impl Service {
-    /// One delivery of `<p>.send`: the worker names its outcome, the outcome its
-    /// disposition. Still unclaimed at `mark_at`, it is marked as arrived.
+    /// One delivery of `lane`'s send queue: the worker names its outcome, the outcome
+    /// its disposition. Still unclaimed at `mark_at`, it is marked as arrived.
     pub(super) async fn handle_send(
         &self,
         delivery: Delivery,
-        mark_at: Option<tokio::time::Instant>,
+        (mark_at, lane): (Option<tokio::time::Instant>, LaneId),
         publish: &Publisher,
         acks: &Acks,
     ) {
@@ -51,11 +51,12 @@ impl Service {
             let key = || scheduled().map(|(key, _)| key);
             let work = self
                 .worker
-                .process(&delivery.data, headers, timestamp, user_id);
+                .process(&delivery.data, headers, (timestamp, user_id), lane);
             let processed = self.arrivals.watch(mark_at, key, work).await;
             let disposition = match processed {
                 Ok(outcome) => {
                     self.finish_unclaimed(&outcome, scheduled).await;
+                    self.count_lane(lane, &outcome);
                     outcome.settle(&metrics, &self.cx.topology, headers)
                 }
                 Err(interrupted) => {
@@ -72,6 +73,20 @@ impl Service {
         .instrument(span)
         .await;
         metrics.in_flight.dec();
+    }
+
+    /// A sent email counted in its lane, with its lateness (`postie_lane_*`).
+    fn count_lane(&self, lane: LaneId, outcome: &Outcome) {
+        let Outcome::Sent { lateness_ms, .. } = outcome else {
+            return;
+        };
+        let metrics = self.cx.metrics();
+        let label = &self.lane_labels[lane.0];
+        metrics.lane_sent.get_or_create(label).inc();
+        metrics
+            .lane_lateness_seconds
+            .get_or_create(label)
+            .observe(*lateness_ms as f64 / 1000.0);
     }
 
     /// Carries out `disposition` for `delivery`; true if the delivery was acked.

@@ -1,6 +1,7 @@
 //! The session supervisor: connect (any broker address), declare, run every role's
 //! consume loop on one connection until it is lost or a stop is asked for, then
-//! reconnect with backoff.
+//! reconnect with backoff. A consume loop per lane's send queue, the relay's in
+//! ladder mode, and one per `topology.drain_prefixes` queue.
 
 use std::time::Duration;
 
@@ -10,12 +11,12 @@ use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use super::publisher::Publisher;
-use super::stream::Lane;
+use super::stream::Feed;
 use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker;
 use crate::ops::backoff::Backoff;
 use crate::ops::metrics::Dependency;
-use crate::topology::{DelayLayout, Topology};
+use crate::topology::{DelayLayout, LaneId, Topology};
 
 /// How often a consume loop checks that its connection still stands, in case the
 /// consumer stream misses the connection's end.
@@ -109,23 +110,32 @@ impl Service {
         watch_connection(conn, lost.clone(), session_stop.clone());
         let events = self.spawn_events(publish.clone(), session_stop.clone());
         self.cx.health.set_broker_up(true);
-        let mut lanes = vec![Lane {
-            role: Role::Send,
-            queue: self.cx.topology.send_queue().to_owned(),
-            prefetch: self.prefetch().send,
-            concurrency: self.cx.settings.worker.concurrency,
-        }];
+        // A send loop per lane (`<p>.send` first), each with the worker's concurrency.
+        let mut feeds: Vec<Feed> = self
+            .cx
+            .topology
+            .lanes()
+            .iter()
+            .enumerate()
+            .map(|(i, lane)| Feed {
+                role: Role::Send(LaneId(i)),
+                queue: lane.queue.clone(),
+                prefetch: self.prefetch().send,
+                concurrency: self.cx.settings.worker.concurrency,
+            })
+            .collect();
         if let DelayLayout::Ladder(_) = self.cx.topology.delay() {
-            lanes.push(Lane {
+            // A relay loop per lane's intake (`<p>.intake` first).
+            feeds.extend(self.cx.topology.lanes().iter().map(|lane| Feed {
                 role: Role::Relay,
-                queue: self.cx.topology.intake_queue().to_owned(),
+                queue: lane.intake.clone(),
                 prefetch: self.prefetch().relay,
                 concurrency: self.cx.settings.delay.relay_concurrency as usize,
-            });
+            }));
         }
         for queue in self.drained_queues(conn).await? {
-            lanes.push(Lane {
-                role: Role::Send,
+            feeds.push(Feed {
+                role: Role::Send(LaneId::default()),
                 queue,
                 prefetch: self.prefetch().send,
                 concurrency: self.cx.settings.worker.concurrency,
@@ -133,9 +143,9 @@ impl Service {
         }
         // The outbox relays publish on this session's channel from now on.
         self.session_publisher.send_replace(Some(publish.clone()));
-        let loops = lanes
+        let loops = feeds
             .into_iter()
-            .map(|lane| Box::pin(self.consume_loop(conn, lane, &publish, (&session_stop, &lost))));
+            .map(|feed| Box::pin(self.consume_loop(conn, feed, &publish, (&session_stop, &lost))));
         // When one loop ends, the others end too: drained if this is a stop,
         // abandoned to redelivery (like the broker's end) if the session is lost.
         let (end, _, rest) = futures_util::future::select_all(loops).await;

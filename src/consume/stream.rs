@@ -3,7 +3,7 @@
 //! timeout). Deliveries go to the role's handler: the send role's in delivery order
 //! (in ladder mode, one held unclaimed too long is marked as arrived: `arrivals.rs`),
 //! the relay's earliest due first from its prefetch window (`relay::DueOrder`). Each
-//! lane's prefetch is cut to the byte budget (`config::Prefetch`).
+//! loop's prefetch is cut to the byte budget (`config::Prefetch`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -26,14 +26,14 @@ use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker::Acks;
 use crate::config::Prefetch;
 use crate::contract::ParseRules;
-use crate::topology::DelayLayout;
+use crate::topology::{DelayLayout, LaneId};
 use crate::work::now_ms;
 
 /// A delivery to handle in a slot of its loop.
 enum Work {
-    /// A `<p>.send` delivery, and when to mark it as arrived if still unclaimed
-    /// (`None`: marked already, or marks are off).
-    Send(Delivery, Option<Instant>),
+    /// A send queue's delivery, when to mark it as arrived if still unclaimed
+    /// (`None`: marked already, or marks are off), and the queue's lane.
+    Send(Delivery, Option<Instant>, LaneId),
     /// An intake delivery, with the decision made when it arrived.
     Relay(Delivery, Decision),
 }
@@ -54,7 +54,7 @@ async fn sleep_until_some(at: Option<Instant>) {
 }
 
 /// One consume loop's queue and limits.
-pub(super) struct Lane {
+pub(super) struct Feed {
     /// What the loop does with its deliveries.
     pub(super) role: Role,
     /// The queue it consumes.
@@ -101,37 +101,37 @@ impl Consumer<'_> {
 }
 
 impl Service {
-    /// Each lane's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
+    /// Each consume loop's prefetch, as `worker.inflight_bytes` allows (`config::memory`).
     pub(super) fn prefetch(&self) -> Prefetch {
         let ladder = matches!(self.cx.topology.delay(), DelayLayout::Ladder(_));
         self.cx.settings.prefetch(ladder)
     }
 
-    /// Consumes `lane.queue` until `stop` (then drains) or `lost` (then abandons
+    /// Consumes `feed.queue` until `stop` (then drains) or `lost` (then abandons
     /// in-flight work to redelivery after at most the drain timeout).
     pub(super) async fn consume_loop(
         &self,
         conn: &Connection,
-        lane: Lane,
+        feed: Feed,
         publish: &Publisher,
         (stop, lost): (&CancellationToken, &CancellationToken),
     ) -> anyhow::Result<SessionEnd> {
-        let (channel, deliveries) = self.start_consumer(conn, &lane).await?;
+        let (channel, deliveries) = self.start_consumer(conn, &feed).await?;
         let (acks, ack_task) = Acks::start(channel.clone());
         let mut consumer = Consumer {
             deliveries,
-            queue: lane.queue,
-            prefetch: lane.prefetch,
-            slots: Arc::new(Semaphore::new(lane.concurrency)),
+            queue: feed.queue,
+            prefetch: feed.prefetch,
+            slots: Arc::new(Semaphore::new(feed.concurrency)),
             tracker: TaskTracker::new(),
             publish,
             acks,
             stop,
             lost,
         };
-        let end = match lane.role {
+        let end = match feed.role {
             Role::Relay => self.relay_loop(&mut consumer).await,
-            Role::Send => self.send_loop(&mut consumer).await,
+            Role::Send(lane) => self.send_loop(&mut consumer, lane).await,
         };
         self.drain(&end, &channel, &consumer).await;
         // The acks of everything finished go before the channel closes; the consumer
@@ -146,21 +146,21 @@ impl Service {
         Ok(end)
     }
 
-    /// A channel with the lane's prefetch, and its consumer on the lane's queue.
+    /// A channel with the feed's prefetch, and its consumer on its queue.
     async fn start_consumer(
         &self,
         conn: &Connection,
-        lane: &Lane,
+        feed: &Feed,
     ) -> anyhow::Result<(Channel, lapin::Consumer)> {
         let step = async {
             let channel = conn.create_channel().await?;
             channel
-                .basic_qos(lane.prefetch, BasicQosOptions::default())
+                .basic_qos(feed.prefetch, BasicQosOptions::default())
                 .await?;
             let deliveries = channel
                 .basic_consume(
-                    lane.queue.as_str().into(),
-                    format!("postie-{}-{:?}", self.cx.owner, lane.role).into(),
+                    feed.queue.as_str().into(),
+                    format!("postie-{}-{:?}", self.cx.owner, feed.role).into(),
                     BasicConsumeOptions::default(),
                     FieldTable::default(),
                 )
@@ -202,7 +202,7 @@ impl Service {
     /// the prefetch) and wait here for a slot, in delivery order, so that one held too
     /// long without a claim can be marked as arrived (`arrivals.rs`); no slot is given
     /// while a dependency is down.
-    async fn send_loop(&self, c: &mut Consumer<'_>) -> SessionEnd {
+    async fn send_loop(&self, c: &mut Consumer<'_>, lane: LaneId) -> SessionEnd {
         let health = self.cx.health.clone();
         // The first `marked` are marked as arrived.
         let mut held: VecDeque<Held> = VecDeque::new();
@@ -225,7 +225,7 @@ impl Service {
                     let next = held.pop_front().expect("not empty");
                     let mark_at = (marked == 0).then_some(next.received + ARRIVAL_AFTER);
                     marked = marked.saturating_sub(1);
-                    self.dispatch(c, permit, Work::Send(next.delivery, mark_at));
+                    self.dispatch(c, permit, Work::Send(next.delivery, mark_at, lane));
                 }
                 _ = sleep_until_some(mark_at) => {
                     let now = Instant::now();
@@ -280,8 +280,9 @@ impl Service {
         let (this, publish, acks) = (self.clone(), c.publish.clone(), c.acks.clone());
         c.tracker.spawn(async move {
             match work {
-                Work::Send(delivery, mark_at) => {
-                    this.handle_send(delivery, mark_at, &publish, &acks).await
+                Work::Send(delivery, mark_at, lane) => {
+                    this.handle_send(delivery, (mark_at, lane), &publish, &acks)
+                        .await
                 }
                 Work::Relay(delivery, decision) => {
                     this.handle_relay(delivery, decision, &publish, &acks).await

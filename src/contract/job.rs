@@ -49,6 +49,8 @@ pub struct EmailJob {
     /// `ignore_suppression`: send even to suppressed recipients (a password reset to
     /// an address that once complained); logged when it matters. Default false.
     pub ignore_suppression: bool,
+    /// The lane the job asks for (`topology.lanes`); none: the default lane.
+    pub lane: Option<String>,
 }
 
 impl EmailJob {
@@ -202,6 +204,8 @@ struct RawJob<'a> {
     revision: Option<i32>,
     #[serde(default)]
     ignore_suppression: Option<bool>,
+    #[serde(default)]
+    lane: Option<String>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -249,6 +253,14 @@ impl RawJob<'_> {
         }
         if let Some(user_id) = &self.user_id {
             check_token("user_id", user_id)?;
+        }
+        if let Some(lane) = &self.lane {
+            if !crate::config::is_lane_name(lane) {
+                return invalid(format!(
+                    "\"lane\" {:?} must be 1-32 lower-case ASCII letters, digits, '_' or '-'",
+                    lane.chars().take(40).collect::<String>()
+                ));
+            }
         }
         let key = self.key.as_deref().map(Cow::Borrowed);
         match key_text(key, self.order_id.as_deref(), self.kind.as_deref()) {
@@ -371,6 +383,7 @@ impl EmailJob {
             headers,
             revision,
             ignore_suppression: raw.ignore_suppression.unwrap_or(false),
+            lane: raw.lane,
         })
     }
 }

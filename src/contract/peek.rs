@@ -24,6 +24,8 @@ struct Peek<'a> {
     /// checked before any parse).
     #[serde(default)]
     revision: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    lane: Option<KeyMember<'a>>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -75,6 +77,19 @@ impl<'a> Peek<'a> {
 /// with no usable key. No tree of the body is built: the key fields are borrowed
 /// and the others skipped.
 pub(crate) fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
+    peek_job(body).map(|job| (job.key, job.revision))
+}
+
+/// What the relay reads of a job body: [`peek_key`]'s key and revision, and the lane
+/// it names (a string member, unvalidated: the worker validates).
+pub(crate) struct Peeked {
+    pub(crate) key: IdempotencyKey,
+    pub(crate) revision: i32,
+    pub(crate) lane: Option<String>,
+}
+
+/// [`peek_key`] and the lane, in the same pass.
+pub(crate) fn peek_job(body: &[u8]) -> Option<Peeked> {
     let peek = Peek::read(body)?;
     let key = IdempotencyKey::parse(&peek.key()?).ok()?;
     let revision = peek
@@ -82,7 +97,12 @@ pub(crate) fn peek_key(body: &[u8]) -> Option<(IdempotencyKey, i32)> {
         .and_then(|r| r.as_i64())
         .unwrap_or(0)
         .clamp(0, i32::MAX as i64) as i32;
-    Some((key, revision))
+    let lane = KeyMember::text(peek.lane.as_ref()).map(str::to_owned);
+    Some(Peeked {
+        key,
+        revision,
+        lane,
+    })
 }
 
 /// The key a body names by the contract's rule, as published and unvalidated (so that

@@ -21,6 +21,8 @@ pub struct Scheduled {
     pub revision: i32,
     /// Due time, Unix ms.
     pub due_ms: i64,
+    /// Its lane, `None` for the default (the reconciler's frontier is per lane).
+    pub lane: Option<String>,
     /// The job as published, kept until it is finished so that the reconciler can
     /// re-publish it (None: not kept, `delay.reconcile = false`).
     pub body: Option<Vec<u8>>,
@@ -266,17 +268,19 @@ impl Inbox {
         let revisions: Vec<i32> = newest.values().map(|j| j.revision).collect();
         let dues: Vec<i64> = newest.values().map(|j| j.due_ms).collect();
         let bodies: Vec<Option<&[u8]>> = newest.values().map(|j| j.body.as_deref()).collect();
+        let lanes: Vec<Option<&str>> = newest.values().map(|j| j.lane.as_deref()).collect();
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
-                "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body)
-                 SELECT k, 'scheduled', r, to_timestamp(d / 1000.0), b
-                   FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bytea[]) AS t(k, r, d, b)
+                "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body, lane)
+                 SELECT k, 'scheduled', r, to_timestamp(d / 1000.0), b, l
+                   FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bytea[], $5::text[])
+                        AS t(k, r, d, b, l)
                  ON CONFLICT (key) DO UPDATE
                     SET status = CASE WHEN i.status = 'sending' THEN 'sending' ELSE 'scheduled' END,
                         rescheduled = (i.status = 'sending'),
                         due_at = EXCLUDED.due_at,
-                        revision = EXCLUDED.revision, body = EXCLUDED.body,
+                        revision = EXCLUDED.revision, body = EXCLUDED.body, lane = EXCLUDED.lane,
                         reconciled_at = NULL, arrived_at = NULL, updated_at = now()
                   WHERE (i.status IN ('scheduled', 'cancelled', 'retrying')
                          AND EXCLUDED.revision >= i.revision
@@ -286,7 +290,7 @@ impl Inbox {
             )
             .await?;
         client
-            .execute(&stmt, &[&keys, &revisions, &dues, &bodies])
+            .execute(&stmt, &[&keys, &revisions, &dues, &bodies, &lanes])
             .await?;
         Ok(())
     }

@@ -53,6 +53,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (16, "0016_announced"),
     (17, "0017_reschedule_while_sending"),
     (18, "0018_breakers"),
+    (19, "0019_lanes"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

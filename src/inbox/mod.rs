@@ -37,7 +37,7 @@ pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded};
 pub(crate) use inspect::{MinuteSends, MAINTENANCE_LOCK};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{Cancelled, PendingFilter, Throttle};
-pub(crate) use reconcile::Overdue;
+pub(crate) use reconcile::{LaneRows, Overdue};
 pub use reputation::TypeRates;
 pub(crate) use status::Status;
 pub use suppression::{

@@ -18,6 +18,30 @@ pub(crate) struct Overdue {
     pub(crate) body: Vec<u8>,
 }
 
+/// Which rows belong to one lane: `lane` for a configured lane other than the default;
+/// for the default lane (`lane` None), rows with no lane and rows of a lane not among
+/// `others` (configured no more).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneRows<'a> {
+    pub(crate) lane: Option<&'a str>,
+    pub(crate) others: &'a [&'a str],
+}
+
+/// The SQL condition of [`LaneRows`] on two parameters: the lane and the others.
+macro_rules! in_lane {
+    ($lane:literal, $others:literal) => {
+        concat!(
+            "(CASE WHEN ",
+            $lane,
+            "::text IS NULL THEN lane IS NULL OR lane <> ALL(",
+            $others,
+            "::text[]) ELSE lane = ",
+            $lane,
+            "::text END)"
+        )
+    };
+}
+
 impl Inbox {
     /// The keys (and due times, Unix ms) of up to `limit` scheduled jobs due before `due_before_ms` (Unix
     /// ms), with a kept body, that no worker has marked as arrived and that were not
@@ -28,6 +52,7 @@ impl Inbox {
     /// redelivery is stale (the model's finding 3, issue 34).
     pub(crate) async fn overdue(
         &self,
+        lane: LaneRows<'_>,
         due_before_ms: i64,
         grace: Duration,
         limit: i64,
@@ -36,7 +61,8 @@ impl Inbox {
         let grace_ms = grace.as_millis() as i64;
         let rows = client
             .query(
-                "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
+                concat!(
+                    "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
                   WHERE (status = 'scheduled' AND arrived_at IS NULL
                          OR status = 'sending' AND rescheduled
                             AND lease_until <= clock_timestamp())
@@ -44,22 +70,31 @@ impl Inbox {
                     AND due_at < to_timestamp($1::bigint / 1000.0)
                     AND (reconciled_at IS NULL
                          OR reconciled_at < now() - $2::bigint * interval '1 millisecond')
-                  ORDER BY due_at LIMIT $3",
-                &[&due_before_ms, &grace_ms, &limit],
+                    AND ",
+                    in_lane!("$4", "$5"),
+                    " ORDER BY due_at LIMIT $3"
+                ),
+                &[&due_before_ms, &grace_ms, &limit, &lane.lane, &lane.others],
             )
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     /// The latest due time (Unix ms) among scheduled jobs a worker holds (marked as
-    /// arrived), if any: the send queue's frontier.
-    pub(crate) async fn arrived_frontier(&self) -> Result<Option<i64>, DbError> {
+    /// arrived) in `lane`, if any: that lane's send queue's frontier.
+    pub(crate) async fn arrived_frontier(
+        &self,
+        lane: LaneRows<'_>,
+    ) -> Result<Option<i64>, DbError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
-                "SELECT (extract(epoch FROM max(due_at)) * 1000)::bigint FROM postie_inbox
-                  WHERE status = 'scheduled' AND arrived_at IS NOT NULL",
-                &[],
+                concat!(
+                    "SELECT (extract(epoch FROM max(due_at)) * 1000)::bigint FROM postie_inbox
+                  WHERE status = 'scheduled' AND arrived_at IS NOT NULL AND ",
+                    in_lane!("$1", "$2")
+                ),
+                &[&lane.lane, &lane.others],
             )
             .await?;
         Ok(row.get(0))

@@ -31,6 +31,13 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// `lane="name"`: a lane (`topology.lanes`' names, bounded by the configuration).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LaneLabel {
+    /// The lane's name.
+    pub lane: String,
+}
+
 /// `source="name"`: a producer's outbox (`outbox.sources`' names, never its URL).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabel {
@@ -210,6 +217,12 @@ declare! {
             => "outbox_oldest_row_age_seconds", "Age of the oldest row of a source: in this instance's last batch, or waiting while it cannot publish (0: none)";
         outbox_source_up: Family<SourceLabel, Gauge>
             => "outbox_source_up", "1 while this instance reaches the source's outbox, 0 while it does not";
+        lane_sent: Family<LaneLabel, Counter>
+            => "lane_emails_sent", "Emails sent, by lane (topology.lanes)";
+        lane_lateness_seconds: Family<LaneLabel, Histogram, fn() -> Histogram> = Family::new_with_constructor(|| seconds(0.005, 16))
+            => "lane_delivery_lateness_seconds", "Sent minus due, by lane";
+        lane_moves: Counter
+            => "lane_moves", "Jobs that reached <p>.send (ladder, retry, replay) moved to the queue of the lane they name";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

@@ -23,8 +23,10 @@ use crate::config::{DelaySettings, TopologySettings};
 use crate::contract::PLUGIN_MAX_DELAY;
 
 pub mod ladder;
+mod lanes;
 
 pub use ladder::Ladder;
+pub use lanes::{Lane, LaneId};
 
 /// How `<p>.delayed` holds jobs until due: the resolved delay mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +53,8 @@ pub struct Topology {
     pub(crate) delay: DelayLayout,
     max_delay: Duration,
     names: Names,
+    /// The lanes, the default first (`<p>.send`).
+    lanes: Vec<Lane>,
 }
 
 /// The names, spelled once from the prefix.
@@ -116,6 +120,11 @@ impl Topology {
             quorum_group: settings.quorum_initial_group_size,
             delay: layout,
             max_delay,
+            lanes: lanes::lanes(
+                settings,
+                &format!("{}.send", settings.prefix),
+                &format!("{}.intake", settings.prefix),
+            ),
             names: Names::new(&settings.prefix, settings.retry_steps.len(), layout),
         }
     }
@@ -164,9 +173,26 @@ impl Topology {
         &self.names.work
     }
 
-    /// The queue the consumers compete on.
+    /// The queue the consumers compete on: the default lane's, where every
+    /// internal hop routed `email` lands.
     pub fn send_queue(&self) -> &str {
         &self.names.send
+    }
+
+    /// The lanes, the default first; one unless `topology.lanes` names several.
+    pub fn lanes(&self) -> &[Lane] {
+        &self.lanes
+    }
+
+    /// Lane `id`.
+    pub fn lane(&self, id: LaneId) -> &Lane {
+        &self.lanes[id.0]
+    }
+
+    /// The lane a job names: the default if it names none, or one not configured.
+    pub fn lane_named(&self, name: Option<&str>) -> LaneId {
+        name.and_then(|name| self.lanes.iter().position(|lane| lane.name == name))
+            .map_or(LaneId(0), LaneId)
     }
 
     /// The exchange postie republishes retries through (so that it never needs
@@ -205,9 +231,11 @@ impl Topology {
     /// Every queue, for status and clean-up.
     pub fn queues(&self) -> Vec<String> {
         let mut queues = vec![self.send_queue().to_owned(), self.dead_queue().to_owned()];
+        queues.extend(self.lanes[1..].iter().map(|lane| lane.queue.clone()));
         queues.extend(self.names.retry_queues.iter().cloned());
         if let DelayLayout::Ladder(ladder) = self.delay {
             queues.push(self.intake_queue().to_owned());
+            queues.extend(self.lanes[1..].iter().map(|lane| lane.intake.clone()));
             queues.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
         }
         queues

@@ -11,6 +11,7 @@
 //!   [`Disposition`] (what the consume loop does with the delivery).
 
 pub mod context;
+mod lanes;
 pub mod limiter;
 pub mod outcome;
 pub mod policy;

@@ -11,7 +11,7 @@ use crate::contract::{readable, IdempotencyKey};
 use crate::headers;
 use crate::inbox::Cancelled;
 use crate::ops::metrics::{DeadReason, Metrics, Suppressed};
-use crate::topology::Topology;
+use crate::topology::{LaneId, Topology};
 
 mod dispositions;
 
@@ -124,6 +124,15 @@ pub(crate) enum Outcome {
         /// send through it may have been accepted.
         provider: Option<String>,
     },
+    /// A job of another lane than the queue it came from (routed `email` into
+    /// `<p>.send` by the ladder, a retry queue or a replay): moved to its lane's queue,
+    /// untouched.
+    Moved {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Its lane.
+        lane: LaneId,
+    },
     /// To the dead-letter queue with a reason a person can read.
     DeadLetter {
         /// The job's key, when the message had one.
@@ -152,6 +161,7 @@ impl Outcome {
             Self::Deferred { .. } => "deferred",
             Self::Retry { .. } => "retry",
             Self::Suppressed { .. } => "suppressed",
+            Self::Moved { .. } => "moved",
             Self::DeadLetter { .. } => "dead_letter",
         }
     }
@@ -252,6 +262,15 @@ impl Outcome {
                 error,
                 provider,
             ),
+            Self::Moved { lane, .. } => {
+                tracing::debug!(lane = %topology.lane(*lane).name, "moved to its lane");
+                metrics.lane_moves.inc();
+                Disposition::Republish(Target {
+                    exchange: topology.work_exchange().to_owned(),
+                    routing_key: topology.lane(*lane).routing_key.clone(),
+                    headers: headers::without(original, &[]),
+                })
+            }
             Self::DeadLetter {
                 kind,
                 reason,
@@ -287,7 +306,8 @@ impl Outcome {
             | Self::Throttled { key, .. }
             | Self::Deferred { key, .. }
             | Self::Retry { key, .. }
-            | Self::Suppressed { key, .. } => Some(key),
+            | Self::Suppressed { key, .. }
+            | Self::Moved { key, .. } => Some(key),
             Self::DeadLetter { key, .. } => key.as_ref(),
         }
     }

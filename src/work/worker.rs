@@ -31,12 +31,14 @@ mod db;
 mod due;
 mod follow;
 mod lease;
+mod limits;
 mod route;
 mod send;
 mod suppress;
 mod throttle;
 
 use super::context::SharedContext;
+use super::lanes::FairShare;
 use super::limiter::Limiter;
 use super::policy::{Failure, RetryPolicy};
 use super::{now_ms, DeadKind, Outcome};
@@ -44,6 +46,7 @@ use crate::contract::{self, EmailJob, InvalidJob, ParseRules, Request};
 use crate::headers::{header_int, header_text, HEADER_ATTEMPT, HEADER_PROVIDER};
 use crate::inbox::{Claim, DbError};
 use crate::mail::{RouteId, SendError, Slot};
+use crate::topology::LaneId;
 
 /// What [`Worker::follow`] leads to.
 enum Followed {
@@ -71,6 +74,7 @@ pub(crate) struct Interrupted;
 /// route it is pinned to, if any.
 struct Admitted {
     job: Box<EmailJob>,
+    lane: LaneId,
     due_ms: i64,
     failed_so_far: u32,
     pin: route::Pin,
@@ -92,49 +96,36 @@ pub(crate) struct Worker {
     policy: RetryPolicy,
     /// One per route of the mailer, in its order.
     limiters: std::sync::Arc<[Limiter]>,
+    /// The lanes' shares of the send rate; `None` with one lane.
+    share: Option<FairShare>,
+    /// Each lane's own cap (`topology.lanes.<l>.rate_limit`), in lane order.
+    lane_caps: std::sync::Arc<[Option<Limiter>]>,
 }
 
 impl Worker {
     /// A worker over `cx`; its `hard_stop` ends waits for the database (drain timeout).
     pub(crate) fn new(cx: SharedContext) -> Self {
-        let routes = cx.mailer.routes().all();
-        let prefix = &cx.settings.topology.prefix;
-        let limiters = routes
-            .iter()
-            .enumerate()
-            .map(|(i, route)| {
-                // One route keeps the fleet row it always had (the prefix).
-                let name = match routes.len() {
-                    1 => prefix.clone(),
-                    _ => format!("{prefix}/{}", route.name),
-                };
-                Limiter::new(
-                    route.rate_limit,
-                    route.rate_burst,
-                    cx.inbox.clone(),
-                    &name,
-                    cx.metrics().clone(),
-                    i == 0,
-                )
-            })
-            .collect();
+        let lanes = cx.topology.lanes();
         Self {
             policy: RetryPolicy::new(cx.topology.retry_steps()),
-            limiters,
+            limiters: limits::route_limiters(&cx),
+            share: (lanes.len() > 1).then(|| FairShare::new(lanes.iter().map(|l| l.weight))),
+            lane_caps: limits::lane_caps(&cx),
             cx,
         }
     }
 
-    /// Processes one delivery's body, headers, AMQP timestamp and AMQP `user_id`.
+    /// Processes one delivery's body, headers, AMQP timestamp and AMQP `user_id`,
+    /// taken from `lane`'s queue.
     pub(crate) async fn process(
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,
-        timestamp_s: Option<u64>,
-        user_id: Option<&str>,
+        (timestamp_s, user_id): (Option<u64>, Option<&str>),
+        lane: LaneId,
     ) -> Result<Outcome, Interrupted> {
         match self
-            .process_steps(body, headers, timestamp_s, user_id)
+            .process_steps(body, headers, (timestamp_s, user_id), lane)
             .await
         {
             Ok(outcome) => Ok(outcome),
@@ -154,10 +145,13 @@ impl Worker {
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,
-        timestamp_s: Option<u64>,
-        user_id: Option<&str>,
+        (timestamp_s, user_id): (Option<u64>, Option<&str>),
+        lane: LaneId,
     ) -> Result<Outcome, Stop> {
-        let admitted = match self.admit(body, headers, timestamp_s, user_id).await? {
+        let admitted = match self
+            .admit(body, headers, (timestamp_s, user_id), lane)
+            .await?
+        {
             ControlFlow::Continue(admitted) => admitted,
             ControlFlow::Break(outcome) => return Ok(outcome),
         };
@@ -168,15 +162,16 @@ impl Worker {
         }
     }
 
-    /// Parses the delivery and reads its due time: a cancel request, an invalid job
-    /// and a job that came too early end here (`Break`); a job due within the hold
-    /// limit is held until due (never early) and goes on to its turns.
+    /// Parses the delivery and reads its due time: a cancel request, an invalid job,
+    /// a job of another lane than `from`'s queue and a job that came too early end
+    /// here (`Break`); a job due within the hold limit is held until due (never
+    /// early) and goes on to its turns.
     async fn admit(
         &self,
         body: &[u8],
         headers: Option<&FieldTable>,
-        timestamp_s: Option<u64>,
-        user_id: Option<&str>,
+        (timestamp_s, user_id): (Option<u64>, Option<&str>),
+        from: LaneId,
     ) -> Result<ControlFlow<Outcome, Admitted>, Stop> {
         let invalid = |key, reason| {
             ControlFlow::Break(Outcome::DeadLetter {
@@ -210,6 +205,11 @@ impl Worker {
             }
             Err(InvalidJob(reason)) => return Ok(invalid(None, reason)),
         };
+        let lane = self.cx.topology.lane_named(job.lane.as_deref());
+        if lane != from {
+            let key = job.key;
+            return Ok(ControlFlow::Break(Outcome::Moved { key, lane }));
+        }
         let due_ms = match self.due_ms(headers, timestamp_s) {
             Ok(due) => due,
             Err(InvalidJob(reason)) => return Ok(invalid(Some(job.key), reason)),
@@ -231,6 +231,7 @@ impl Worker {
         }
         Ok(ControlFlow::Continue(Admitted {
             job,
+            lane,
             due_ms,
             failed_so_far,
             pin: route::Pin::new(pin),
@@ -247,6 +248,9 @@ impl Worker {
         let route = self.route(admitted).await?;
         let limiter = &self.limiters[route.0];
         let pinned = admitted.pin.get().is_some();
+        // The lane's own cap, then its share among the lanes waiting: both before
+        // the send rate, holding nothing.
+        let (_lane_turn, passage) = self.lane_turn(admitted.lane).await?;
         // The send rate: waited for before the claim, holding nothing. The turn
         // is kept until this turn's send attempt has ended. A job that may go
         // elsewhere stops waiting for a route whose breaker opens meanwhile.
@@ -266,6 +270,8 @@ impl Worker {
             _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
             slot = self.cx.mailer.slot() => slot,
         };
+        // The next lane's job may go on to its turn.
+        drop(passage);
         let asked = Instant::now();
         let lease = self.cx.settings.worker.lease;
         let claim = self
@@ -316,6 +322,7 @@ impl Worker {
             due_ms,
             failed_so_far,
             pin,
+            ..
         } = admitted;
         let Claimed {
             fence,

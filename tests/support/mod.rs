@@ -89,6 +89,9 @@ pub struct TestEnv {
     /// Whether dropping deletes the topology (not on a throwaway cluster, where a
     /// delete can wait on a dead node).
     pub delete_topology: bool,
+    /// Settings of this world on top of the test defaults (`POSTIE__…` variables),
+    /// e.g. lanes, which change the topology.
+    extra: Vec<(String, String)>,
     /// The test's own connection and confirm channel, rebuilt after a broker restart.
     amqp: tokio::sync::Mutex<(Connection, Channel)>,
 }
@@ -102,12 +105,26 @@ impl TestEnv {
     /// Like [`TestEnv::new`], on the broker(s) at `amqp_url` (a comma-separated list
     /// of addresses, e.g. a [`cluster::Cluster`]'s).
     pub async fn on_broker(name: &str, amqp_url: &str) -> Self {
+        Self::on_broker_with(name, amqp_url, &[]).await
+    }
+
+    /// Like [`TestEnv::new`], with `extra` settings (`POSTIE__…` variables) in every
+    /// postie of this world and in the topology it declares and deletes.
+    pub async fn with_settings(name: &str, extra: &[(&str, &str)]) -> Self {
+        Self::on_broker_with(name, &amqp_url(), extra).await
+    }
+
+    async fn on_broker_with(name: &str, amqp_url: &str, extra: &[(&str, &str)]) -> Self {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let prefix = format!("t.{name}.{id}");
         let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
         admin_sql(&format!("CREATE DATABASE {db_name}")).await;
         let sink = SmtpSink::start().await;
-        let settings = base_settings(amqp_url, &prefix, &db_name, &sink.smtp_url());
+        let extra: Vec<(String, String)> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let settings = base_settings(amqp_url, &prefix, &db_name, &sink.smtp_url(), &extra);
         let topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
         let (conn, channel) = test_connection(amqp_url).await;
         topology
@@ -121,6 +138,7 @@ impl TestEnv {
             topology,
             amqp_url: amqp_url.to_string(),
             delete_topology: true,
+            extra,
             amqp: tokio::sync::Mutex::new((conn, channel)),
         }
     }
@@ -141,17 +159,20 @@ impl TestEnv {
             &self.prefix,
             &self.db_name,
             &self.sink.smtp_url(),
+            &self.extra,
         )
     }
 
     /// The same settings as environment variables, for a `postie` child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
-        settings_env(
+        let mut vars = settings_env(
             &self.amqp_url,
             &self.prefix,
             &self.db_name,
             &self.sink.smtp_url(),
-        )
+        );
+        vars.extend(self.extra.iter().cloned());
+        vars
     }
 
     /// Runs `postie serve` in this process until the handle is stopped.
@@ -231,6 +252,15 @@ impl TestEnv {
 
     /// Like [`TestEnv::publish_many`], each body with its own properties.
     pub async fn publish_many_with(&self, jobs: &[(serde_json::Value, BasicProperties)]) {
+        self.publish_many_routed(ROUTING_KEY, jobs).await;
+    }
+
+    /// Like [`TestEnv::publish_many_with`], with `routing_key` (a lane's: `email.<lane>`).
+    pub async fn publish_many_routed(
+        &self,
+        routing_key: &str,
+        jobs: &[(serde_json::Value, BasicProperties)],
+    ) {
         let mut confirms = Vec::with_capacity(jobs.len());
         let amqp = self.amqp().await;
         for (body, properties) in jobs {
@@ -238,7 +268,7 @@ impl TestEnv {
                 .1
                 .basic_publish(
                     self.topology.delayed_exchange().into(),
-                    ROUTING_KEY.into(),
+                    routing_key.into(),
                     lapin::options::BasicPublishOptions {
                         mandatory: true,
                         ..Default::default()
@@ -758,10 +788,17 @@ pub fn job(key: &str, to: &str) -> serde_json::Value {
     })
 }
 
-fn base_settings(amqp_url: &str, prefix: &str, db_name: &str, smtp_url: &str) -> Settings {
+fn base_settings(
+    amqp_url: &str,
+    prefix: &str,
+    db_name: &str,
+    smtp_url: &str,
+    extra: &[(String, String)],
+) -> Settings {
     // Through the same environment parsing a deployment uses, minus the process env.
     let vars = settings_env(amqp_url, prefix, db_name, smtp_url)
         .into_iter()
+        .chain(extra.iter().cloned())
         .collect();
     Settings::load_from(None, Some(vars)).expect("test settings are valid")
 }

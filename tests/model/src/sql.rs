@@ -52,12 +52,15 @@ pub const MIRRORED: &[Mirrored] = &[
         end: "status = 'sending'",
         sha256: "466e6edee9bdcc4ed9f47f27d6fed46d40ea908dc8d5f8eab9a4f62560577df4",
     },
+    // Issue 33 added a job's lane to schedule_many's row and a lane filter to
+    // overdue: the model has one lane, and a lane's reconciler pass is the one-lane
+    // pass over that lane's rows (its own queue and frontier), so the model is unchanged.
     Mirrored {
         what: "Inbox::schedule_many (inbox::schedule)",
         file: "src/inbox/claim.rs",
-        start: "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body)",
+        start: "INSERT INTO postie_inbox AS i (key, status, revision, due_at, body, lane)",
         end: "EXCLUDED.revision > i.cancelled_through)",
-        sha256: "2eeace3cc27366ab62b2792950e4e7bc690263dfe636949b48143ad9e70a86bd",
+        sha256: "c6d41d9b16682f54077a37793823021c3515c5b6c94a76d001fa6af138ece427",
     },
     Mirrored {
         what: "Inbox::finish_cancelled (inbox::finish_cancelled)",
@@ -71,7 +74,7 @@ pub const MIRRORED: &[Mirrored] = &[
         file: "src/inbox/reconcile.rs",
         start: "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox",
         end: "ORDER BY due_at LIMIT $3",
-        sha256: "58da44a9d4a0c9106e453a8144b646ad55cb7d82b02f3b57925f6d95f79f36ce",
+        sha256: "9b86339cd6a6b68d08c99888cf05b7d2638c14a31e92f6e864abe5c6ff2da3d4",
     },
 ];
 

@@ -156,6 +156,7 @@ impl Pair {
             key: KEY.into(),
             revision: rev as i32,
             due_ms: due as i64 * 1000,
+            lane: None,
             body: Some(b"{}".to_vec()),
         };
         self.inbox.schedule_many(&[job]).await.unwrap();

@@ -1,0 +1,74 @@
+//! The limits a job waits for before its claim, besides a connection slot: its
+//! lane's own cap and its lane's share among the lanes (`work::lanes`), then its
+//! route's send rate (`work::limiter`).
+
+use super::{Stop, Worker};
+use crate::topology::LaneId;
+use crate::work::context::Context;
+use crate::work::lanes::Passage;
+use crate::work::limiter::{Limiter, Turn};
+
+/// A limiter per route of the mailer, in its order: each route's fleet row.
+pub(super) fn route_limiters(cx: &Context) -> std::sync::Arc<[Limiter]> {
+    let routes = cx.mailer.routes().all();
+    let prefix = &cx.settings.topology.prefix;
+    routes
+        .iter()
+        .enumerate()
+        .map(|(i, route)| {
+            // One route keeps the fleet row it always had (the prefix).
+            let name = match routes.len() {
+                1 => prefix.clone(),
+                _ => format!("{prefix}/{}", route.name),
+            };
+            Limiter::new(
+                route.rate_limit,
+                route.rate_burst,
+                cx.inbox.clone(),
+                &name,
+                cx.metrics().clone(),
+                i == 0,
+            )
+        })
+        .collect()
+}
+
+/// Each lane's own cap (`topology.lanes.<l>.rate_limit`), in lane order: a fleet row
+/// of its own (`<prefix>/lane/<l>`).
+pub(super) fn lane_caps(cx: &Context) -> std::sync::Arc<[Option<Limiter>]> {
+    let prefix = &cx.settings.topology.prefix;
+    (cx.topology.lanes().iter())
+        .map(|lane| {
+            lane.rate_limit.map(|rate| {
+                let name = format!("{prefix}/lane/{}", lane.name);
+                let metrics = cx.metrics().clone();
+                Limiter::new(Some(rate), None, cx.inbox.clone(), &name, metrics, false)
+            })
+        })
+        .collect()
+}
+
+impl Worker {
+    /// `lane`'s cap (a fleet token of its own, kept until the attempt ends), then its
+    /// passage among the lanes (kept until the job has its send-rate turn and slot).
+    pub(super) async fn lane_turn(
+        &self,
+        lane: LaneId,
+    ) -> Result<(Option<Turn>, Option<Passage>), Stop> {
+        let cap = match &self.lane_caps[lane.0] {
+            Some(cap) => tokio::select! {
+                _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                turn = self.db("lane rate limit", || cap.fleet_token()) => Some(turn?),
+            },
+            None => None,
+        };
+        let passage = match &self.share {
+            Some(share) => tokio::select! {
+                _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                passage = share.enter(lane) => Some(passage),
+            },
+            None => None,
+        };
+        Ok((cap, passage))
+    }
+}
