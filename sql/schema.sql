@@ -174,6 +174,14 @@ CREATE TABLE postie_rate_limit (
     tat  timestamptz NOT NULL
 );
 
+-- Each tenant's next slot inside a lane with a tenant cap (0020): a GCRA row.
+CREATE TABLE postie_tenant_slots (
+    lane    text        NOT NULL,
+    tenant  text        NOT NULL,
+    tat     timestamptz NOT NULL,
+    PRIMARY KEY (lane, tenant)
+);
+
 -- The migration runner's record (created by the runner itself, before 0001;
 -- checksum: SHA-256 of the file as applied, or as found when first recorded).
 CREATE TABLE postie_migrations (

@@ -17,6 +17,9 @@ pub const HEADER_ATTEMPT: &str = "postie-attempt";
 /// Header: the transport (`transport.providers`' name) a job must be retried on,
 /// because a send through it ended without an answer and may have been accepted.
 pub const HEADER_PROVIDER: &str = "postie-provider";
+/// The tenant slot (Unix ms) a job deferred under its tenant's cap was given: it is
+/// not deferred again.
+pub(crate) const HEADER_TENANT_SLOT: &str = "postie-tenant-slot";
 /// Header: the error of the last failed attempt.
 pub(crate) const HEADER_LAST_ERROR: &str = "postie-last-error";
 /// Header on dead letters: why the job was dead-lettered, for a person.

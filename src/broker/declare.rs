@@ -77,17 +77,15 @@ impl Topology {
             "x-delivery-limit",
             AMQPValue::LongInt(self.delivery_limit as i32),
         );
-        // Each lane's send queue (the default lane's is `<p>.send`, routed `email`).
+        // Each lane's send queue (the default lane's is `<p>.send`, routed `email`,
+        // and with lanes also `email.<default>`).
         for lane in self.lanes() {
             self.declare_queue(channel, &lane.queue, send_args.clone())
                 .await?;
-            self.bind(
-                channel,
-                &lane.queue,
-                self.work_exchange(),
-                &lane.routing_key,
-            )
-            .await?;
+            for key in self.lane_keys(lane) {
+                self.bind(channel, &lane.queue, self.work_exchange(), key)
+                    .await?;
+            }
         }
 
         for (n, step) in self.retry_steps.iter().enumerate() {
@@ -119,9 +117,10 @@ impl Topology {
             DelayLayout::Plugin => {
                 // A lane's routing key on the plugin's exchange reaches its queue.
                 for lane in self.lanes() {
-                    let key = &lane.routing_key;
-                    self.bind(channel, &lane.queue, self.delayed_exchange(), key)
-                        .await?;
+                    for key in self.lane_keys(lane) {
+                        self.bind(channel, &lane.queue, self.delayed_exchange(), key)
+                            .await?;
+                    }
                 }
                 Ok(())
             }
@@ -154,9 +153,10 @@ impl Topology {
         for lane in self.lanes() {
             self.declare_queue(channel, &lane.intake, intake_args.clone())
                 .await?;
-            let key = &lane.routing_key;
-            self.bind(channel, &lane.intake, self.delayed_exchange(), key)
-                .await?;
+            for key in self.lane_keys(lane) {
+                self.bind(channel, &lane.intake, self.delayed_exchange(), key)
+                    .await?;
+            }
         }
 
         for k in 0..ladder.levels() {

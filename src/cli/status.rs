@@ -16,6 +16,7 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     out!("  leases taken over:     {}", counts.takeovers);
     transports(settings, &inbox).await?;
     rates(settings, &inbox).await?;
+    lanes(settings, &inbox).await?;
     super::outbox::status(settings).await?;
 
     let topology = broker::resolve_topology(settings).await?;
@@ -38,6 +39,42 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
         drain_check(settings, &conn, old).await?;
     }
     let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// With lanes configured: each lane's sends and lateness over the last minute (its
+/// queues' depths are among the queues below), and the tenants furthest ahead.
+async fn lanes(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
+    let topology = &settings.topology;
+    if topology.lanes.is_empty() {
+        return Ok(());
+    }
+    out!("lanes (last minute, rows the relay recorded: sent, lateness p50 and p99):");
+    let sends = inbox.lane_sends().await?;
+    for (name, lane) in topology.lane_list() {
+        let row = sends.iter().find(|s| {
+            s.lane.as_deref() == Some(name.as_str())
+                || (s.lane.is_none() && name == topology.default_lane)
+        });
+        let (sent, p50, p99) =
+            row.map_or((0, 0.0, 0.0), |s| (s.sent, s.lateness_p50, s.lateness_p99));
+        out!(
+            "  {name:<16} weight {:>4}  sent {sent:>6}  lateness {p50:>7.2} s {p99:>7.2} s",
+            lane.weight
+        );
+    }
+    let busiest = inbox.busiest_tenants(5).await?;
+    if !busiest.is_empty() {
+        out!("busiest tenants (their next slot, ahead of now):");
+        for t in busiest {
+            out!(
+                "  {:<16} {:<24} {:>8.1} s",
+                t.lane,
+                t.tenant,
+                t.ahead_seconds
+            );
+        }
+    }
     Ok(())
 }
 

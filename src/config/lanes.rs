@@ -24,6 +24,11 @@ pub struct LaneSettings {
     /// unset: none.
     #[serde(default, deserialize_with = "optional_rate")]
     pub rate_limit: Option<SendRate>,
+    /// Each tenant's cap inside the lane (`5/s`): a job over it is deferred to its
+    /// tenant's next slot, so one tenant's backlog leaves the rest of the lane to the
+    /// others. A job naming no tenant counts as tenant `default`. Unset: none.
+    #[serde(default, deserialize_with = "optional_rate")]
+    pub tenant_rate_limit: Option<SendRate>,
 }
 
 fn one() -> u32 {
@@ -49,6 +54,7 @@ impl TopologySettings {
             self.lanes.get(&default).cloned().unwrap_or(LaneSettings {
                 weight: 1,
                 rate_limit: None,
+                tenant_rate_limit: None,
             }),
         )];
         lanes.extend(
@@ -100,6 +106,7 @@ mod tests {
         LaneSettings {
             weight,
             rate_limit: None,
+            tenant_rate_limit: None,
         }
     }
 

@@ -107,8 +107,15 @@ impl Service {
             .await?;
         let mut due_before = now_ms() - grace_ms;
         if ready > 0 {
-            if let Some(frontier) = self.cx.inbox.arrived_frontier(rows).await? {
-                due_before = due_before.min(frontier - grace_ms);
+            match self.cx.inbox.arrived_frontier(rows).await? {
+                Some(frontier) => due_before = due_before.min(frontier - grace_ms),
+                // A lane with a tenant cap is passed over fast (its excess deferred at
+                // once, unmarked) however deep its queue: while it has ready
+                // messages, its jobs may be in it, so none is judged lost.
+                None if self.cx.topology.lane(lane).tenant_rate_limit.is_some() => {
+                    due_before = i64::MIN
+                }
+                None => {}
             }
         }
         Ok((due_before, ready))

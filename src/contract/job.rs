@@ -51,6 +51,8 @@ pub struct EmailJob {
     pub ignore_suppression: bool,
     /// The lane the job asks for (`topology.lanes`); none: the default lane.
     pub lane: Option<String>,
+    /// The tenant (fairness group) it is sent for, inside its lane; none: `default`.
+    pub tenant: Option<String>,
 }
 
 impl EmailJob {
@@ -206,6 +208,8 @@ struct RawJob<'a> {
     ignore_suppression: Option<bool>,
     #[serde(default)]
     lane: Option<String>,
+    #[serde(default)]
+    tenant: Option<String>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -253,6 +257,9 @@ impl RawJob<'_> {
         }
         if let Some(user_id) = &self.user_id {
             check_token("user_id", user_id)?;
+        }
+        if let Some(tenant) = &self.tenant {
+            check_token("tenant", tenant)?;
         }
         if let Some(lane) = &self.lane {
             if !crate::config::is_lane_name(lane) {
@@ -384,6 +391,7 @@ impl EmailJob {
             revision,
             ignore_suppression: raw.ignore_suppression.unwrap_or(false),
             lane: raw.lane,
+            tenant: raw.tenant,
         })
     }
 }

@@ -54,6 +54,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (17, "0017_reschedule_while_sending"),
     (18, "0018_breakers"),
     (19, "0019_lanes"),
+    (20, "0020_tenants"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

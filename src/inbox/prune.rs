@@ -141,7 +141,10 @@ impl Inbox {
         }
         pruned.throttle = self
             .prune_throttle(plan, now, &mut pruned.statements)
-            .await?;
+            .await?
+            + self
+                .prune_tenant_slots(plan, &mut pruned.statements)
+                .await?;
         pruned.feedback = self
             .prune_feedback(finished_cutoff, plan, &mut pruned.statements)
             .await?;

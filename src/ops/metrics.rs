@@ -223,6 +223,8 @@ declare! {
             => "lane_delivery_lateness_seconds", "Sent minus due, by lane";
         lane_moves: Counter
             => "lane_moves", "Jobs that reached <p>.send (ladder, retry, replay) moved to the queue of the lane they name";
+        tenant_deferred: Counter
+            => "tenant_deferred", "Jobs over their tenant's cap in their lane, deferred to the tenant's next slot";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

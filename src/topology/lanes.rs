@@ -32,6 +32,8 @@ pub struct Lane {
     pub weight: u32,
     /// Its own fleet-wide cap, if any.
     pub rate_limit: Option<SendRate>,
+    /// Each tenant's cap inside it, if any.
+    pub tenant_rate_limit: Option<SendRate>,
 }
 
 /// The lanes of `settings` under `send` (`<p>.send`) and `intake` (`<p>.intake`),
@@ -61,6 +63,7 @@ pub(super) fn lanes(settings: &TopologySettings, send: &str, intake: &str) -> Ve
                 intake,
                 weight: lane.weight,
                 rate_limit: lane.rate_limit,
+                tenant_rate_limit: lane.tenant_rate_limit,
             }
         })
         .collect()

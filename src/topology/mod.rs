@@ -55,6 +55,8 @@ pub struct Topology {
     names: Names,
     /// The lanes, the default first (`<p>.send`).
     lanes: Vec<Lane>,
+    /// `email.<default lane>`.
+    default_key: String,
 }
 
 /// The names, spelled once from the prefix.
@@ -120,6 +122,7 @@ impl Topology {
             quorum_group: settings.quorum_initial_group_size,
             delay: layout,
             max_delay,
+            default_key: format!("{ROUTING_KEY}.{}", settings.default_lane),
             lanes: lanes::lanes(
                 settings,
                 &format!("{}.send", settings.prefix),
@@ -182,6 +185,17 @@ impl Topology {
     /// The lanes, the default first; one unless `topology.lanes` names several.
     pub fn lanes(&self) -> &[Lane] {
         &self.lanes
+    }
+
+    /// The routing keys that reach `lane`'s queues: its own, and for the default
+    /// lane, when there are several, `email.<default>` too (a producer may name
+    /// every lane the same way).
+    pub fn lane_keys<'a>(&'a self, lane: &'a Lane) -> Vec<&'a str> {
+        let mut keys = vec![lane.routing_key.as_str()];
+        if std::ptr::eq(lane, &self.lanes[0]) && self.lanes.len() > 1 {
+            keys.push(&self.default_key);
+        }
+        keys
     }
 
     /// Lane `id`.

@@ -16,7 +16,7 @@ use crate::topology::{LaneId, Topology};
 mod dispositions;
 
 pub(crate) use dispositions::dead_letter;
-use dispositions::{acked, retry, retry_later, sent, throttled, wait_until};
+use dispositions::{acked, retry, retry_later, sent, tenant_deferred, throttled, wait_until};
 
 /// Why a job is dead-lettered, as a stable label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,6 +133,16 @@ pub(crate) enum Outcome {
         /// Its lane.
         lane: LaneId,
     },
+    /// Over its tenant's cap in its lane: back to wait for the tenant's slot, through
+    /// the lane's intake, stamped with the slot so that it is not deferred again.
+    TenantDeferred {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Its lane.
+        lane: LaneId,
+        /// The slot (Unix ms): its new due time.
+        slot_ms: i64,
+    },
     /// To the dead-letter queue with a reason a person can read.
     DeadLetter {
         /// The job's key, when the message had one.
@@ -162,6 +172,7 @@ impl Outcome {
             Self::Retry { .. } => "retry",
             Self::Suppressed { .. } => "suppressed",
             Self::Moved { .. } => "moved",
+            Self::TenantDeferred { .. } => "tenant_deferred",
             Self::DeadLetter { .. } => "dead_letter",
         }
     }
@@ -271,6 +282,9 @@ impl Outcome {
                     headers: headers::without(original, &[]),
                 })
             }
+            Self::TenantDeferred { lane, slot_ms, .. } => {
+                tenant_deferred(metrics, topology, original, *lane, *slot_ms)
+            }
             Self::DeadLetter {
                 kind,
                 reason,
@@ -307,7 +321,8 @@ impl Outcome {
             | Self::Deferred { key, .. }
             | Self::Retry { key, .. }
             | Self::Suppressed { key, .. }
-            | Self::Moved { key, .. } => Some(key),
+            | Self::Moved { key, .. }
+            | Self::TenantDeferred { key, .. } => Some(key),
             Self::DeadLetter { key, .. } => key.as_ref(),
         }
     }

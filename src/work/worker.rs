@@ -18,9 +18,7 @@
 //! wait out the ladder's last sub-unit rest), then turns ([`Worker::take_turn`]: the
 //! send rate, a connection slot, the claim) until one ends in an outcome, each claimed
 //! turn making one [`Worker::attempt`] (throttle, lease, send, record). The rest lives
-//! beside it: `db.rs` (database steps under the outage rule), `follow.rs` (what a
-//! failure leads to), `send.rs` (the send and its record), `lease.rs`, `throttle.rs`,
-//! `due.rs`.
+//! beside it: `db.rs`, `follow.rs`, `send.rs`, `lease.rs`, `limits.rs`, `throttle.rs`.
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -155,6 +153,9 @@ impl Worker {
             ControlFlow::Continue(admitted) => admitted,
             ControlFlow::Break(outcome) => return Ok(outcome),
         };
+        if let Some(deferred) = self.tenant_turn(&admitted, headers).await? {
+            return Ok(deferred);
+        }
         loop {
             if let Followed::Outcome(outcome) = self.take_turn(&admitted).await? {
                 return Ok(outcome);

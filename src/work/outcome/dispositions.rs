@@ -8,7 +8,7 @@ use super::{DeadKind, Disposition, Target};
 use crate::contract::readable;
 use crate::headers::{self, HEADER_DUE_AT, HEADER_X_DELAY};
 use crate::ops::metrics::{Metrics, Step, ThrottlePolicy};
-use crate::topology::{Topology, ROUTING_KEY};
+use crate::topology::{LaneId, Topology, ROUTING_KEY};
 use crate::work::now_ms;
 
 /// [`super::Outcome::Sent`]: counted, with its lateness and any takeover.
@@ -39,6 +39,27 @@ pub(super) fn throttled(
     metrics.throttled.inc(ThrottlePolicy::Defer);
     let left = (until - now_ms()).max(0);
     Disposition::Republish(wait_until(topology, original, until, left))
+}
+
+/// [`super::Outcome::TenantDeferred`]: counted, and back through the lane's intake
+/// to wait for its tenant's slot, stamped with it.
+pub(super) fn tenant_deferred(
+    metrics: &Metrics,
+    topology: &Topology,
+    original: Option<&FieldTable>,
+    lane: LaneId,
+    slot_ms: i64,
+) -> Disposition {
+    let left = (slot_ms - now_ms()).max(0);
+    tracing::debug!(
+        wait_ms = left,
+        "over its tenant's cap; deferred to its slot"
+    );
+    metrics.tenant_deferred.inc();
+    let mut target = wait_until(topology, original, slot_ms, left);
+    headers::set_int(&mut target.headers, headers::HEADER_TENANT_SLOT, slot_ms);
+    target.routing_key = topology.lane(lane).routing_key.clone();
+    Disposition::Republish(target)
 }
 
 /// Back through the contract exchange, stamped with its due time: the relay (ladder)

@@ -2,11 +2,22 @@
 //! lane's own cap and its lane's share among the lanes (`work::lanes`), then its
 //! route's send rate (`work::limiter`).
 
-use super::{Stop, Worker};
+use lapin::types::FieldTable;
+
+use super::{Admitted, Stop, Worker};
+use crate::headers::{header_int, HEADER_TENANT_SLOT};
 use crate::topology::LaneId;
 use crate::work::context::Context;
 use crate::work::lanes::Passage;
 use crate::work::limiter::{Limiter, Turn};
+use crate::work::Outcome;
+
+/// How far ahead of now a tenant's slot may be and its job still go at once (its
+/// burst).
+const TENANT_BURST_MS: i64 = 1_000;
+
+/// The tenant of a job that names none.
+const DEFAULT_TENANT: &str = "default";
 
 /// A limiter per route of the mailer, in its order: each route's fleet row.
 pub(super) fn route_limiters(cx: &Context) -> std::sync::Arc<[Limiter]> {
@@ -49,6 +60,40 @@ pub(super) fn lane_caps(cx: &Context) -> std::sync::Arc<[Option<Limiter>]> {
 }
 
 impl Worker {
+    /// Under its lane's tenant cap, the job takes its tenant's next slot; a slot
+    /// further ahead than the burst defers the job to it (`Outcome::TenantDeferred`),
+    /// holding nothing. A job already given a slot (its header) goes on.
+    pub(super) async fn tenant_turn(
+        &self,
+        admitted: &Admitted,
+        headers: Option<&FieldTable>,
+    ) -> Result<Option<Outcome>, Stop> {
+        let lane = self.cx.topology.lane(admitted.lane);
+        let Some(rate) = lane.tenant_rate_limit else {
+            return Ok(None);
+        };
+        if header_int(headers, HEADER_TENANT_SLOT).is_some() {
+            return Ok(None);
+        }
+        let tenant = admitted.job.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+        let interval_ms = 1_000.0 / rate.per_second();
+        let key = admitted.job.key.as_str();
+        let slot = self
+            .db("tenant slot", || {
+                let tenant = (lane.name.as_str(), tenant);
+                (self.cx.inbox).tenant_slot(tenant, key, interval_ms, TENANT_BURST_MS)
+            })
+            .await?;
+        let Some(slot) = slot else {
+            return Ok(None);
+        };
+        Ok(Some(Outcome::TenantDeferred {
+            key: admitted.job.key.clone(),
+            lane: admitted.lane,
+            slot_ms: slot,
+        }))
+    }
+
     /// `lane`'s cap (a fleet token of its own, kept until the attempt ends), then its
     /// passage among the lanes (kept until the job has its send-rate turn and slot).
     pub(super) async fn lane_turn(
