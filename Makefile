@@ -1,7 +1,7 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
+.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ ci: ## what CI runs (.ci/run): make lint, then scripts/test-setup.sh, make test 
 
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)
 	$(CARGO) test --release --locked --test bench -- --ignored --nocapture bench_full
+
+bench-lanes: ## the send path with lanes off and on (half the jobs bulk), A B B A: emails/s, postie CPU/email (POSTIE_BENCH_N, default 10,000)
+	$(CARGO) test --release --locked --test lanes -- --ignored --nocapture bench_lanes_on_and_off
 
 bench-transports: ## each transport (smtp, ses, sendgrid, postmark, mailgun) against its test server, one run: emails/s, CPU/email (target/bench/transports.json)
 	$(CARGO) test --release --locked --test bench_transports -- --ignored --nocapture bench_transports
