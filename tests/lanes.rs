@@ -451,6 +451,91 @@ async fn a_tenants_backlog_leaves_the_rest_of_its_lane_to_the_others() {
     assert!(status.contains("busiest tenants"), "{status}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lanes_own_cap_holds_and_its_retries_stay_in_the_lane() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    const BULK: usize = 100;
+    let cap = [("POSTIE__TOPOLOGY__LANES__BULK__RATE_LIMIT", "10/s")];
+    let w = world_with("lanes-cap", 0, 1, &cap).await;
+    // One bulk job's first attempt is refused for now (451): its retry goes through
+    // a retry queue, into <p>.send, and must come back to its lane.
+    w.env
+        .sink
+        .set_faults(
+            serde_json::json!([{"stage": "rcpt", "rcpt_contains": "retry-me",
+            "action": {"reply": "451 4.3.0 try later"}, "times": 1}]),
+        )
+        .await;
+    let mut jobs: Vec<_> = (0..BULK)
+        .map(|i| (bulk(&format!("bulk-{i}")), postie::broker::job_properties()))
+        .collect();
+    let mut retried = bulk("bulk-retry");
+    retried["to"] = serde_json::json!(["retry-me@example.com"]);
+    jobs.push((retried, postie::broker::job_properties()));
+    w.env.publish_many_routed("email.bulk", &jobs).await;
+    let published = transactional(&w.env, 0, 50, None, || {}).await;
+    let survivor = &w.instances[0].0;
+    w.env
+        .emails_or_log(
+            survivor,
+            "every job sent",
+            BULK + 51,
+            Duration::from_secs(120),
+        )
+        .await;
+    let messages = w.env.sink.messages(false).await;
+    let of = |prefix: &str| -> Vec<support::sink::SinkMessage> {
+        let ids: BTreeSet<String> = (messages.iter())
+            .filter(|m| m.subject.contains(prefix))
+            .map(|m| m.message_id.clone())
+            .collect();
+        (messages.iter())
+            .filter(|m| ids.contains(&m.message_id))
+            .cloned()
+            .collect()
+    };
+    let (bulk_sent, tx_sent) = (of("About bulk-"), of("About tx-"));
+    let span = |m: &[support::sink::SinkMessage]| {
+        let t = m.iter().map(|m| m.received_at_ms);
+        (t.clone().min().unwrap(), t.max().unwrap())
+    };
+    let ((bulk_first, bulk_last), (_, tx_last)) = (span(&bulk_sent), span(&tx_sent));
+    let busiest = support::sink::busiest_window(&bulk_sent);
+    let (_, port) = &w.instances[0];
+    let (_, metrics) = support::http_get(&format!("http://127.0.0.1:{port}/metrics")).await;
+    let lane_bulk = sample(&metrics, "postie_lane_emails_sent_total{lane=\"bulk\"}");
+    let moves = sample(&metrics, "postie_lane_moves_total");
+    eprintln!(
+        "FIGURES lane cap: bulk capped at 10/s under a fleet limit of {RATE}: {} bulk emails in {:.1} s, busiest 1000 ms {busiest}; 50 transactional done {:.1} s after the first bulk one; moved back to their lane {moves:?}",
+        bulk_sent.len(),
+        (bulk_last - bulk_first) as f64 / 1000.0,
+        (tx_last - bulk_first) as f64 / 1000.0,
+    );
+    let per_id = w.env.emails_per_id().await;
+    assert_eq!(per_id.len(), BULK + 51, "lost emails");
+    assert!(per_id.values().all(|&n| n == 1), "an email was sent twice");
+    assert_eq!(published.len(), 50);
+    // The cap: 101 bulk emails at 10/s take at least 9 s, never 20 in a second.
+    assert!(
+        bulk_last - bulk_first >= 9_000,
+        "101 bulk emails in {} ms: faster than 10/s",
+        bulk_last - bulk_first
+    );
+    assert!(busiest <= 15, "busiest 1000 ms of bulk: {busiest}");
+    // The other lane is not held by bulk's cap: transactional finished well before.
+    assert!(
+        tx_last < bulk_last - 3_000,
+        "transactional waited for capped bulk"
+    );
+    // The retried job came back to bulk: sent and counted there.
+    assert_eq!(lane_bulk, Some((BULK + 1) as f64));
+    assert!(
+        moves.is_some_and(|n| n >= 1.0),
+        "the retry was not moved: {moves:?}"
+    );
+    assert_eq!(w.env.depth(w.env.topology.dead_queue()).await, 0);
+}
+
 /// One send-path run: `n` jobs queued on the send queues (half of them bulk when
 /// `lanes`), one postie process with no rate limit; emails per second and postie's
 /// CPU per email.
