@@ -483,8 +483,8 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
     use postie::ops::metrics::{
-        DeadReason, Dependency, FeedbackKind, Metrics, ProviderLabel, ProviderName, ProviderResult,
-        QueueLabel, RateLabel, RateWindow, RelayRoute, SourceLabel, Step,
+        DeadReason, Dependency, FeedbackKind, LaneLabel, Metrics, ProviderLabel, ProviderName,
+        ProviderResult, QueueLabel, RateLabel, RateWindow, RelayRoute, SourceLabel, Step,
     };
     let metrics = Metrics::new();
     // A labelled family shows nothing, not even its TYPE line, until it has a child.
@@ -498,6 +498,14 @@ fn exported_series() -> BTreeSet<String> {
         })
         .set(1);
     metrics.reconnected(Dependency::Rabbitmq);
+    let lane = LaneLabel {
+        lane: "bulk".into(),
+    };
+    metrics.lane_sent.get_or_create(&lane).inc();
+    metrics
+        .lane_lateness_seconds
+        .get_or_create(&lane)
+        .observe(0.1);
     let provider = || "smtp".to_string();
     metrics
         .provider_sends
@@ -638,8 +646,10 @@ fn dashboard_queries_only_metrics_postie_exports() {
                 used.insert(name);
             }
             if expr.contains("histogram_quantile") {
+                // Aggregated by `le` (and maybe other labels, such as `lane`).
+                let by_le = ["by (le)", "by (le,", ", le)"];
                 assert!(
-                    expr.contains("_bucket") && expr.contains("by (le)"),
+                    expr.contains("_bucket") && by_le.iter().any(|b| expr.contains(b)),
                     "{title}: {expr}"
                 );
             }
