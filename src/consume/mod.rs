@@ -210,7 +210,7 @@ impl Service {
             relay_prefetch = prefetch.relay,
             inflight_bytes = self.cx.settings.worker.inflight_bytes,
             max_body_bytes = self.cx.settings.worker.max_body_bytes,
-            "in-flight bodies bounded: the prefetches × max_body_bytes fit inflight_bytes"
+            "in-flight bodies bounded: each lane's prefetch × max_body_bytes fits inflight_bytes"
         );
     }
 }
