@@ -110,37 +110,7 @@ impl Service {
         watch_connection(conn, lost.clone(), session_stop.clone());
         let events = self.spawn_events(publish.clone(), session_stop.clone());
         self.cx.health.set_broker_up(true);
-        // A send loop per lane (`<p>.send` first), each with the worker's concurrency.
-        let mut feeds: Vec<Feed> = self
-            .cx
-            .topology
-            .lanes()
-            .iter()
-            .enumerate()
-            .map(|(i, lane)| Feed {
-                role: Role::Send(LaneId(i)),
-                queue: lane.queue.clone(),
-                prefetch: self.prefetch().send,
-                concurrency: self.cx.settings.worker.concurrency,
-            })
-            .collect();
-        if let DelayLayout::Ladder(_) = self.cx.topology.delay() {
-            // A relay loop per lane's intake (`<p>.intake` first).
-            feeds.extend(self.cx.topology.lanes().iter().map(|lane| Feed {
-                role: Role::Relay,
-                queue: lane.intake.clone(),
-                prefetch: self.prefetch().relay,
-                concurrency: self.cx.settings.delay.relay_concurrency as usize,
-            }));
-        }
-        for queue in self.drained_queues(conn).await? {
-            feeds.push(Feed {
-                role: Role::Send(LaneId::default()),
-                queue,
-                prefetch: self.prefetch().send,
-                concurrency: self.cx.settings.worker.concurrency,
-            });
-        }
+        let feeds = self.feeds(conn).await?;
         // The outbox relays publish on this session's channel from now on.
         self.session_publisher.send_replace(Some(publish.clone()));
         let loops = feeds
@@ -171,6 +141,34 @@ impl Service {
 }
 
 impl Service {
+    /// The session's consume loops: a send loop per lane (`<p>.send` first) with the
+    /// worker's concurrency, in ladder mode a relay loop per lane's intake, and a send
+    /// loop per drained queue.
+    async fn feeds(&self, conn: &Connection) -> anyhow::Result<Vec<Feed>> {
+        let send = |role, queue| Feed {
+            role,
+            queue,
+            prefetch: self.prefetch().send,
+            concurrency: self.cx.settings.worker.concurrency,
+        };
+        let lanes = self.cx.topology.lanes();
+        let mut feeds: Vec<Feed> = (lanes.iter().enumerate())
+            .map(|(i, lane)| send(Role::Send(LaneId(i)), lane.queue.clone()))
+            .collect();
+        if let DelayLayout::Ladder(_) = self.cx.topology.delay() {
+            feeds.extend(lanes.iter().map(|lane| Feed {
+                role: Role::Relay,
+                queue: lane.intake.clone(),
+                prefetch: self.prefetch().relay,
+                concurrency: self.cx.settings.delay.relay_concurrency as usize,
+            }));
+        }
+        for queue in self.drained_queues(conn).await? {
+            feeds.push(send(Role::Send(LaneId::default()), queue));
+        }
+        Ok(feeds)
+    }
+
     /// `<old>.send` of every `topology.drain_prefixes` entry that still exists (a
     /// passive declare each, on a channel of its own); a missing one is skipped, and
     /// said so once per session.

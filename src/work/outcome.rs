@@ -16,7 +16,9 @@ use crate::topology::{LaneId, Topology};
 mod dispositions;
 
 pub(crate) use dispositions::dead_letter;
-use dispositions::{acked, retry, retry_later, sent, tenant_deferred, throttled, wait_until};
+use dispositions::{
+    acked, moved, retry, retry_later, sent, tenant_deferred, throttled, wait_until,
+};
 
 /// Why a job is dead-lettered, as a stable label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,15 +275,7 @@ impl Outcome {
                 error,
                 provider,
             ),
-            Self::Moved { lane, .. } => {
-                tracing::debug!(lane = %topology.lane(*lane).name, "moved to its lane");
-                metrics.lane_moves.inc();
-                Disposition::Republish(Target {
-                    exchange: topology.work_exchange().to_owned(),
-                    routing_key: topology.lane(*lane).routing_key.clone(),
-                    headers: headers::without(original, &[]),
-                })
-            }
+            Self::Moved { lane, .. } => moved(metrics, topology, original, *lane),
             Self::TenantDeferred { lane, slot_ms, .. } => {
                 tenant_deferred(metrics, topology, original, *lane, *slot_ms)
             }

@@ -318,13 +318,8 @@ impl Worker {
         slot: Slot,
         claimed: Claimed,
     ) -> Result<Followed, Stop> {
-        let Admitted {
-            job,
-            due_ms,
-            failed_so_far,
-            pin,
-            ..
-        } = admitted;
+        let (job, due_ms) = (&admitted.job, &admitted.due_ms);
+        let (failed_so_far, pin) = (&admitted.failed_so_far, &admitted.pin);
         let Claimed {
             fence,
             takeover,

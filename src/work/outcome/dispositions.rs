@@ -41,6 +41,22 @@ pub(super) fn throttled(
     Disposition::Republish(wait_until(topology, original, until, left))
 }
 
+/// [`super::Outcome::Moved`]: counted, and to its lane's queue, untouched.
+pub(super) fn moved(
+    metrics: &Metrics,
+    topology: &Topology,
+    original: Option<&FieldTable>,
+    lane: LaneId,
+) -> Disposition {
+    tracing::debug!(lane = %topology.lane(lane).name, "moved to its lane");
+    metrics.lane_moves.inc();
+    Disposition::Republish(Target {
+        exchange: topology.work_exchange().to_owned(),
+        routing_key: topology.lane(lane).routing_key.clone(),
+        headers: headers::without(original, &[]),
+    })
+}
+
 /// [`super::Outcome::TenantDeferred`]: counted, and back through the lane's intake
 /// to wait for its tenant's slot, stamped with it.
 pub(super) fn tenant_deferred(
