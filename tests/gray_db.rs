@@ -296,6 +296,10 @@ async fn gd_a_database_that_stops_answering_is_an_outage_within_the_statement_ti
     env.publish(&job("gd-frozen-0", "x@example.com")).await;
     env.emails_or_log(&postie, "the first email", 1, Duration::from_secs(60))
         .await;
+    // Let the first email's bookkeeping (its completion, its event, start-up's
+    // maintenance) give its connections back: the freeze is to find them open and
+    // idle, as the scenario says, not all in use and a new one being dialled.
+    tokio::time::sleep(Duration::from_secs(3)).await;
 
     pg.freeze();
     let frozen_at = Instant::now();
