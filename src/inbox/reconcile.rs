@@ -61,8 +61,9 @@ impl Inbox {
         let grace_ms = grace.as_millis() as i64;
         let rows = client
             .query(
-                concat!(
-                    "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
+                // One literal (the model's harness runs this text as it is); its lane
+                // condition is `in_lane!("$4", "$5")` spelled out.
+                "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
                   WHERE (status = 'scheduled' AND arrived_at IS NULL
                          OR status = 'sending' AND rescheduled
                             AND lease_until <= clock_timestamp())
@@ -70,10 +71,9 @@ impl Inbox {
                     AND due_at < to_timestamp($1::bigint / 1000.0)
                     AND (reconciled_at IS NULL
                          OR reconciled_at < now() - $2::bigint * interval '1 millisecond')
-                    AND ",
-                    in_lane!("$4", "$5"),
-                    " ORDER BY due_at LIMIT $3"
-                ),
+                    AND (CASE WHEN $4::text IS NULL THEN lane IS NULL OR lane <> ALL($5::text[])
+                              ELSE lane = $4::text END)
+                  ORDER BY due_at LIMIT $3",
                 &[&due_before_ms, &grace_ms, &limit, &lane.lane, &lane.others],
             )
             .await?;

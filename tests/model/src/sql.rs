@@ -74,7 +74,7 @@ pub const MIRRORED: &[Mirrored] = &[
         file: "src/inbox/reconcile.rs",
         start: "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox",
         end: "ORDER BY due_at LIMIT $3",
-        sha256: "9b86339cd6a6b68d08c99888cf05b7d2638c14a31e92f6e864abe5c6ff2da3d4",
+        sha256: "428959fd6577847e998cdb73d6c04844984990f47d308c304df42e92fd84b9f6",
     },
 ];
 

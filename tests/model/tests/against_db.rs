@@ -201,7 +201,17 @@ impl Pair {
         // Due before 2096, no grace: only the row's status decides.
         let rows = self
             .db
-            .query(&sql, &[&4_000_000_000_000i64, &0i64, &10i64])
+            // The default lane, no other lane configured (issue 33's lane filter).
+            .query(
+                &sql,
+                &[
+                    &4_000_000_000_000i64,
+                    &0i64,
+                    &10i64,
+                    &None::<&str>,
+                    &Vec::<&str>::new(),
+                ],
+            )
             .await
             .unwrap();
         let real = rows.iter().any(|r| r.get::<_, &str>(0) == KEY);
