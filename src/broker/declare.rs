@@ -82,7 +82,7 @@ impl Topology {
         for lane in self.lanes() {
             self.declare_queue(channel, &lane.queue, send_args.clone())
                 .await?;
-            for key in self.lane_keys(lane) {
+            for key in lane.keys() {
                 self.bind(channel, &lane.queue, self.work_exchange(), key)
                     .await?;
             }
@@ -117,7 +117,7 @@ impl Topology {
             DelayLayout::Plugin => {
                 // A lane's routing key on the plugin's exchange reaches its queue.
                 for lane in self.lanes() {
-                    for key in self.lane_keys(lane) {
+                    for key in lane.keys() {
                         self.bind(channel, &lane.queue, self.delayed_exchange(), key)
                             .await?;
                     }
@@ -153,7 +153,7 @@ impl Topology {
         for lane in self.lanes() {
             self.declare_queue(channel, &lane.intake, intake_args.clone())
                 .await?;
-            for key in self.lane_keys(lane) {
+            for key in lane.keys() {
                 self.bind(channel, &lane.intake, self.delayed_exchange(), key)
                     .await?;
             }

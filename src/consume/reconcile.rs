@@ -129,7 +129,7 @@ impl Service {
         let mut published = 0;
         for id in (0..lanes.len()).map(LaneId) {
             let rows = LaneRows {
-                lane: (id.0 > 0).then(|| lanes[id.0].name.as_str()),
+                lane: self.cx.topology.lane_column(id),
                 others: &others,
             };
             match self.reconcile_lane(&channel, id, rows).await {

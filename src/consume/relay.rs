@@ -257,11 +257,6 @@ impl Service {
         })
     }
 
-    /// A lane as the inbox records it: `None` for the default lane.
-    fn lane_column(&self, lane: LaneId) -> Option<&str> {
-        (lane.0 > 0).then(|| self.cx.topology.lane(lane).name.as_str())
-    }
-
     async fn record_scheduled(
         &self,
         delivery: &mut Delivery,
@@ -287,7 +282,13 @@ impl Service {
             .then(|| std::mem::take(&mut delivery.data));
         let kept = self
             .scheduler
-            .schedule(&key, revision, due_ms, self.lane_column(lane), body)
+            .schedule(
+                &key,
+                revision,
+                due_ms,
+                self.cx.topology.lane_column(lane),
+                body,
+            )
             .await?;
         if let Some(body) = kept {
             delivery.data = body;

@@ -27,21 +27,6 @@ pub(crate) struct LaneRows<'a> {
     pub(crate) others: &'a [&'a str],
 }
 
-/// The SQL condition of [`LaneRows`] on two parameters: the lane and the others.
-macro_rules! in_lane {
-    ($lane:literal, $others:literal) => {
-        concat!(
-            "(CASE WHEN ",
-            $lane,
-            "::text IS NULL THEN lane IS NULL OR lane <> ALL(",
-            $others,
-            "::text[]) ELSE lane = ",
-            $lane,
-            "::text END)"
-        )
-    };
-}
-
 impl Inbox {
     /// The keys (and due times, Unix ms) of up to `limit` scheduled jobs due before `due_before_ms` (Unix
     /// ms), with a kept body, that no worker has marked as arrived and that were not
@@ -61,8 +46,7 @@ impl Inbox {
         let grace_ms = grace.as_millis() as i64;
         let rows = client
             .query(
-                // One literal (the model's harness runs this text as it is); its lane
-                // condition is `in_lane!("$4", "$5")` spelled out.
+                // One literal: the model's harness runs this text as it is.
                 "SELECT key, (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
                   WHERE (status = 'scheduled' AND arrived_at IS NULL
                          OR status = 'sending' AND rescheduled
@@ -89,11 +73,10 @@ impl Inbox {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
-                concat!(
-                    "SELECT (extract(epoch FROM max(due_at)) * 1000)::bigint FROM postie_inbox
-                  WHERE status = 'scheduled' AND arrived_at IS NOT NULL AND ",
-                    in_lane!("$1", "$2")
-                ),
+                "SELECT (extract(epoch FROM max(due_at)) * 1000)::bigint FROM postie_inbox
+                  WHERE status = 'scheduled' AND arrived_at IS NOT NULL
+                    AND (CASE WHEN $1::text IS NULL THEN lane IS NULL OR lane <> ALL($2::text[])
+                              ELSE lane = $1::text END)",
                 &[&lane.lane, &lane.others],
             )
             .await?;

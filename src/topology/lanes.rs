@@ -24,6 +24,9 @@ pub struct Lane {
     /// Its routing key on `<p>.work`, and on `<p>.delayed` for a producer that
     /// publishes into the lane directly.
     pub routing_key: String,
+    /// The default lane, when there are several: `email.<name>`, which reaches its
+    /// queues too (a producer may name every lane the same way).
+    pub alias_key: Option<String>,
     /// Ladder mode: the intake queue its routing key reaches on `<p>.delayed`
     /// (`<p>.intake.<l>`; the default lane's is `<p>.intake`), relayed by a loop of
     /// its own so that a bulk publish of any size never holds up another lane's jobs.
@@ -36,12 +39,19 @@ pub struct Lane {
     pub tenant_rate_limit: Option<SendRate>,
 }
 
+impl Lane {
+    /// The routing keys that reach its queues: its own, and its alias if any.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.routing_key.as_str()).chain(self.alias_key.as_deref())
+    }
+}
+
 /// The lanes of `settings` under `send` (`<p>.send`) and `intake` (`<p>.intake`),
 /// the default first.
 pub(super) fn lanes(settings: &TopologySettings, send: &str, intake: &str) -> Vec<Lane> {
-    settings
-        .lane_list()
-        .into_iter()
+    let list = settings.lane_list();
+    let several = list.len() > 1;
+    list.into_iter()
         .enumerate()
         .map(|(i, (name, lane))| {
             let (queue, routing_key, intake) = match i {
@@ -57,6 +67,7 @@ pub(super) fn lanes(settings: &TopologySettings, send: &str, intake: &str) -> Ve
                 ),
             };
             Lane {
+                alias_key: (i == 0 && several).then(|| format!("{}.{name}", super::ROUTING_KEY)),
                 name,
                 queue,
                 routing_key,

@@ -55,8 +55,6 @@ pub struct Topology {
     names: Names,
     /// The lanes, the default first (`<p>.send`).
     lanes: Vec<Lane>,
-    /// `email.<default lane>`.
-    default_key: String,
 }
 
 /// The names, spelled once from the prefix.
@@ -122,7 +120,6 @@ impl Topology {
             quorum_group: settings.quorum_initial_group_size,
             delay: layout,
             max_delay,
-            default_key: format!("{ROUTING_KEY}.{}", settings.default_lane),
             lanes: lanes::lanes(
                 settings,
                 &format!("{}.send", settings.prefix),
@@ -187,20 +184,14 @@ impl Topology {
         &self.lanes
     }
 
-    /// The routing keys that reach `lane`'s queues: its own, and for the default
-    /// lane, when there are several, `email.<default>` too (a producer may name
-    /// every lane the same way).
-    pub fn lane_keys<'a>(&'a self, lane: &'a Lane) -> Vec<&'a str> {
-        let mut keys = vec![lane.routing_key.as_str()];
-        if std::ptr::eq(lane, &self.lanes[0]) && self.lanes.len() > 1 {
-            keys.push(&self.default_key);
-        }
-        keys
-    }
-
     /// Lane `id`.
     pub fn lane(&self, id: LaneId) -> &Lane {
         &self.lanes[id.0]
+    }
+
+    /// Lane `id` as the inbox records it (`postie_inbox.lane`): `None` for the default.
+    pub(crate) fn lane_column(&self, id: LaneId) -> Option<&str> {
+        (id.0 > 0).then(|| self.lanes[id.0].name.as_str())
     }
 
     /// The lane a job names: the default if it names none, or one not configured.
