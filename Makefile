@@ -13,10 +13,10 @@ test: ## the whole test suite; first installs/starts what it needs (scripts/test
 	bash scripts/test-setup.sh
 	$(CARGO) test --locked --workspace --all-targets --no-fail-fast
 
-test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673); the model (tests/model), which talks to no broker, only in make test
+test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673); the same cargo command as make test, so nothing is built twice
 	bash scripts/test-setup.sh
 	bash scripts/rabbitmq-4.sh start
-	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --exclude postie-model --all-targets --no-fail-fast
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets --no-fail-fast
 
 demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh
