@@ -466,11 +466,17 @@ async fn tenants(name: &str, instances: usize, kill: bool) {
         assert!(per_id.contains_key(&message_id(key)), "{key} not sent");
     }
     assert_eq!(dead, 0, "dead letters");
-    // Without tenant caps b waits behind a's 10,000 (over three minutes at 50/s).
-    // With them, a's excess is deferred out of the way as the lane reaches it: b
-    // waits for that pass and then only for its own turn. Generous; the figure is
-    // printed above.
-    assert!(percentile(&lat, 0.99) < 60_000, "b's latencies {lat:?}");
+    // Without tenant caps b waits behind a's 10,000: 200 s at 50/s. With them, a's
+    // excess is deferred out of the way as the lane reaches it: b waits for that pass
+    // and then only for its own turn (20-32 s on an idle machine, the figure printed
+    // above; 60 s once on a CI run with the file's other tests' nine instances busy
+    // beside it). The assertion is the property, not the figure: under half of a's
+    // backlog.
+    let behind_a_ms = (A as i64) * 1000 / 50;
+    assert!(
+        percentile(&lat, 0.99) < behind_a_ms / 2,
+        "b's latencies {lat:?}"
+    );
     assert!(deferred > 0.0, "nothing deferred under the tenant cap");
     assert!(a_meanwhile > 0, "tenant a stopped while b was sent");
     // Tenant a's sends stay near its cap (30/s) while b is sent: 50/s would mean no cap.
