@@ -178,7 +178,16 @@ impl TestEnv {
     /// Runs `postie serve` in this process until the handle is stopped.
     pub fn serve(&self, settings: Settings) -> Serving {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(postie::consume::serve(settings, stop.clone()));
+        let serving = postie::consume::serve(settings, stop.clone());
+        // A start-up that fails says why on stderr at once: a test waiting for
+        // emails would otherwise time out without a word about the cause.
+        let task = tokio::spawn(async move {
+            let ended = serving.await;
+            if let Err(error) = &ended {
+                eprintln!("postie serve (in the test process) ended: {error:#}");
+            }
+            ended
+        });
         Serving {
             stop,
             task: Some(task),
