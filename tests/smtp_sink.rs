@@ -529,6 +529,94 @@ async fn raw_protocol_sequence_errors_and_pipelining() {
     );
 }
 
+/// `--chunking`: CHUNKING advertised; BDAT chunks read whatever the reply, then the
+/// message recorded after `LAST` and marked chunked; a `data` rule fires at the first
+/// chunk; a BDAT that cannot be parsed closes the session. Without `--chunking`, BDAT
+/// is not implemented (its chunk still read).
+#[tokio::test]
+async fn raw_bdat_chunks_refusals_and_faults() {
+    let sink = Sink::spawn_with(&["--chunking"]);
+    let mut c = sink.raw().await;
+    assert_eq!(c.line().await, "220 postie-smtp-sink ESMTP");
+    c.send("EHLO client.test\r\n").await;
+    let ehlo = c.reply().await;
+    assert_eq!(
+        ehlo.last().map(String::as_str),
+        Some("250 CHUNKING"),
+        "{ehlo:?}"
+    );
+    assert!(ehlo.contains(&"250-PIPELINING".to_owned()), "{ehlo:?}");
+
+    // Without MAIL, and without an accepted recipient: the chunk is read and refused.
+    c.send("BDAT 5 LAST\r\nNOOP\r").await;
+    assert!(c.line().await.starts_with("503 "), "BDAT without MAIL");
+    c.send("MAIL FROM:<a@example.com>\r\nBDAT 4 LAST\r\nRSET")
+        .await;
+    assert!(c.line().await.starts_with("250 "));
+    assert!(
+        c.line().await.starts_with("554 "),
+        "BDAT without a recipient"
+    );
+
+    // Two chunks, the envelope and the first chunk in one write; dots are data.
+    let first = "Subject: chunk\r\n\r\n.x\r\n";
+    c.send(&format!(
+        "MAIL FROM:<a@example.com>\r\nRCPT TO:<c@example.net>\r\nBDAT {}\r\n{first}",
+        first.len()
+    ))
+    .await;
+    assert!(c.line().await.starts_with("250 "));
+    assert!(c.line().await.starts_with("250 "));
+    assert_eq!(
+        c.line().await,
+        format!("250 2.0.0 Ok: {} octets", first.len())
+    );
+    c.send("BDAT 3 LAST\r\nend").await;
+    assert_eq!(c.line().await, "250 2.0.0 Ok: queued as 1");
+
+    // A `data` rule at the first chunk; the chunk is still read.
+    let rules = json!([{"stage": "data", "action": {"reply": "452 4.3.1 full"}, "times": 1}]);
+    assert_eq!(sink.put_faults(rules).await, 200);
+    c.send("MAIL FROM:<a@example.com>\r\nRCPT TO:<c@example.net>\r\nBDAT 2 LAST\r\nhi")
+        .await;
+    assert!(c.line().await.starts_with("250 "));
+    assert!(c.line().await.starts_with("250 "));
+    assert_eq!(c.line().await, "452 4.3.1 full");
+    c.send("NOOP\r\n").await;
+    assert!(
+        c.line().await.starts_with("250 "),
+        "in step after the chunk"
+    );
+
+    c.send("BDAT many\r\n").await;
+    assert!(c.line().await.starts_with("501 "));
+    assert!(
+        c.reply().await.is_empty(),
+        "closed after a BDAT without a size"
+    );
+
+    let messages = sink.messages(true).await;
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert_eq!(
+        str_field(&messages[0], "raw"),
+        "Subject: chunk\r\n\r\n.x\r\nend"
+    );
+    assert_eq!(messages[0]["chunked"], json!(true));
+    assert_eq!(str_field(&messages[0], "subject"), "chunk");
+
+    let plain = Sink::spawn();
+    let mut c = plain.raw().await;
+    assert_eq!(c.line().await, "220 postie-smtp-sink ESMTP");
+    c.send("EHLO client.test\r\n").await;
+    assert!(!c.reply().await.contains(&"250 CHUNKING".to_owned()));
+    c.send("BDAT 6 LAST\r\nQUIT\r\nNOOP\r\n").await;
+    assert!(c.line().await.starts_with("502 "));
+    assert!(
+        c.line().await.starts_with("250 "),
+        "the chunk was not a command"
+    );
+}
+
 #[tokio::test]
 async fn connect_and_data_faults_over_raw_smtp() {
     let sink = Sink::spawn();

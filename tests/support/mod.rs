@@ -114,12 +114,22 @@ impl TestEnv {
         Self::on_broker_with(name, &amqp_url(), extra).await
     }
 
+    /// Like [`TestEnv::new`], with a sink started with `sink_args` (e.g.
+    /// `["--chunking"]`) instead of the default one.
+    pub async fn with_sink(name: &str, sink_args: &[&str]) -> Self {
+        let sink = SmtpSink::start_with(sink_args).await;
+        Self::build(name, &amqp_url(), &[], sink).await
+    }
+
     async fn on_broker_with(name: &str, amqp_url: &str, extra: &[(&str, &str)]) -> Self {
+        Self::build(name, amqp_url, extra, SmtpSink::start().await).await
+    }
+
+    async fn build(name: &str, amqp_url: &str, extra: &[(&str, &str)], sink: SmtpSink) -> Self {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let prefix = format!("t.{name}.{id}");
         let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
         admin_sql(&format!("CREATE DATABASE {db_name}")).await;
-        let sink = SmtpSink::start().await;
         let extra: Vec<(String, String)> = extra
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -32,6 +32,9 @@ pub struct SinkMessage {
     /// The raw message (only when asked for).
     #[serde(default)]
     pub raw: Option<String>,
+    /// It came in `BDAT` chunks, not after `DATA` (a sink started with `--chunking`).
+    #[serde(default)]
+    pub chunked: bool,
 }
 
 /// The sink's counters (`GET /stats`).
@@ -169,9 +172,12 @@ pub struct SmtpSink {
 }
 
 impl SmtpSink {
-    /// Starts a sink on ephemeral ports.
+    /// Starts a sink on ephemeral ports, with the arguments `POSTIE_TEST_SINK_ARGS`
+    /// gives (none by default; `--chunking` runs a test, or a benchmark, against a
+    /// relay that takes BDAT).
     pub async fn start() -> Self {
-        Self::start_with(&[]).await
+        let args = std::env::var("POSTIE_TEST_SINK_ARGS").unwrap_or_default();
+        Self::start_with(&args.split_whitespace().collect::<Vec<_>>()).await
     }
 
     /// Starts a sink on ephemeral ports with extra arguments, e.g.

@@ -12,9 +12,11 @@ pub(crate) enum Stage {
     Mail,
     /// The reply to `RCPT TO`.
     Rcpt,
-    /// The reply to the `DATA` command (normally 354).
+    /// The reply to the `DATA` command (normally 354), or to a transaction's first
+    /// `BDAT` before its chunk is read (`drop` then leaves the chunk unread).
     Data,
-    /// The reply after the terminating dot (normally 250).
+    /// The reply after the terminating dot, or after the chunk of `BDAT … LAST`
+    /// (normally 250).
     DataEnd,
 }
 

@@ -22,8 +22,9 @@
 //!
 //! A fault rule looks like
 //! `{"stage": "rcpt", "rcpt_contains": "bad", "action": {"reply": "451 4.3.0 later"}, "times": 2}`
-//! where `stage` is one of `connect`, `mail`, `rcpt`, `data` (reply to `DATA`) or
-//! `data_end` (reply after the final dot), and `action` is one of `{"reply": LINE}`,
+//! where `stage` is one of `connect`, `mail`, `rcpt`, `data` (reply to `DATA`, or to a
+//! transaction's first `BDAT` before its chunk is read) or `data_end` (reply after the
+//! final dot, or after the chunk of `BDAT … LAST`), and `action` is one of `{"reply": LINE}`,
 //! `{"drop": true, "deliver": BOOL}`, `{"delay_ms": N}` (hold the reply N ms) or
 //! `{"hang": true}` (never answer again: the session reads and discards input until the
 //! client closes it, even after the rule is gone). Rules are checked in order;
@@ -40,6 +41,11 @@
 //! "accepted_per_second": [{"second": 1764510000, "accepted": 5}, …]}`, where
 //! `accepted_per_second` counts every recorded message by Unix second, quota or not.
 //! See the `quota` module.
+//!
+//! With `--chunking` the EHLO reply advertises CHUNKING and the sink takes `BDAT <size>
+//! [LAST]` (RFC 3030): each chunk is read whatever the reply (503 without MAIL, 554
+//! without an accepted recipient), a `data` rule fires at the transaction's first
+//! chunk, and `GET /messages` marks a message that came in chunks `"chunked": true`.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -82,6 +88,9 @@ struct Args {
     /// Leave PIPELINING out of the EHLO reply (a relay that takes one command at a time).
     #[arg(long)]
     no_pipelining: bool,
+    /// Advertise CHUNKING and take `BDAT` (RFC 3030).
+    #[arg(long)]
+    chunking: bool,
 }
 
 #[tokio::main]
@@ -94,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
     let quota = quota::QuotaConfig::new(args.quota_per_second);
     let mut state = state::AppState::new(args.maildir, quota);
     state.pipelining = !args.no_pipelining;
+    state.chunking = args.chunking;
     let state = Arc::new(state);
 
     let smtp = TcpListener::bind(args.smtp)

@@ -1,6 +1,7 @@
 //! The SMTP side: the accept loop and one session per connection, which answers
 //! commands, applies fault rules at each stage and records messages.
 
+mod chunking;
 mod wire;
 
 use std::io;
@@ -78,6 +79,10 @@ enum Body {
 struct Transaction {
     mail_from: String,
     rcpts: Vec<String>,
+    /// The `BDAT` chunks so far, once the first has come.
+    chunks: Option<Vec<u8>>,
+    /// The chunks went past [`MAX_MESSAGE_SIZE`] (and were discarded).
+    too_large: bool,
 }
 
 /// One SMTP connection.
@@ -153,6 +158,7 @@ impl Session {
             "MAIL" => self.mail(arg).await,
             "RCPT" => self.rcpt(arg).await,
             "DATA" => self.data().await,
+            "BDAT" => self.bdat(arg).await,
             "RSET" => {
                 self.tx = None;
                 self.answer("250 2.0.0 Ok").await
@@ -180,14 +186,22 @@ impl Session {
     async fn ehlo(&mut self) -> io::Result<Flow> {
         self.greeted = true;
         self.tx = None;
-        let reply = if self.state.pipelining {
-            format!(
-                "250-{HOSTNAME}\r\n250-SIZE {MAX_MESSAGE_SIZE}\r\n250-8BITMIME\r\n250 PIPELINING"
-            )
-        } else {
-            format!("250-{HOSTNAME}\r\n250-SIZE {MAX_MESSAGE_SIZE}\r\n250 8BITMIME")
-        };
-        self.reply(&reply).await?;
+        let mut lines = vec![
+            HOSTNAME.to_string(),
+            format!("SIZE {MAX_MESSAGE_SIZE}"),
+            "8BITMIME".into(),
+        ];
+        if self.state.pipelining {
+            lines.push("PIPELINING".into());
+        }
+        if self.state.chunking {
+            lines.push("CHUNKING".into());
+        }
+        let last = lines.len() - 1;
+        let reply: Vec<String> = (lines.iter().enumerate())
+            .map(|(i, line)| format!("250{}{line}", if i == last { ' ' } else { '-' }))
+            .collect();
+        self.reply(&reply.join("\r\n")).await?;
         Ok(Flow::Continue)
     }
 
@@ -216,7 +230,7 @@ impl Session {
         }
         self.tx = Some(Transaction {
             mail_from: from,
-            rcpts: Vec::new(),
+            ..Transaction::default()
         });
         self.answer("250 2.1.0 Ok").await
     }
@@ -246,6 +260,9 @@ impl Session {
             None => return self.answer("503 5.5.1 Error: need MAIL command").await,
             Some(tx) if tx.rcpts.is_empty() => {
                 return self.answer("503 5.5.1 Error: need RCPT command").await;
+            }
+            Some(tx) if tx.chunks.is_some() => {
+                return self.answer("503 5.5.1 Error: BDAT in progress").await;
             }
             Some(_) => {}
         }
@@ -310,6 +327,7 @@ impl Session {
             subject: header_value(&raw, "Subject").unwrap_or_default(),
             received_at_ms: 0,
             size,
+            chunked: tx.chunks.is_some(),
         };
         let Some(dir) = self.state.maildir.as_ref() else {
             return self.state.record(meta, raw);

@@ -27,6 +27,8 @@ pub(crate) struct MessageMeta {
     pub(crate) received_at_ms: i64,
     /// Size of the message in bytes after dot-unstuffing.
     pub(crate) size: usize,
+    /// The message came in `BDAT` chunks (CHUNKING), not after `DATA`.
+    pub(crate) chunked: bool,
 }
 
 /// A recorded message: metadata plus the raw content.
@@ -91,6 +93,8 @@ pub(crate) struct AppState {
     pub(crate) maildir: Option<PathBuf>,
     /// Whether EHLO advertises PIPELINING.
     pub(crate) pipelining: bool,
+    /// Whether EHLO advertises CHUNKING (and `BDAT` is taken).
+    pub(crate) chunking: bool,
 }
 
 /// Locks a mutex, recovering the data if another thread panicked while holding it.
@@ -110,6 +114,7 @@ impl AppState {
             quota: Mutex::new(Quota::new(quota)),
             counters: Counters::default(),
             pipelining: true,
+            chunking: false,
             maildir,
         }
     }
