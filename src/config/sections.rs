@@ -171,6 +171,11 @@ pub struct SmtpSettings {
     /// A 421/451/454 reply whose text contains one of these (case-insensitive) is a
     /// throttle: the job keeps its attempt count and the instance slows down.
     pub throttle_patterns: Vec<String>,
+    /// Send an email for one recipient with `BDAT` (RFC 3030) to a relay that
+    /// advertises CHUNKING and PIPELINING: the envelope and the body in one write, one
+    /// round trip an email. Off, every email goes after `DATA` (the body only once the
+    /// envelope is answered, so a claim lost meanwhile still stops it).
+    pub chunking: bool,
 }
 
 impl SmtpSettings {
@@ -198,6 +203,7 @@ impl Default for SmtpSettings {
             throttle_patterns: ["throttl", "rate", "too many", "try again later"]
                 .map(String::from)
                 .to_vec(),
+            chunking: true,
         }
     }
 }

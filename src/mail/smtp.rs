@@ -22,6 +22,7 @@
 //! | AUTH | a new connection, when `smtp.url` has a password |
 //! | MAIL FROM, each RCPT TO, DATA (one write to a relay with PIPELINING) | every email |
 //! | the body and the final reply | every email |
+//! | or instead: MAIL FROM, RCPT TO, `BDAT <size> LAST` and the body in one write, and the three replies | an email for one recipient, to a relay with PIPELINING and CHUNKING |
 //! | QUIT | a connection closed after idling |
 //!
 //! A connection back in the pool for less than [`RECENT`] is reused without a NOOP
@@ -88,6 +89,8 @@ pub(super) struct SmtpRelay {
     idle: Mutex<Vec<Idle>>,
     max_idle: usize,
     throttles: ThrottleReplies,
+    /// `smtp.chunking`: BDAT where the relay takes it.
+    chunking: bool,
 }
 
 impl SmtpRelay {
@@ -147,6 +150,7 @@ impl SmtpRelay {
             idle: Mutex::new(Vec::new()),
             max_idle: settings.pool_size as usize,
             throttles: ThrottleReplies::new(&settings.throttle_patterns),
+            chunking: settings.chunking,
         })
     }
 
@@ -190,15 +194,11 @@ impl SmtpRelay {
         // Before AUTH: an EHLO resets the session, and some relays forget AUTH with it.
         let ehlo = connection.command(Ehlo::new(self.hello.clone()));
         let ehlo = self.bounded("EHLO", self.step, ehlo).await?;
-        let pipelining = transaction::advertises_pipelining(&ehlo);
         if let Some(credentials) = &self.credentials {
             let auth = connection.auth(DEFAULT_MECHANISMS, credentials);
             self.bounded("AUTH", self.step, auth).await?;
         }
-        Ok(Session {
-            connection,
-            pipelining,
-        })
+        Ok(Session::new(connection, &ehlo, self.chunking))
     }
 
     /// A pooled connection (checked with a NOOP unless it was in use within

@@ -6,13 +6,24 @@
 //! of postie's CPU per email paid for: system calls and wake-ups, one per command and
 //! reply. A relay without PIPELINING gets one command at a time, as before.
 //!
+//! A relay that advertises CHUNKING (RFC 3030) as well gets an email for one recipient
+//! in a single write: MAIL FROM, RCPT TO, `BDAT <size> LAST` and the body, with the
+//! three replies read in order; one round trip an email. The body then goes before
+//! the relay has answered the envelope, which is safe only with one recipient: a
+//! refused RCPT TO leaves no recipient, and the relay must refuse the chunk, where
+//! with two a refused one would let the email through to the other. So emails for
+//! several recipients, and bodies that are not text, take the DATA path. Once the
+//! group is written, a reply that never comes (a closed connection, a timeout) may
+//! follow a delivery, whichever reply it was: the send is marked uncertain.
+//!
 //! Either way the body is never started once the send's [`Clearance`] is withdrawn: a
 //! pipelined DATA is answered 354 and then left without a body, which the connection's
-//! drop ends (the relay discards a transaction that never saw its final dot).
+//! drop ends (the relay discards a transaction that never saw its final dot); a
+//! chunked email is written only after the clearance's last check.
 
 use std::fmt;
 
-use lettre::address::Envelope;
+use lettre::address::{Address, Envelope};
 use lettre::transport::smtp::client::AsyncSmtpConnection;
 use lettre::transport::smtp::commands::{Data, Mail, Rcpt};
 use lettre::transport::smtp::extension::{Extension, MailBodyParameter, MailParameter, ServerInfo};
@@ -26,14 +37,29 @@ pub(super) struct Session {
     pub(super) connection: AsyncSmtpConnection,
     /// The relay advertised PIPELINING.
     pub(super) pipelining: bool,
+    /// The relay advertised CHUNKING as well as PIPELINING.
+    pub(super) chunking: bool,
 }
 
-/// Whether an EHLO reply advertises PIPELINING (a line of its own, any case).
-pub(super) fn advertises_pipelining(ehlo: &Response) -> bool {
+impl Session {
+    /// A session on `connection`, with the extensions its EHLO reply advertised
+    /// (CHUNKING only if `chunking`, `smtp.chunking`, allows it).
+    pub(super) fn new(connection: AsyncSmtpConnection, ehlo: &Response, chunking: bool) -> Self {
+        let pipelining = advertises(ehlo, "PIPELINING");
+        Self {
+            connection,
+            pipelining,
+            chunking: chunking && pipelining && advertises(ehlo, "CHUNKING"),
+        }
+    }
+}
+
+/// Whether an EHLO reply advertises `extension` (a line of its own, any case).
+fn advertises(ehlo: &Response, extension: &str) -> bool {
     ehlo.message().any(|line| {
         line.split_whitespace()
             .next()
-            .is_some_and(|word| word.eq_ignore_ascii_case("PIPELINING"))
+            .is_some_and(|word| word.eq_ignore_ascii_case(extension))
     })
 }
 
@@ -77,6 +103,24 @@ impl fmt::Display for EnvelopeGroup<'_> {
     }
 }
 
+/// MAIL FROM, the one RCPT TO, `BDAT <size> LAST` and the body as one write (what a
+/// relay with PIPELINING and CHUNKING takes): the body goes as it is, neither
+/// dot-stuffed nor ended by a dot, its size in octets.
+struct ChunkedGroup<'a> {
+    mail: Mail,
+    to: &'a Address,
+    body: &'a str,
+}
+
+impl fmt::Display for ChunkedGroup<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.mail.fmt(f)?;
+        Rcpt::new(self.to.clone(), vec![]).fmt(f)?;
+        write!(f, "BDAT {} LAST\r\n", self.body.len())?;
+        f.write_str(self.body)
+    }
+}
+
 /// The body as sent after DATA's 354: dot-stuffed (a line that starts with `.` gets
 /// one more, RFC 5321 §4.5.2, lines ending CRLF as the formatted message's do), then
 /// `CRLF . CRLF`: what lettre's `message` writes, as one text.
@@ -100,8 +144,9 @@ impl fmt::Display for DataContent<'_> {
 }
 
 impl SmtpRelay {
-    /// MAIL, RCPT, DATA and the body on `session`, each reply under `smtp.timeout`.
-    /// The body is never started once `clearance` is withdrawn.
+    /// MAIL, RCPT, DATA and the body on `session` (or MAIL, RCPT and BDAT where the
+    /// relay and the email allow), each reply under `smtp.timeout`. The body is never
+    /// started once `clearance` is withdrawn.
     pub(super) async fn transaction(
         &self,
         session: &mut Session,
@@ -113,6 +158,12 @@ impl SmtpRelay {
         let options = mail_options(connection.server_info(), envelope, body)?;
         clearance.check()?;
         let mail = Mail::new(envelope.from().cloned(), options);
+        if session.chunking {
+            if let ([to], Ok(body)) = (envelope.to(), std::str::from_utf8(body)) {
+                let group = ChunkedGroup { mail, to, body };
+                return self.chunked(connection, group, clearance).await;
+            }
+        }
         if session.pipelining {
             // lettre writes a command as its text: the group goes out in one write,
             // and the reply read is MAIL's; the others follow in order.
@@ -152,11 +203,32 @@ impl SmtpRelay {
                 self.bounded("the end of data", self.step, content).await
             }
         };
-        if let Err(SendError::Unreachable(_)) = &ended {
-            // The body went and no reply came back: the relay may have taken it.
-            clearance.mark_uncertain();
+        ended.inspect_err(|error| unanswered(clearance, error))?;
+        Ok(())
+    }
+
+    /// The envelope and the body in one write, then MAIL's, RCPT's and BDAT's replies
+    /// in order. A definite refusal of any of them means the relay took nothing; no
+    /// reply at all, to any of them, may follow a delivery (uncertain).
+    async fn chunked(
+        &self,
+        connection: &mut AsyncSmtpConnection,
+        group: ChunkedGroup<'_>,
+        clearance: &Clearance,
+    ) -> Result<(), Failed> {
+        let to = group.to;
+        let first = self.first_reply(connection.command(group)).await;
+        if let Err(Failed::AtFirstReply(error) | Failed::Later(error)) = &first {
+            unanswered(clearance, error);
         }
-        ended?;
+        first?;
+        let rcpt = connection.read_response();
+        let replied = self.bounded("RCPT TO", self.step, rcpt).await;
+        refused(clearance, to, &replied);
+        replied.inspect_err(|error| unanswered(clearance, error))?;
+        let bdat = connection.read_response();
+        let ended = self.bounded("BDAT", self.step, bdat).await;
+        ended.inspect_err(|error| unanswered(clearance, error))?;
         Ok(())
     }
 
@@ -178,6 +250,14 @@ impl SmtpRelay {
             }
             Err(_) => Err(Failed::Later(super::no_answer("MAIL FROM", self.step))),
         }
+    }
+}
+
+/// Marks `clearance` uncertain when a step after the body went out got no reply: the
+/// relay may have taken the email.
+fn unanswered(clearance: &Clearance, error: &SendError) {
+    if let SendError::Unreachable(_) = error {
+        clearance.mark_uncertain();
     }
 }
 
@@ -231,13 +311,34 @@ mod tests {
     }
 
     #[test]
-    fn pipelining_is_read_from_the_ehlo_reply() {
+    fn pipelining_and_chunking_are_read_from_the_ehlo_reply() {
         let with = ehlo("250-relay.example\r\n250-SIZE 1000\r\n250-pipelining\r\n250 8BITMIME\r\n");
-        assert!(advertises_pipelining(&with));
+        assert!(advertises(&with, "PIPELINING"));
         let without = ehlo("250-relay.example\r\n250-SIZE 1000\r\n250 8BITMIME\r\n");
-        assert!(!advertises_pipelining(&without));
+        assert!(!advertises(&without, "PIPELINING"));
         let lookalike = ehlo("250-relay.example\r\n250 XPIPELININGX\r\n");
-        assert!(!advertises_pipelining(&lookalike));
+        assert!(!advertises(&lookalike, "PIPELINING"));
+        let both = ehlo("250-relay.example\r\n250-PIPELINING\r\n250 Chunking\r\n");
+        assert!(advertises(&both, "PIPELINING") && advertises(&both, "CHUNKING"));
+        assert!(!advertises(&with, "CHUNKING"));
+    }
+
+    #[test]
+    fn the_chunked_group_is_mail_rcpt_bdat_with_the_size_and_the_body_as_it_is() {
+        let to: Address = "a@example.com".parse().unwrap();
+        let mail = Mail::new(Some("from@example.com".parse().unwrap()), vec![]);
+        let body = "Subject: é\r\n\r\n.first\r\nlast";
+        let group = ChunkedGroup {
+            mail,
+            to: &to,
+            body,
+        };
+        assert_eq!(body.len(), 27, "octets, not characters");
+        assert_eq!(
+            group.to_string(),
+            "MAIL FROM:<from@example.com>\r\nRCPT TO:<a@example.com>\r\n\
+             BDAT 27 LAST\r\nSubject: é\r\n\r\n.first\r\nlast"
+        );
     }
 
     #[test]
