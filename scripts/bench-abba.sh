@@ -49,6 +49,12 @@ build() { # side commit
         git archive "$commit" | tar -x -C "$src"
     fi
     say "building $side = ${commit:0:12} ($(git log -1 --format=%s "$commit" | cut -c1-60))"
+    # Both sides build into one target directory, where cargo gives the two source
+    # trees the same unit hashes and judges freshness by modification times. `git
+    # archive` dates every file at its commit, so a side committed before the other
+    # side's build would be taken as up to date and get the other side's binary.
+    # Dated now, each side's sources are newer than anything built before them.
+    find "$src" -type f -exec touch {} +
     (cd "$src" && CARGO_TARGET_DIR="$target" "$cargo" build --release --locked --bin postie)
     cp "$target/release/postie" "$work/$side/postie"
     echo "$commit" > "$work/$side/commit"
@@ -59,6 +65,10 @@ if [ "$head" = "$base" ]; then
     echo "$head" > "$work/B/commit"
 else
     build B "$head"
+    if cmp -s "$work/A/postie" "$work/B/postie"; then
+        say "A and B are the same binary: the two revisions compile to the same code, or B was not rebuilt"
+        exit 1
+    fi
 fi
 
 say "building the benchmark (tests/bench.rs of this checkout)"
