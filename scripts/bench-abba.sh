@@ -7,7 +7,7 @@
 #
 #   scripts/bench-abba.sh BASE [HEAD]     (HEAD defaults to HEAD)
 #
-# Each side is `git archive`d into target/abba/src-<commit> and built there with
+# Each side is `git archive`d into $TMPDIR/postie-abba/src-<commit> and built there with
 # `cargo build --release --locked --bin postie` into this checkout's target directory
 # (the dependencies are built once for both sides and the benchmark); its binary is
 # copied to target/abba/<A|B>/postie (the benchmark finds postie's CPU time by that
@@ -38,8 +38,12 @@ target=$("$cargo" metadata --format-version 1 --no-deps \
 work="$target/abba"
 mkdir -p "$work/A" "$work/B"
 
+# The sources live outside the target directory: cargo records a source file under
+# the target directory by its path relative to it, so a second tree there would be
+# checked against the first tree's files.
+sources="${TMPDIR:-/tmp}/postie-abba"
 build() { # side commit
-    local side=$1 commit=$2 src="$work/src-$2"
+    local side=$1 commit=$2 src="$sources/src-$2"
     if [ -n "${POSTIE_ABBA_REUSE:-}" ] && [ -x "$work/$side/postie" ] && [ "$(cat "$work/$side/commit" 2>/dev/null)" = "$commit" ]; then
         say "reusing $side = ${commit:0:12} (POSTIE_ABBA_REUSE)"
         return
@@ -52,7 +56,7 @@ build() { # side commit
     # Both sides build into one target directory, where cargo gives the two source
     # trees the same unit hashes and judges freshness by modification times. `git
     # archive` dates every file at its commit, so a side committed before the other
-    # side's build would be taken as up to date and get the other side's binary.
+    # side's build could be taken as up to date and get the other side's binary.
     # Dated now, each side's sources are newer than anything built before them.
     find "$src" -type f -exec touch {} +
     (cd "$src" && CARGO_TARGET_DIR="$target" "$cargo" build --release --locked --bin postie)
