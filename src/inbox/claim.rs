@@ -189,47 +189,6 @@ pub enum Claim {
 }
 
 impl Inbox {
-    /// Claims revision `revision` of `key` for `owner` for `lease` (see `postie_claim`
-    /// in `sql/schema.sql`, as of `sql/0017_reschedule_while_sending.sql`). An answer this postie
-    /// does not know is an error that the worker waits out as an outage (a database
-    /// migrated by a newer postie), never a reason to defer or dead-letter the job.
-    pub async fn claim(
-        &self,
-        key: &str,
-        owner: &str,
-        lease: Duration,
-        revision: i32,
-    ) -> Result<Claim, DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "SELECT outcome, fence, prior_status, wait_ms FROM postie_claim($1, $2, $3, $4)",
-            )
-            .await?;
-        let lease_ms = lease.as_millis() as i64;
-        let row = client
-            .query_one(&stmt, &[&key, &owner, &lease_ms, &revision])
-            .await?;
-        let outcome: &str = row.get(0);
-        Ok(match outcome {
-            "claimed" => Claim::Claimed {
-                fence: row.get(1),
-                takeover: row.get::<_, &str>(2) == "sending",
-            },
-            "done" => Claim::AlreadySent,
-            "cancelled" => Claim::Cancelled,
-            "stale" => Claim::Stale,
-            "busy" => Claim::Busy {
-                remaining: Duration::from_millis(row.get::<_, i64>(3).max(1) as u64),
-            },
-            other => {
-                return Err(DbError::unreadable(format!(
-                    "postie_claim answered {other:?}, which this postie does not know"
-                )))
-            }
-        })
-    }
-
     /// Renews the claim `fence` on `key` for `lease` from now (the database's clock,
     /// as the claim's). `false`: the claim is gone (taken over, or finished), so its
     /// holder must not go on to hand the email over.

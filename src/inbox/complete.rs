@@ -1,34 +1,26 @@
-//! Completions in batches: every worker's [`Inbox::complete`] joins a queue, and one
-//! task records whatever has queued with one statement, then the next batch. Under
-//! load many completions share a round trip and a commit; alone, one goes at once
-//! (the task waits for nothing but the statement in flight).
+//! Completions in batches (`batch.rs`): every worker's [`Inbox::complete`] joins a
+//! queue, and one task records whatever has queued with one statement, then the next
+//! batch.
 //!
 //! Why: a completion was a round trip and a commit of its own, an email's second
 //! statement (the claim is the first), and most of postie's CPU per email was system
 //! calls and wake-ups. The batch is the same fenced `UPDATE` as one completion, joined
 //! with `unnest` of its rows, so each row keeps its meaning: recorded only while its
-//! fence holds. A batch PostgreSQL refuses for what one row carried is recorded row
-//! by row, so the refusal reaches only that row's caller.
+//! fence holds.
 
 use std::collections::HashSet;
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use tokio::sync::{mpsc, oneshot};
 
+use super::batch::{Batcher, Running, Statement};
 use super::claim::{CompletionRow, COMPLETE};
 use super::{Completion, DbError, Inbox};
 
-/// The most completions one statement records; more wait for the next batch.
-const BATCH_MAX: usize = 256;
-
-/// One completion waiting for its batch, and where its answer goes.
-struct Pending {
+/// One completion waiting for its batch.
+pub(super) struct Pending {
     key: String,
     fence: i64,
     row: OwnedRow,
-    answer: oneshot::Sender<Result<bool, DbError>>,
 }
 
 /// [`CompletionRow`], owned (it outlives the caller's borrow in the queue).
@@ -61,28 +53,28 @@ impl OwnedRow {
     }
 }
 
-/// The queue into the batching task, started by the first completion (so that an
-/// `Inbox` can be built outside the runtime). It ends when the last `Inbox` clone
-/// is dropped.
-#[derive(Clone)]
-pub(super) struct Completer {
-    queue: Arc<OnceLock<mpsc::Sender<Pending>>>,
-    /// `database.statement_timeout`: a batch without an answer by then is an outage
-    /// for each of its callers (who try again), and the next batch goes.
-    deadline: Duration,
+/// Completions' statement: `events.enabled` (terminal rows write their events).
+pub(super) struct Completing {
+    events: bool,
 }
 
-impl Completer {
-    pub(super) fn new(deadline: Duration) -> Self {
-        Self {
-            queue: Arc::default(),
-            deadline,
-        }
+/// The completions' batching task.
+pub(super) type Completer = Batcher<Completing>;
+
+impl Statement for Completing {
+    type Row = Pending;
+    type Answer = bool;
+
+    fn key(row: &Pending) -> &str {
+        &row.key
     }
 
-    /// `database.statement_timeout`.
-    pub(super) fn deadline(&self) -> Duration {
-        self.deadline
+    fn many<'a>(&'a self, pool: &'a Pool, rows: &'a [Pending]) -> Running<'a, Vec<bool>> {
+        Box::pin(record(pool, rows, self.events))
+    }
+
+    fn one<'a>(&'a self, pool: &'a Pool, row: &'a Pending) -> Running<'a, bool> {
+        Box::pin(record_one(pool, row, self.events))
     }
 }
 
@@ -138,61 +130,15 @@ impl Inbox {
         kind: Option<&str>,
         completion: Completion<'_>,
     ) -> Result<bool, DbError> {
-        let queue = self.completer.queue.get_or_init(|| {
-            let (queue, batches) = mpsc::channel(BATCH_MAX);
-            let deadline = self.completer.deadline;
-            let events = self.events;
-            tokio::spawn(record_batches(self.pool.clone(), batches, deadline, events));
-            queue
-        });
-        let (answer, answered) = oneshot::channel();
         let pending = Pending {
             key: key.to_owned(),
             fence,
             row: OwnedRow::new(kind, completion.row()),
-            answer,
         };
-        let gone = || DbError::unreadable("the inbox's completion task has stopped".into());
-        queue.send(pending).await.map_err(|_| gone())?;
-        answered.await.map_err(|_| gone())?
-    }
-}
-
-/// The batching task: takes what has queued (up to [`BATCH_MAX`]), records it, answers
-/// each caller, and again.
-async fn record_batches(
-    pool: Pool,
-    mut queue: mpsc::Receiver<Pending>,
-    deadline: Duration,
-    events: bool,
-) {
-    let mut batch = Vec::with_capacity(BATCH_MAX);
-    while queue.recv_many(&mut batch, BATCH_MAX).await > 0 {
-        // One lock order for every batch (and every instance): by key.
-        batch.sort_by(|a, b| a.key.cmp(&b.key));
-        let recorded = tokio::time::timeout(deadline, record(&pool, &batch, events))
+        let events = self.events;
+        self.completer
+            .run(&self.pool, || Completing { events }, pending)
             .await
-            .unwrap_or_else(|_| Err(DbError::no_answer(deadline)));
-        match recorded {
-            Ok(kept) => {
-                for (pending, kept) in batch.drain(..).zip(kept) {
-                    let _ = pending.answer.send(Ok(kept));
-                }
-            }
-            Err(error) if error.is_outage() || batch.len() == 1 => {
-                for pending in batch.drain(..) {
-                    let _ = pending.answer.send(Err(error.clone()));
-                }
-            }
-            // Refused for what some row carried: each row alone, so only that row's
-            // caller hears the refusal.
-            Err(_) => {
-                for pending in batch.drain(..) {
-                    let one = record_one(&pool, &pending, events).await;
-                    let _ = pending.answer.send(one);
-                }
-            }
-        }
     }
 }
 

@@ -8,8 +8,10 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use secrecy::{ExposeSecret, SecretString};
 use tokio_postgres::NoTls;
 
+mod batch;
 mod breakers;
 mod claim;
+mod claim_many;
 pub mod clock;
 mod complete;
 mod dial;
@@ -55,6 +57,8 @@ pub struct Inbox {
     pool: Pool,
     /// How to open a connection outside the pool (the maintenance lock holder).
     direct: Dialer,
+    /// Claims are run in batches (`claim_many.rs`).
+    claimer: claim_many::Claimer,
     /// Completions are recorded in batches (`complete.rs`).
     completer: complete::Completer,
     /// The suppressed addresses' filter, started by the first check
@@ -94,6 +98,7 @@ impl Inbox {
         Ok(Self {
             pool,
             direct,
+            claimer: claim_many::Claimer::new(settings.statement_timeout),
             completer: complete::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
             tally: Default::default(),

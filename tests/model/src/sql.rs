@@ -31,6 +31,17 @@ pub const MIRRORED: &[Mirrored] = &[
         end: "$$;",
         sha256: "25649b54f1365a0ea3d1318dfcb6fb497ccff141dc54180492f5f4ad2fa81d07",
     },
+    // A batch of claims calls postie_claim once per row, in key order, in one
+    // transaction: each row is the model's claim step, and the rows take effect
+    // together at the commit, before any caller hears its answer (until then another
+    // claim of one of those keys waits on its row lock). So the model is unchanged.
+    Mirrored {
+        what: "CLAIM_MANY, a batch of claims (inbox::postie_claim)",
+        file: "src/inbox/claim_many.rs",
+        start: "const CLAIM_MANY: &str",
+        end: "ORDER BY c.n\";",
+        sha256: "ca979b2c6921faab617ccc2ed3b557b76b240c96892b3e7050b3a805458cdd3f",
+    },
     Mirrored {
         what: "COMPLETE, one completion (inbox::complete)",
         file: "src/inbox/claim.rs",
