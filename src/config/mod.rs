@@ -29,6 +29,7 @@ mod rate;
 mod sections;
 mod smtp;
 mod suppression;
+mod throttle;
 mod transport;
 mod validate;
 
@@ -49,6 +50,7 @@ pub use rate::SendRate;
 pub use sections::*;
 pub(crate) use smtp::{smtp_endpoint, SmtpEndpoint, SmtpSecurity};
 pub use suppression::SuppressionSettings;
+pub use throttle::{ThrottlePolicy, ThrottleRule};
 pub(crate) use transport::ProviderPlan;
 pub use transport::TransportSettings;
 pub(crate) use validate::SmtpTransport;
