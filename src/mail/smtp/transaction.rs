@@ -158,11 +158,10 @@ impl SmtpRelay {
         let options = mail_options(connection.server_info(), envelope, body)?;
         clearance.check()?;
         let mail = Mail::new(envelope.from().cloned(), options);
-        if session.chunking {
-            if let ([to], Ok(body)) = (envelope.to(), std::str::from_utf8(body)) {
-                let group = ChunkedGroup { mail, to, body };
-                return self.chunked(connection, group, clearance).await;
-            }
+        let text = std::str::from_utf8(body).ok();
+        if let ([to], Some(body), true) = (envelope.to(), text, session.chunking) {
+            let group = ChunkedGroup { mail, to, body };
+            return self.chunked(connection, group, clearance).await;
         }
         if session.pipelining {
             // lettre writes a command as its text: the group goes out in one write,
@@ -193,12 +192,12 @@ impl SmtpRelay {
         clearance.check()?;
         // The body and its final dot in one write when it is text (lettre's `message`
         // writes them apart); the bytes on the wire are the same.
-        let ended = match std::str::from_utf8(body) {
-            Ok(text) => {
+        let ended = match text {
+            Some(text) => {
                 let content = connection.command(DataContent(text));
                 self.bounded("the end of data", self.step, content).await
             }
-            Err(_) => {
+            None => {
                 let content = connection.message(body);
                 self.bounded("the end of data", self.step, content).await
             }

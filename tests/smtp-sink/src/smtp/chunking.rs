@@ -39,10 +39,8 @@ impl Session {
             if !self.discard(size).await? {
                 return Ok(Flow::Close);
             }
-            if self.tx.is_some() {
-                // The transaction has failed; the client must start over.
-                self.tx = None;
-            }
+            // The transaction (if any) has failed; the client must start over.
+            self.tx = None;
             return self.answer(reply).await;
         }
         let first = self.tx.as_ref().is_some_and(|tx| tx.chunks.is_none());
