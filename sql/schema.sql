@@ -57,7 +57,10 @@ CREATE TABLE postie_inbox (
     -- completion, unless 'sent', leaves the row 'scheduled' for that revision
     rescheduled boolean NOT NULL DEFAULT false,
     -- 0019: the lane of a scheduled job (NULL: the default lane), for the reconciler
-    lane        text
+    lane        text,
+    -- 0021: the recipients a sent email went to (trimmed, lower-cased); feedback
+    -- about an address suppresses it only when the email it names went to it
+    recipients  text[]
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.
@@ -131,6 +134,17 @@ CREATE TABLE postie_feedback (
     UNIQUE (source, notification_id, address)
 );
 CREATE INDEX postie_feedback_received ON postie_feedback (received_at);
+
+-- Mailgun's signature tokens (0021): each with the SHA-256 of the request it came in,
+-- until past its signed window; the same token with another body is a replay.
+CREATE TABLE postie_webhook_tokens (
+    source      text        NOT NULL,
+    token       text        NOT NULL,
+    body_sha256 text        NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (source, token)
+);
+CREATE INDEX postie_webhook_tokens_expires ON postie_webhook_tokens (expires_at);
 
 -- Emails sent per job type and minute (0015), added by each instance every few
 -- seconds; with postie_feedback, the bounce and complaint rates per type.

@@ -58,7 +58,10 @@ fn main() -> ExitCode {
         Err(e) => {
             let message = postie::describe_error(&e);
             eprintln!("postie: {}", postie::endpoint::scrub(&message, &secrets));
-            ExitCode::FAILURE
+            match e.downcast_ref::<cli::Exit>() {
+                Some(exit) => ExitCode::from(exit.code),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

@@ -1,19 +1,33 @@
 //! `postie feedback ingest`: one bounce report (RFC 3464 DSN) or abuse report
 //! (RFC 5965 ARF) on stdin, e.g. from a mailbox or an MTA pipe, recorded as the
 //! webhooks' notifications are (the job's row by its Message-ID, the suppression list).
+//!
+//! Anyone can mail a bounce mailbox, so a report suppresses an address only when it
+//! names an email postie sent to that address; otherwise it is recorded and the
+//! command says so and exits with [`UNMATCHED`] (`feedback.trust_unmatched = ["dsn"]`
+//! or `["arf"]` trusts such reports, explicitly).
 
 use clap::Subcommand;
 use tokio::io::AsyncReadExt;
 
+use super::Exit;
 use crate::config::Settings;
 use crate::feedback::report;
 use crate::inbox::{Inbox, Recorded};
+
+/// The exit status of an ingest that suppressed no one it was asked to, because the
+/// report names no email postie sent to that address (a forgery, or mail not
+/// postie's): distinct from 1 (an error: not a report, no database) so that an MTA
+/// pipe can tell them apart.
+pub(super) const UNMATCHED: u8 = 3;
 
 /// What to do with feedback.
 #[derive(Subcommand)]
 pub enum FeedbackCommand {
     /// Read one DSN or ARF report on stdin (at most feedback.max_body_bytes) and record
-    /// its bounces or complaint; one line per recipient says what was recorded.
+    /// its bounces or complaint; one line per recipient says what was recorded. Exit
+    /// 3: read, but an address was not suppressed because the report names no email
+    /// postie sent to it.
     Ingest,
 }
 
@@ -37,21 +51,41 @@ pub(super) async fn run(settings: &Settings, command: FeedbackCommand) -> anyhow
         return Ok(());
     }
     let inbox = Inbox::connect(&settings.database).await?;
+    let mut unmatched = 0;
     for note in &notes {
         let what = match note.kind.reason() {
             Some(reason) => format!("{} ({})", note.kind.as_str(), reason.as_str()),
             None => format!("{} (soft: not suppressed)", note.kind.as_str()),
         };
-        match inbox.record_feedback(note).await? {
+        let trusted = settings.feedback.trusts_unmatched(&note.source);
+        match inbox.record_feedback(note, trusted).await? {
             Recorded::Matched { key } => {
                 out!("recorded: {what} from {}, key {key}", note.source)
             }
             Recorded::Duplicate => out!("duplicate: {what} from {} already recorded", note.source),
-            Recorded::Unmatched => out!(
-                "recorded: {what} from {}, no job has its Message-ID",
-                note.source
+            Recorded::Unmatched { why, suppressed } if suppressed => out!(
+                "recorded: {what} from {}, suppressed although {} (feedback.trust_unmatched)",
+                note.source,
+                why.as_str()
             ),
+            Recorded::Unmatched { why, .. } => {
+                unmatched += note.kind.reason().is_some() as usize;
+                out!(
+                    "recorded, not suppressed: {} from {}: {}",
+                    note.kind.as_str(),
+                    note.source,
+                    why.as_str()
+                )
+            }
+            Recorded::Invalid(why) => out!("not recorded: {why}"),
         }
+    }
+    if unmatched > 0 {
+        return Err(Exit {
+            code: UNMATCHED,
+            message: format!("{unmatched} address(es) not suppressed: the report names no email postie sent to them (feedback.trust_unmatched would trust it)"),
+        }
+        .into());
     }
     Ok(())
 }

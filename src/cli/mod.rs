@@ -24,6 +24,16 @@ use crate::config::Settings;
 
 pub(crate) use publish::PublishArgs;
 
+/// A command's end with an exit status of its own (not 0, 1 or 2), and its last word.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Exit {
+    /// The process's exit status.
+    pub code: u8,
+    /// The last line, on stderr.
+    pub message: String,
+}
+
 /// `postie [--config FILE] COMMAND`.
 #[derive(Parser)]
 #[command(

@@ -1,4 +1,5 @@
-//! `feedback.*`: the providers' bounce and complaint webhooks (issue 30).
+//! `feedback.*`: the providers' bounce and complaint webhooks (issue 30), and what
+//! their notices and the reports are trusted with (issue 45).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,6 +9,11 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 use super::de::{duration, optional_addr};
+
+/// The sources of feedback, as `postie_feedback.source` and `feedback.trust_unmatched`
+/// name them: the webhooks' providers and the two kinds of report.
+pub(crate) const FEEDBACK_SOURCES: &[&str] =
+    &["ses", "sendgrid", "postmark", "mailgun", "dsn", "arf"];
 
 /// The feedback endpoint (`/feedback/<provider>`): bounces and complaints the
 /// providers report after the email was accepted. Off unless `listen` is set.
@@ -24,6 +30,13 @@ pub struct FeedbackSettings {
     /// SNS certificate or subscription URL).
     #[serde(deserialize_with = "duration")]
     pub request_timeout: Duration,
+    /// The sources (`ses`, `sendgrid`, `postmark`, `mailgun`, `dsn`, `arf`) whose
+    /// notices suppress an address even when they match no email postie sent to it
+    /// (by Message-ID or the provider's id, the address among that email's
+    /// recipients). Empty, the default: an unmatched notice is recorded and suppresses
+    /// no one. Anyone who can mail the bounce mailbox can write a DSN or an ARF
+    /// report, so trusting `dsn` or `arf` lets them suppress any address.
+    pub trust_unmatched: Vec<String>,
     /// Amazon SES through SNS.
     pub sns: SnsSettings,
     /// SendGrid's signed event webhook.
@@ -40,6 +53,7 @@ impl Default for FeedbackSettings {
             listen: None,
             max_body_bytes: 1024 * 1024,
             request_timeout: Duration::from_secs(10),
+            trust_unmatched: Vec::new(),
             sns: SnsSettings::default(),
             sendgrid: SendgridSettings::default(),
             postmark: PostmarkSettings::default(),
@@ -48,25 +62,73 @@ impl Default for FeedbackSettings {
     }
 }
 
-/// SNS: every message's signature is verified (SignatureVersion 1 and 2).
+impl FeedbackSettings {
+    /// Whether an unmatched notice from `source` suppresses its address.
+    pub fn trusts_unmatched(&self, source: &str) -> bool {
+        self.trust_unmatched.iter().any(|s| s == source)
+    }
+
+    /// The rules the types cannot express; the line names the key.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.max_body_bytes == 0 || self.request_timeout.is_zero() {
+            return Err("feedback.max_body_bytes and request_timeout must be above zero".into());
+        }
+        if let Some(unknown) = self
+            .trust_unmatched
+            .iter()
+            .find(|s| !FEEDBACK_SOURCES.contains(&s.as_str()))
+        {
+            return Err(format!(
+                "feedback.trust_unmatched: {unknown:?} is not a source of feedback ({})",
+                FEEDBACK_SOURCES.join(", ")
+            ));
+        }
+        if self.listen.is_some() && self.sns.enabled && self.sns.topic_arns.is_empty() {
+            return Err("feedback.sns.topic_arns is empty while /feedback/ses is served (feedback.listen): SNS signs every topic's notifications with the same certificate, so any AWS account could suppress any address; name your SES notification topics, or set feedback.sns.enabled = false".into());
+        }
+        if self.sns.max_age.is_zero() || self.mailgun.max_tokens == 0 {
+            return Err(
+                "feedback.sns.max_age and feedback.mailgun.max_tokens must be above zero".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// SNS: every message's signature is verified (SignatureVersion 1 and 2), and only
+/// the operator's topics are heard.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SnsSettings {
+    /// Whether `/feedback/ses` is served (with `feedback.listen`); when it is,
+    /// `topic_arns` must name the topics (start-up is refused otherwise).
+    pub enabled: bool,
     /// The signing certificate (PEM); when set, `SigningCertURL` is never fetched.
     pub certificate_file: Option<PathBuf>,
     /// Hosts `SigningCertURL` (https only) and `SubscribeURL` may name; `*` stands
-    /// for one DNS label (`sns.*.amazonaws.com`, SNS's own hosts in every region).
+    /// for one AWS region name (`eu-west-1`, `us-gov-west-1`, `cn-north-1`), so the
+    /// defaults are SNS's own hosts in every region, China's included.
     pub allowed_hosts: Vec<String>,
-    /// Topic ARNs accepted; empty: any topic.
+    /// The topic ARNs heard: a notification or subscription from any other topic is
+    /// refused (403), never confirmed. Required while `enabled`.
     pub topic_arns: Vec<String>,
+    /// How far a notification's signed `Timestamp` may be from now (either way): one
+    /// captured and posted again later is refused.
+    #[serde(deserialize_with = "duration")]
+    pub max_age: Duration,
 }
 
 impl Default for SnsSettings {
     fn default() -> Self {
         Self {
+            enabled: true,
             certificate_file: None,
-            allowed_hosts: vec!["sns.*.amazonaws.com".into()],
+            allowed_hosts: vec![
+                "sns.*.amazonaws.com".into(),
+                "sns.*.amazonaws.com.cn".into(),
+            ],
             topic_arns: Vec::new(),
+            max_age: Duration::from_secs(3600),
         }
     }
 }
@@ -99,9 +161,13 @@ pub struct PostmarkSettings {
 pub struct MailgunSettings {
     /// The HTTP webhook signing key.
     pub signing_key: Option<SecretString>,
-    /// The oldest signed timestamp accepted.
+    /// The oldest signed timestamp accepted; each token is remembered for twice this.
     #[serde(deserialize_with = "duration")]
     pub max_age: Duration,
+    /// The most tokens remembered at once (`postie_webhook_tokens`, shared by every
+    /// instance): past it a new request is refused with 503, which Mailgun retries,
+    /// rather than a token forgotten early.
+    pub max_tokens: i64,
 }
 
 /// Signed timestamps older than this are refused by default (a replay of a captured
@@ -122,6 +188,7 @@ impl Default for MailgunSettings {
         Self {
             signing_key: None,
             max_age: MAX_AGE,
+            max_tokens: 100_000,
         }
     }
 }

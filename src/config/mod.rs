@@ -135,6 +135,7 @@ impl Settings {
                 .with_list_parse_key("suppression.hard_bounce_codes")
                 .with_list_parse_key("feedback.sns.allowed_hosts")
                 .with_list_parse_key("feedback.sns.topic_arns")
+                .with_list_parse_key("feedback.trust_unmatched")
                 .with_list_parse_key("outbox.sources")
                 .try_parsing(true)
                 .source(env),
@@ -201,9 +202,29 @@ mod tests {
     fn feedback_is_off_by_default_and_reads_its_lists_and_secrets() {
         let s = Settings::load_from(None, Some(vars(&[]))).unwrap();
         assert_eq!(s.feedback.listen, None);
-        assert_eq!(s.feedback.sns.allowed_hosts, ["sns.*.amazonaws.com"]);
+        assert_eq!(
+            s.feedback.sns.allowed_hosts,
+            ["sns.*.amazonaws.com", "sns.*.amazonaws.com.cn"]
+        );
+        assert!(s.feedback.trust_unmatched.is_empty());
+        // Served without its topics: refused, naming the key (issue 45).
+        let open = vars(&[("POSTIE__FEEDBACK__LISTEN", "127.0.0.1:9091")]);
+        let err = Settings::load_from(None, Some(open))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("feedback.sns.topic_arns"), "{err}");
+        let unknown = vars(&[("POSTIE__FEEDBACK__TRUST_UNMATCHED", "dsn,smtp")]);
+        let err = Settings::load_from(None, Some(unknown))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("feedback.trust_unmatched: \"smtp\""), "{err}");
         let env = vars(&[
             ("POSTIE__FEEDBACK__LISTEN", "127.0.0.1:9091"),
+            (
+                "POSTIE__FEEDBACK__SNS__TOPIC_ARNS",
+                "arn:aws:sns:eu-west-1:1:a",
+            ),
+            ("POSTIE__FEEDBACK__TRUST_UNMATCHED", "ses,dsn"),
             (
                 "POSTIE__FEEDBACK__SNS__ALLOWED_HOSTS",
                 "a.example,http://127.0.0.1:80",
@@ -223,6 +244,7 @@ mod tests {
             s.feedback.sns.allowed_hosts,
             ["a.example", "http://127.0.0.1:80"]
         );
+        assert!(s.feedback.trusts_unmatched("dsn") && !s.feedback.trusts_unmatched("arf"));
         let shown = format!("{:?}", s.feedback);
         assert!(!shown.contains("do-not-print"), "{shown}");
         let zero = vars(&[("POSTIE__FEEDBACK__MAX_BODY_BYTES", "0")]);

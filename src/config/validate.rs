@@ -148,10 +148,7 @@ impl Settings {
     }
 
     fn check_feedback(&self) -> Result<(), ConfigError> {
-        let feedback = &self.feedback;
-        if feedback.max_body_bytes == 0 || feedback.request_timeout.is_zero() {
-            return fail("feedback.max_body_bytes and request_timeout must be above zero".into());
-        }
+        self.feedback.check().map_err(ConfigError)?;
         let console = &self.console;
         if console.page_size <= 0 || console.max_batch == 0 {
             return fail("console.page_size and max_batch must be above zero".into());

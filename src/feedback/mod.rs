@@ -6,12 +6,17 @@
 //!   through SNS (`sns.rs`), SendGrid, Postmark and Mailgun (`providers.rs`), each
 //!   authenticated as its provider documents (`verify.rs`); every request's body
 //!   bounded by `feedback.max_body_bytes` and the whole request by
-//!   `feedback.request_timeout`. Unsigned: 401; badly signed, stale or not
-//!   configured: 403; malformed: 400; a replay: 200 and nothing changes; a database
-//!   that does not answer: 503 (the provider retries). Counted in
-//!   `postie_feedback_notifications_total{provider,result}`.
+//!   `feedback.request_timeout`. Unsigned: 401; badly signed, stale, from a topic
+//!   not named, a signature token seen with another request (Mailgun) or not
+//!   configured: 403; malformed: 400; the same notification again: 200 and nothing
+//!   changes; a database that does not answer: 503 (the provider retries). Counted
+//!   in `postie_feedback_notifications_total{provider,result}`.
 //! - reports, `postie feedback ingest` (`report.rs`): an RFC 3464 DSN or an RFC 5965
 //!   ARF report on stdin.
+//!
+//! Either way a notice suppresses an address only when it names an email postie sent
+//! to that address (`Inbox::record_feedback`), unless `feedback.trust_unmatched`
+//! names its source (issue 45).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,10 +31,14 @@ use axum::routing::post;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
+use sha2::{Digest, Sha256};
+
 use crate::config::Settings;
-use crate::inbox::{Feedback, Inbox, Recorded};
+use crate::inbox::{Feedback, Inbox, Recorded, TokenSeen};
 use crate::ops::metrics::{FeedbackLabel, FeedbackResult, FeedbackSource, SharedMetrics};
 
+#[cfg(test)]
+mod fuzz;
 mod providers;
 pub(crate) mod report;
 mod sns;
@@ -47,6 +56,9 @@ pub(crate) enum Refused {
     Malformed(String),
     /// A fetch it needed (SNS's certificate or subscription URL) failed (502).
     Upstream(String),
+    /// What it needs cannot be had now: the database, or room for another signature
+    /// token (503: the provider sends it again later).
+    Unavailable(String),
 }
 
 /// The webhooks' shared state.
@@ -121,7 +133,10 @@ async fn feedback(
         },
         FeedbackSource::Sendgrid => providers::sendgrid(&cfg.sendgrid, &headers, &body, now),
         FeedbackSource::Postmark => providers::postmark(&cfg.postmark, &headers, &body),
-        FeedbackSource::Mailgun => providers::mailgun(&cfg.mailgun, &body, now),
+        FeedbackSource::Mailgun => match providers::mailgun(&cfg.mailgun, &body, now) {
+            Ok(signed) => hooks.once(&signed, &body).await.map(|()| signed.notes),
+            Err(refused) => Err(refused),
+        },
     };
     match read {
         Ok(notes) => hooks.record(source, &notes).await,
@@ -153,20 +168,70 @@ impl Hooks {
             ),
             Refused::Malformed(why) => (StatusCode::BAD_REQUEST, FeedbackResult::Malformed, why),
             Refused::Upstream(why) => (StatusCode::BAD_GATEWAY, FeedbackResult::Refused, why),
+            Refused::Unavailable(why) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                FeedbackResult::Refused,
+                why,
+            ),
         };
         self.count(source, result);
         tracing::warn!(provider = source.as_str(), status = status.as_u16(), reason = %why, "feedback refused");
         (status, format!("{why}\n")).into_response()
     }
 
+    /// Remembers a signed token (Mailgun signs no more than a timestamp and a token)
+    /// with the digest of its request, in PostgreSQL for every instance: the same
+    /// token with another request is a replay (403); the same request again, the
+    /// provider retrying (let through: its notes are duplicates).
+    async fn once(&self, signed: &providers::Signed, body: &[u8]) -> Result<(), Refused> {
+        let digest = hex::encode(Sha256::digest(body));
+        let cfg = &self.settings.mailgun;
+        let seen = self
+            .inbox
+            .remember_token(
+                "mailgun",
+                &signed.token,
+                &digest,
+                signed.remember_until,
+                cfg.max_tokens,
+            )
+            .await;
+        match seen {
+            Ok(TokenSeen::New | TokenSeen::Same) => Ok(()),
+            Ok(TokenSeen::Other) => Err(Refused::Forbidden(
+                "a replay: this signature's token came with another request",
+            )),
+            Ok(TokenSeen::Full) => Err(Refused::Unavailable(
+                "feedback.mailgun.max_tokens signature tokens are remembered: try later".into(),
+            )),
+            Err(error) => Err(Refused::Unavailable(format!(
+                "database unavailable: {}",
+                error.cause()
+            ))),
+        }
+    }
+
     /// Records each notification; 503 if the database does not take one (the
     /// provider sends it again, and what was recorded is then a duplicate).
     async fn record(&self, source: FeedbackSource, notes: &[Feedback]) -> Response {
+        let trusted = self.settings.trusts_unmatched(source.as_str());
         for note in notes {
-            let result = match self.inbox.record_feedback(note).await {
+            let result = match self.inbox.record_feedback(note, trusted).await {
                 Ok(Recorded::Matched { .. }) => FeedbackResult::Recorded,
                 Ok(Recorded::Duplicate) => FeedbackResult::Duplicate,
-                Ok(Recorded::Unmatched) => FeedbackResult::Unmatched,
+                Ok(Recorded::Unmatched { why, suppressed }) => {
+                    tracing::info!(
+                        provider = source.as_str(),
+                        why = why.as_str(),
+                        suppressed,
+                        "feedback names no email sent to its address"
+                    );
+                    FeedbackResult::Unmatched
+                }
+                Ok(Recorded::Invalid(why)) => {
+                    tracing::warn!(provider = source.as_str(), reason = %why, "feedback about an address no job could have: not recorded");
+                    FeedbackResult::Malformed
+                }
                 Err(error) => {
                     tracing::warn!(provider = source.as_str(), error = %error.cause(), "feedback not recorded: database");
                     return (StatusCode::SERVICE_UNAVAILABLE, "database unavailable\n")

@@ -1,8 +1,8 @@
 //! Reports on stdin (`postie feedback ingest`): an RFC 3464 delivery status
-//! notification or an RFC 5965 abuse report, read by a minimal MIME reader written for
-//! these shapes (RFC 6522 `multipart/report`: a human part, the machine-readable
-//! part, the original message or its headers). Headers are unfolded; the report
-//! parts are plain text by their RFCs, so no transfer decoding is done.
+//! notification or an RFC 5965 abuse report, its MIME read by `mail-parser` (RFC 6522
+//! `multipart/report`: a human part, the machine-readable part, the original message
+//! or its headers), every part's transfer encoding (base64, quoted-printable) decoded
+//! and every header unfolded, as real reports need.
 //!
 //! - DSN (`report-type=delivery-status`): each per-recipient group with `Action:
 //!   failed` is a bounce of its `Final-Recipient` (else `Original-Recipient`), hard
@@ -10,98 +10,84 @@
 //! - ARF (`report-type=feedback-report`): `Feedback-Type: abuse` is a complaint about
 //!   `Original-Rcpt-To`, else the original's `To`.
 //!
-//! Both are matched by the original's Message-ID (the third part's headers); the
-//! notification id is the report's own Message-ID, so feeding a report twice
-//! records it once.
+//! Both name the email by the original's Message-ID (the third part's headers); the
+//! notification id is the report's own Message-ID, so feeding a report twice records
+//! it once. Nothing here trusts the report: anyone can mail a bounce mailbox, so
+//! `Inbox::record_feedback` suppresses an address only if postie sent that email to
+//! it (issue 45).
 
+use std::borrow::Cow;
+
+use mail_parser::{Message, MessageParser, MessagePart, MimeHeaders, PartType};
 use sha2::{Digest, Sha256};
 
 use super::providers::evidence;
 use crate::inbox::{Feedback, FeedbackKind};
 use crate::mail::bounce::is_hard_status;
 
-/// Header fields, unfolded, in order.
-type Fields = Vec<(String, String)>;
+/// The most per-recipient groups read from one report (a DSN lists one per recipient
+/// of the email, and postie's emails have a few).
+const GROUPS: usize = 1000;
 
-/// The value of the first field `name` (case-insensitive).
-fn field<'a>(fields: &'a Fields, name: &str) -> Option<&'a str> {
-    fields
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
+/// A group of `Name: value` fields (a DSN's per-message or per-recipient fields, an
+/// ARF report's), or a part's headers, unfolded.
+struct Fields<'a>(Option<Message<'a>>);
+
+impl Fields<'_> {
+    /// The first field `name`'s value (case-insensitive), each run of white space
+    /// (a fold's line break among them) one space.
+    fn get(&self, name: &str) -> Option<String> {
+        let headers = self.0.as_ref()?.headers();
+        let found = headers
+            .iter()
+            .find(|h| h.name().eq_ignore_ascii_case(name))?;
+        let text = found.value().as_text()?;
+        Some(text.split_whitespace().collect::<Vec<_>>().join(" "))
+    }
+
+    /// The first address of the field `name` (an address header: `To`).
+    fn address(&self, name: &str) -> Option<String> {
+        let headers = self.0.as_ref()?.headers();
+        let found = headers
+            .iter()
+            .find(|h| h.name().eq_ignore_ascii_case(name))?;
+        match found.value().as_address() {
+            Some(list) => list.first()?.address().map(str::to_string),
+            None => found.value().as_text().map(address),
+        }
+    }
 }
 
-/// Reads a header block (folded lines joined) and returns it with the rest.
-fn headers(text: &str) -> (Fields, &str) {
-    let mut fields: Fields = Vec::new();
-    let mut rest = text;
-    while !rest.is_empty() {
-        let (line, after) = rest.split_once('\n').unwrap_or((rest, ""));
+/// Reads `text` as header fields (unknown fields as text).
+fn fields(text: &[u8]) -> Fields<'_> {
+    Fields(
+        MessageParser::new()
+            .default_header_text()
+            .parse_headers(text),
+    )
+}
+
+/// The field groups of a `message/delivery-status` or `message/feedback-report`
+/// body: blocks of fields separated by blank lines.
+fn groups(body: &str) -> Vec<String> {
+    let text = body.replace("\r\n", "\n");
+    let mut out = Vec::new();
+    let mut block = String::new();
+    for line in text.lines() {
         if line.trim().is_empty() {
-            return (fields, after);
-        }
-        rest = after;
-        if line.starts_with([' ', '\t']) {
-            if let Some((_, value)) = fields.last_mut() {
-                value.push(' ');
-                value.push_str(line.trim());
+            if !block.is_empty() {
+                out.push(std::mem::take(&mut block));
             }
-        } else if let Some((name, value)) = line.split_once(':') {
-            fields.push((name.trim().to_string(), value.trim().to_string()));
+        } else {
+            block.push_str(line);
+            block.push_str("\r\n");
+        }
+        if out.len() >= GROUPS {
+            return out;
         }
     }
-    (fields, rest)
-}
-
-/// A media type's value (lower-cased) and its parameters (names lower-cased).
-fn media_type(value: &str) -> (String, Vec<(String, String)>) {
-    let mut parts = value.split(';');
-    let kind = parts.next().unwrap_or("").trim().to_ascii_lowercase();
-    let params = parts
-        .filter_map(|p| p.split_once('='))
-        .map(|(k, v)| {
-            (
-                k.trim().to_ascii_lowercase(),
-                v.trim().trim_matches('"').to_string(),
-            )
-        })
-        .collect();
-    (kind, params)
-}
-
-/// The parts of a multipart body (each its headers and body).
-fn parts<'a>(body: &'a str, boundary: &str) -> Vec<(Fields, &'a str)> {
-    let delimiter = format!("--{boundary}");
-    let mut out = Vec::new();
-    let mut chunks = body.split(&delimiter).skip(1);
-    for chunk in chunks.by_ref() {
-        if chunk.starts_with("--") {
-            break;
-        }
-        // The delimiter line's end, then the part; the CRLF before the next
-        // delimiter belongs to it.
-        let part = chunk.split_once('\n').map_or("", |(_, p)| p);
-        let part = part.strip_suffix('\n').unwrap_or(part);
-        let (fields, content) = headers(part);
-        out.push((fields, content));
-    }
-    out
-}
-
-/// The field groups of a `message/delivery-status` or `message/feedback-report` body.
-fn groups(text: &str) -> Vec<Fields> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while !rest.trim().is_empty() {
-        let trimmed = rest.trim_start_matches('\n');
-        let (fields, after) = headers(trimmed);
-        if !fields.is_empty() {
-            out.push(fields);
-        }
-        if after.len() == rest.len() {
-            break;
-        }
-        rest = after;
+    if !block.is_empty() {
+        out.push(block);
     }
     out
 }
@@ -115,38 +101,48 @@ fn address(value: &str) -> String {
     }
 }
 
+/// What the third part says of the original email: its Message-ID and `To`.
+fn original(part: Option<&MessagePart<'_>>) -> (Option<String>, Option<String>) {
+    let Some(part) = part else {
+        return (None, None);
+    };
+    let headers = match &part.body {
+        PartType::Message(m) => fields(m.raw_message()),
+        _ => fields(part.contents()),
+    };
+    (headers.get("Message-ID"), headers.address("To"))
+}
+
 /// The report's notifications (none if it reports no failure or abuse), or why it
 /// is not a report postie reads.
 pub(crate) fn read(message: &[u8], hard_codes: &[String]) -> Result<Vec<Feedback>, String> {
-    let text = String::from_utf8_lossy(message).replace("\r\n", "\n");
-    let (top, body) = headers(&text);
-    let (kind, params) = media_type(field(&top, "Content-Type").unwrap_or(""));
-    let param = |name: &str| {
-        params
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    };
+    let report = MessageParser::new()
+        .parse(message)
+        .ok_or("not a message: no header")?;
+    let ctype = report.content_type();
+    let kind = ctype.map_or(String::new(), |c| {
+        format!("{}/{}", c.ctype(), c.subtype().unwrap_or("")).to_ascii_lowercase()
+    });
     if kind != "multipart/report" {
         return Err(format!("not a multipart/report but {kind:?}"));
     }
-    let boundary = param("boundary").ok_or("multipart/report without a boundary")?;
-    let parts = parts(body, boundary);
+    let parts: Vec<&MessagePart<'_>> = match &report.root_part().body {
+        PartType::Multipart(ids) => ids.iter().filter_map(|id| report.part(*id)).collect(),
+        _ => Vec::new(),
+    };
     let machine = parts
         .get(1)
         .ok_or("a report needs a second, machine-readable part")?;
-    let original = parts
-        .get(2)
-        .map(|(_, content)| headers(content).0)
-        .unwrap_or_default();
-    let message_id = field(&original, "Message-ID").map(str::to_string);
-    let notification_id = match field(&top, "Message-ID") {
-        Some(id) => id.to_string(),
+    let machine: Cow<'_, str> = String::from_utf8_lossy(machine.contents());
+    let (message_id, original_to) = original(parts.get(2).copied());
+    let notification_id = match report.message_id() {
+        Some(id) => format!("<{id}>"),
         None => format!("sha256:{}", hex::encode(Sha256::digest(message))),
     };
-    let (source, found) = match param("report-type").map(str::to_ascii_lowercase).as_deref() {
-        Some("delivery-status") => ("dsn", dsn_failures(machine.1, hard_codes)),
-        Some("feedback-report") => ("arf", arf_complaint(machine.1, &original)?),
+    let report_type = ctype.and_then(|c| c.attribute("report-type"));
+    let (source, found) = match report_type.map(str::to_ascii_lowercase).as_deref() {
+        Some("delivery-status") => ("dsn", dsn_failures(&machine, hard_codes)),
+        Some("feedback-report") => ("arf", arf_complaint(&machine, original_to)?),
         other => {
             return Err(format!(
                 "a report of type {other:?}, not delivery-status or feedback-report"
@@ -175,67 +171,45 @@ fn dsn_failures(machine: &str, hard_codes: &[String]) -> Vec<Finding> {
     groups(machine)
         .iter()
         .skip(1)
-        .filter(|g| field(g, "Action").is_some_and(|a| a.eq_ignore_ascii_case("failed")))
-        .filter_map(|g| {
-            let to = field(g, "Final-Recipient").or_else(|| field(g, "Original-Recipient"))?;
-            let status = field(g, "Status").unwrap_or("");
-            let diagnostic = field(g, "Diagnostic-Code").unwrap_or("");
-            let hard = is_hard_status(status, hard_codes);
+        .filter_map(|group| {
+            let g = fields(group.as_bytes());
+            if !g
+                .get("Action")
+                .is_some_and(|a| a.eq_ignore_ascii_case("failed"))
+            {
+                return None;
+            }
+            let to = g
+                .get("Final-Recipient")
+                .or_else(|| g.get("Original-Recipient"))?;
+            let status = g.get("Status").unwrap_or_default();
+            let diagnostic = g.get("Diagnostic-Code").unwrap_or_default();
+            let hard = is_hard_status(&status, hard_codes);
             let said = format!("dsn Status: {status}; Diagnostic-Code: {diagnostic}");
-            Some((FeedbackKind::Bounce { hard }, address(to), said))
+            Some((FeedbackKind::Bounce { hard }, address(&to), said))
         })
         .collect()
 }
 
 /// An ARF report's complaint (`Feedback-Type: abuse`; other types name none).
-fn arf_complaint(machine: &str, original: &Fields) -> Result<Vec<Finding>, String> {
-    let report = groups(machine).into_iter().next().unwrap_or_default();
-    let feedback_type = field(&report, "Feedback-Type").unwrap_or("");
+fn arf_complaint(machine: &str, original_to: Option<String>) -> Result<Vec<Finding>, String> {
+    let first = groups(machine).into_iter().next().unwrap_or_default();
+    let report = fields(first.as_bytes());
+    let feedback_type = report.get("Feedback-Type").unwrap_or_default();
     if !feedback_type.eq_ignore_ascii_case("abuse") {
         return Ok(Vec::new());
     }
-    let to = field(&report, "Original-Rcpt-To")
-        .or_else(|| field(original, "To"))
+    let to = report
+        .get("Original-Rcpt-To")
+        .map(|to| address(&to))
+        .or(original_to)
         .ok_or("an abuse report without Original-Rcpt-To or the original's To")?;
     let said = format!(
         "arf Feedback-Type: {feedback_type}; User-Agent: {}",
-        field(&report, "User-Agent").unwrap_or("")
+        report.get("User-Agent").unwrap_or_default()
     );
-    Ok(vec![(FeedbackKind::Complaint, address(to), said)])
+    Ok(vec![(FeedbackKind::Complaint, to, said)])
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const DSN: &str = "From: MAILER-DAEMON@mx.example\r\nMessage-ID: <dsn-1@mx.example>\r\n\
-Content-Type: multipart/report; report-type=delivery-status;\r\n\tboundary=\"B1\"\r\n\r\n\
---B1\r\nContent-Type: text/plain\r\n\r\nYour message could not be delivered.\r\n\
---B1\r\nContent-Type: message/delivery-status\r\n\r\nReporting-MTA: dns; mx.example\r\n\r\n\
-Final-Recipient: rfc822; gone@example.com\r\nAction: failed\r\nStatus: 5.1.1\r\n\
-Diagnostic-Code: smtp; 550 5.1.1 no such\r\n  user\r\n\r\n\
-Final-Recipient: rfc822; full@example.com\r\nAction: failed\r\nStatus: 5.2.2\r\n\r\n\
-Final-Recipient: rfc822; later@example.com\r\nAction: delayed\r\nStatus: 4.4.7\r\n\r\n\
---B1\r\nContent-Type: text/rfc822-headers\r\n\r\nMessage-ID: <abc@postie.local>\r\nTo: gone@example.com\r\n\r\n\
---B1--\r\n";
-
-    #[test]
-    fn a_dsn_reads_its_failed_recipients_hard_by_status() {
-        let codes = crate::config::SuppressionSettings::default().hard_bounce_codes;
-        let notes = read(DSN.as_bytes(), &codes).unwrap();
-        assert_eq!(notes.len(), 2, "{notes:?}");
-        assert_eq!(notes[0].address, "gone@example.com");
-        assert_eq!(notes[0].kind, FeedbackKind::Bounce { hard: true });
-        assert_eq!(notes[0].message_id.as_deref(), Some("<abc@postie.local>"));
-        assert_eq!(notes[0].notification_id, "<dsn-1@mx.example>");
-        assert!(
-            notes[0].evidence.contains("550 5.1.1 no such user"),
-            "{}",
-            notes[0].evidence
-        );
-        assert_eq!(notes[1].kind, FeedbackKind::Bounce { hard: false });
-        assert!(read(b"Content-Type: text/plain\r\n\r\nhi", &codes).is_err());
-        assert_eq!(address("Ann <ann@x>"), "ann@x");
-        assert_eq!(address("rfc822; <ann@x>"), "ann@x");
-    }
-}
+mod tests;

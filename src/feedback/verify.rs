@@ -4,8 +4,9 @@
 //! HMAC-SHA256, and Postmark's basic-auth password compared in constant time.
 //!
 //! The key is read from the certificate by a minimal DER walk (tbsCertificate's
-//! seventh field): the certificate itself is trusted by where it came from (a
-//! configured file, or HTTPS from an allow-listed host).
+//! seventh field), and so is its subject's common name (the sixth): the certificate
+//! itself is trusted by where it came from (a configured file, or HTTPS from an
+//! allow-listed host) and, when fetched, by naming SNS as its subject.
 
 use base64::Engine;
 use ring::signature::{self, UnparsedPublicKey};
@@ -67,6 +68,43 @@ pub(crate) fn certificate_spki(cert: &[u8]) -> Option<&[u8]> {
     }
     let (tag, _, rest) = tlv(tbs)?;
     (tag == 0x30).then(|| &tbs[..tbs.len() - rest.len()])
+}
+
+/// The subject's last common name (OID 2.5.4.3) of a DER certificate, as text.
+pub(crate) fn certificate_common_name(cert: &[u8]) -> Option<String> {
+    let (0x30, cert, _) = tlv(cert)? else {
+        return None;
+    };
+    let (0x30, mut tbs, _) = tlv(cert)? else {
+        return None;
+    };
+    if tbs.first() == Some(&0xa0) {
+        tbs = tlv(tbs)?.2;
+    }
+    // serial, signature, issuer, validity, then the subject.
+    for _ in 0..4 {
+        tbs = tlv(tbs)?.2;
+    }
+    let (0x30, mut names, _) = tlv(tbs)? else {
+        return None;
+    };
+    let mut common = None;
+    // A SEQUENCE of SETs of SEQUENCE { OID, value }.
+    while let Some((0x31, mut set, rest)) = tlv(names) {
+        while let Some((0x30, pair, after)) = tlv(set) {
+            if let Some((0x06, oid, value)) = tlv(pair) {
+                // UTF8String, PrintableString, T61String, IA5String.
+                if let (b"\x55\x04\x03", Some((0x0c | 0x13 | 0x14 | 0x16, text, _))) =
+                    (oid, tlv(value))
+                {
+                    common = std::str::from_utf8(text).ok().map(str::to_string);
+                }
+            }
+            set = after;
+        }
+        names = rest;
+    }
+    common
 }
 
 /// The key bits of a SubjectPublicKeyInfo (the BIT STRING without its pad byte).

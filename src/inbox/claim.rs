@@ -71,8 +71,9 @@ pub enum Completion<'a> {
 }
 
 /// Every completion: fenced (`fence = $2`), the lease released. A send also sets
-/// `message_id`, `due_at`, `sent_at`, `provider` and `provider_message_id` (the other
-/// completions keep theirs); `$11` is the job's type (kept if NULL). A terminal status
+/// `message_id`, `due_at`, `sent_at`, `provider`, `provider_message_id` and
+/// `recipients` (`$13`, one address a line; the other completions keep theirs);
+/// `$11` is the job's type (kept if NULL). A terminal status
 /// writes its delivery event in the same statement when `$12` (`events.enabled`)
 /// is true (`inbox::events`). One row back if recorded.
 ///
@@ -94,6 +95,8 @@ pub(super) const COMPLETE: &str = concat!(
         provider = coalesce($9::text, provider),
         provider_message_id = CASE WHEN $3::text = 'sent' THEN $10::text
                                    ELSE provider_message_id END,
+        recipients = CASE WHEN $3::text = 'sent' THEN string_to_array($13::text, E'\n')
+                          ELSE recipients END,
         sent_at = CASE WHEN $3::text = 'sent' THEN clock_timestamp() ELSE sent_at END,
         type = coalesce($11::text, type),
         announced = CASE WHEN $3::text IN ('sent', 'dead', 'suppressed', 'throttled')

@@ -35,11 +35,15 @@ struct OwnedRow {
     due_ms: Option<i64>,
     provider: Option<String>,
     provider_message_id: Option<String>,
+    /// A send's recipients, one a line (`postie_inbox.recipients`).
+    recipients: Option<String>,
 }
 
 impl OwnedRow {
-    fn new(kind: Option<&str>, row: CompletionRow<'_>) -> Self {
+    fn new(kind: Option<&str>, row: CompletionRow<'_>, recipients: &[String]) -> Self {
+        let sent = row.status == super::Status::Sent && !recipients.is_empty();
         Self {
+            recipients: sent.then(|| recipients.join("\n")),
             kind: kind.map(str::to_owned),
             status: row.status.as_str(),
             attempt: row.attempt,
@@ -96,6 +100,8 @@ const COMPLETE_MANY: &str = concat!(
         provider = coalesce(c.provider, i.provider),
         provider_message_id = CASE WHEN c.status = 'sent' THEN c.provider_message_id
                                    ELSE i.provider_message_id END,
+        recipients = CASE WHEN c.status = 'sent' THEN string_to_array(c.recipients, E'\n')
+                          ELSE i.recipients END,
         sent_at = CASE WHEN c.status = 'sent' THEN clock_timestamp() ELSE i.sent_at END,
         type = coalesce(c.kind, i.type),
         announced = CASE WHEN c.status IN ('sent', 'dead', 'suppressed', 'throttled')
@@ -103,9 +109,9 @@ const COMPLETE_MANY: &str = concat!(
                          THEN c.status ELSE i.announced END,
         owner = NULL, lease_until = NULL, updated_at = now()
    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[], $5::text[], $6::bool[],
-               $7::text[], $8::bigint[], $9::text[], $10::text[], $11::text[])
+               $7::text[], $8::bigint[], $9::text[], $10::text[], $11::text[], $13::text[])
         AS c(key, fence, status, attempt, error, drops_body, message_id, due_ms, provider,
-             provider_message_id, kind)
+             provider_message_id, kind, recipients)
   WHERE i.key = c.key AND i.fence = c.fence
   RETURNING i.key, i.fence, i.status, i.type, i.message_id, i.provider,
             i.provider_message_id, i.last_error, i.attempts, i.sent_at,
@@ -130,10 +136,25 @@ impl Inbox {
         kind: Option<&str>,
         completion: Completion<'_>,
     ) -> Result<bool, DbError> {
+        self.complete_to(key, fence, kind, completion, &[]).await
+    }
+
+    /// [`Inbox::complete`], a send recording the addresses its email went to
+    /// (`postie_inbox.recipients`, each normalised as the suppression list compares
+    /// them; none: not known), so that feedback about an address is matched only to
+    /// an email sent to it (issue 45). Other completions ignore `recipients`.
+    pub async fn complete_to(
+        &self,
+        key: &str,
+        fence: i64,
+        kind: Option<&str>,
+        completion: Completion<'_>,
+        recipients: &[String],
+    ) -> Result<bool, DbError> {
         let pending = Pending {
             key: key.to_owned(),
             fence,
-            row: OwnedRow::new(kind, completion.row()),
+            row: OwnedRow::new(kind, completion.row(), recipients),
         };
         let events = self.events;
         self.completer
@@ -158,6 +179,7 @@ async fn record(pool: &Pool, batch: &[Pending], events: bool) -> Result<Vec<bool
     let providers = column(|p| p.row.provider.clone());
     let provider_ids = column(|p| p.row.provider_message_id.clone());
     let kinds = column(|p| p.row.kind.clone());
+    let recipients = column(|p| p.row.recipients.clone());
     let rows = client
         .query(
             &stmt,
@@ -174,6 +196,7 @@ async fn record(pool: &Pool, batch: &[Pending], events: bool) -> Result<Vec<bool
                 &provider_ids,
                 &kinds,
                 &events,
+                &recipients,
             ],
         )
         .await?;
@@ -193,7 +216,7 @@ async fn record_one(pool: &Pool, pending: &Pending, events: bool) -> Result<bool
     let client = pool.get().await?;
     let stmt = client.prepare_cached(COMPLETE).await?;
     let row = &pending.row;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
         &pending.key,
         &pending.fence,
         &row.status,
@@ -206,6 +229,7 @@ async fn record_one(pool: &Pool, pending: &Pending, events: bool) -> Result<bool
         &row.provider_message_id,
         &row.kind,
         &events,
+        &row.recipients,
     ];
     Ok(client.execute(&stmt, &params).await? == 1)
 }

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod browser;
 pub mod cluster;
+pub mod feedback;
 pub mod providers;
 pub mod proxy;
 pub mod sink;

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::{Stop, Worker};
 use crate::contract::{EmailJob, IdempotencyKey};
-use crate::inbox::Completion;
+use crate::inbox::{normalise, Completion};
 use crate::mail::{Change, Clearance, RouteId, SendError, Sent, Slot};
 use crate::ops::backoff::Backoff;
 use crate::work::{now_ms, Outcome};
@@ -90,6 +90,15 @@ impl Worker {
             "the transport accepted the email"
         );
         let lateness_ms = now_ms() - due_ms;
+        // Who it went to (the job as sent: suppressed recipients left out), for the
+        // feedback that may name one of them later.
+        let recipients: Vec<String> = job
+            .to
+            .iter()
+            .chain(&job.cc)
+            .chain(&job.bcc)
+            .map(|a| normalise(&a.email))
+            .collect();
         let kept = self
             .db_durable("record sent", || {
                 let sent = Completion::Sent {
@@ -98,9 +107,8 @@ impl Worker {
                     provider,
                     provider_message_id: sent.provider_message_id.as_deref(),
                 };
-                self.cx
-                    .inbox
-                    .complete(key.as_str(), fence, job.kind.as_deref(), sent)
+                let kind = job.kind.as_deref();
+                (self.cx.inbox).complete_to(key.as_str(), fence, kind, sent, &recipients)
             })
             .await?;
         if kept {
