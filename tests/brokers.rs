@@ -169,8 +169,9 @@ async fn a_job_returned_past_the_delivery_limit_reaches_the_dlq_with_a_reason() 
         "{reason}"
     );
     env.take_dead_letters().await;
-    // Nacked, or abandoned by a closed channel: 3.x counts both, 4.3 neither. Either
-    // way the job is never dropped, and a dead letter says why.
+    // Nacked, or abandoned by a closed channel: 3.x counts both, 4.3 only the
+    // abandoned one (docs/brokers.md). Either way the job is never dropped, and a
+    // dead letter says why.
     for how in [Return::Nack, Return::Abandon] {
         if let Some(reason) = after_returns(&env, how).await {
             assert!(reason.contains("delivery_limit"), "{how:?}: {reason}");

@@ -139,9 +139,17 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
     let mut send = vec![quorum.clone(), delivery_limit.clone()];
     send.extend(dead_letter(topology.dead_exchange()));
     expected.insert(topology.send_queue().into(), args(&send));
+    // A limit no number of looks reaches (issue 45): 2^31 - 1, never -1, which
+    // RabbitMQ 3.10 reads as 0.
     expected.insert(
         topology.dead_queue().into(),
-        args(std::slice::from_ref(&quorum)),
+        args(&[
+            quorum.clone(),
+            (
+                "x-delivery-limit",
+                json!(postie::topology::DEAD_DELIVERY_LIMIT),
+            ),
+        ]),
     );
     for (n, step) in topology.retry_steps().iter().enumerate() {
         let mut retry = vec![quorum.clone(), ttl(*step)];

@@ -10,7 +10,8 @@
 //! - each provider's permanent rejections (invalid recipient, account suspended):
 //!   dead letters whose reason carries the provider's own text;
 //! - 5xx, a hang after the request was read, and a slow reply: retried (or waited
-//!   for) and sent once; refused credentials: nothing dead-lettered;
+//!   for) and sent once; a reply without end read only up to postie's bound, then
+//!   retried; refused credentials: nothing dead-lettered;
 //! - the keys never reach postie's log (a `postie serve` process at debug level).
 //!
 //! Each test prints a `FIGURES` line (run with `--nocapture`).
@@ -355,6 +356,45 @@ async fn server_errors_hangs_and_slow_replies_are_retried_or_waited_for_and_sent
         "FIGURES providers faults: 503 x2, hang x1, 700 ms replies: {}",
         figures.join(", ")
     );
+}
+
+/// A provider (or whatever answers at its address) that sends a reply without end:
+/// postie reads no more than its bound (64 KiB, `mail::api::MAX_REPLY_BYTES`), counts
+/// the send as uncertain (the request may have been accepted: retried on the same
+/// provider, no attempt on another), and sends the job on the next try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_reply_is_read_only_up_to_its_bound_and_the_send_retried() {
+    let (env, server, settings) = world("endless", "sendgrid").await;
+    server
+        .set_faults(
+            json!([{"to_contains": "endless", "action": {"endless_reply": true}, "times": 1}]),
+        )
+        .await;
+    let serving = env.serve(settings);
+    env.publish(&job("k-endless", "endless@example.com")).await;
+    let envr = &env;
+    let error = eventually("the first try's failure", WAIT, || async move {
+        let row = envr.inbox_row("k-endless").await?;
+        (row.status == "retrying").then_some(row.last_error.unwrap_or_default())
+    })
+    .await;
+    let written = server.stats().await.reply_bytes;
+    eprintln!("FIGURES endless reply: {written} bytes written before postie hung up; {error}");
+    assert!(
+        error.contains("longer than 65536 bytes") && error.contains("may have been accepted"),
+        "{error}"
+    );
+    // What the server could push: the bound, the sockets' buffers and a chunk or two,
+    // never what a whole `smtp.timeout` of reading would take.
+    assert!(written < 16 << 20, "{written} bytes were written");
+    eventually("the retry sent", WAIT, || async move {
+        (rows(envr, "status = 'sent'").await == 1).then_some(())
+    })
+    .await;
+    serving.stop().await;
+    let stats = server.stats().await;
+    assert_eq!((stats.endless, stats.accepted), (1, 1));
+    assert_eq!(env.inbox_row("k-endless").await.unwrap().attempts, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

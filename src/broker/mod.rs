@@ -4,6 +4,7 @@
 
 pub mod acks;
 pub mod amqp;
+pub mod dead;
 pub mod declare;
 pub mod management;
 pub mod probe;
@@ -14,5 +15,6 @@ pub use amqp::{
     confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
     queue_exists, queue_state, Connected, PublishError, QueueState,
 };
+pub use dead::{dead_limit, DeadLimit};
 pub use declare::{queue_depths, QueueDepth, TopologyError};
 pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};

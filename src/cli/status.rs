@@ -35,6 +35,7 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
             None => out!("  {queue:<24} (missing: run `postie topology`)"),
         }
     }
+    dead_check(settings, &conn, &topology).await?;
     for old in &settings.topology.drain_prefixes {
         drain_check(settings, &conn, old).await?;
     }
@@ -177,6 +178,71 @@ async fn transports(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether `<p>.dead` keeps its letters however often they are looked at
+/// (`broker::dead`): its own delivery limit, else a policy's (read from the
+/// management API when `amqp.management_url` is set), else a warning with the fix.
+async fn dead_check(
+    settings: &Settings,
+    conn: &lapin::Connection,
+    topology: &broker::Topology,
+) -> anyhow::Result<()> {
+    let queue = topology.dead_queue();
+    let protected = |how: String| {
+        out!("dead letters: {queue} has delivery limit {how}: looking cannot drop a letter");
+    };
+    match broker::dead_limit(conn, topology).await? {
+        broker::DeadLimit::Missing => {}
+        broker::DeadLimit::Declared => protected(format!(
+            "{} (x-delivery-limit)",
+            crate::topology::DEAD_DELIVERY_LIMIT
+        )),
+        broker::DeadLimit::Unknown(detail) => out!(
+            "dead letters: WARNING: the delivery limit of {queue} could not be checked ({detail})"
+        ),
+        broker::DeadLimit::Lacking => {
+            let policy = match &settings.amqp.management_url {
+                Some(base) => {
+                    broker::management::queue_policy(
+                        base,
+                        &vhost(settings),
+                        queue,
+                        settings.amqp.connect_timeout,
+                    )
+                    .await?
+                }
+                None => None,
+            };
+            match policy {
+                Some(p) if p.delivery_limit.is_some_and(broker::dead::limit_protects) => {
+                    protected(format!(
+                        "{} (policy {})",
+                        p.delivery_limit.unwrap_or_default(),
+                        p.name
+                    ))
+                }
+                _ => {
+                    out!(
+                        "dead letters: WARNING: {}",
+                        broker::dead::unprotected_warning(queue)
+                    );
+                    if settings.amqp.management_url.is_none() {
+                        out!("  (a policy is not looked for without amqp.management_url)");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The vhost of `amqp.url`'s first address, as it stands in the URL.
+fn vhost(settings: &Settings) -> String {
+    crate::endpoint::split_urls(secrecy::ExposeSecret::expose_secret(&settings.amqp.url))
+        .first()
+        .map(|u| broker::management::vhost_of(u))
+        .unwrap_or_default()
+}
+
 /// What a drained prefix (`topology.drain_prefixes`) still holds, and whether it is
 /// safe to turn the delayed-message plugin off for it: nothing ready in `<old>.send`
 /// and nothing held by the plugin for `<old>.delayed`.
@@ -207,15 +273,9 @@ async fn drain_check(
             None
         }
         Some(base) => {
-            let first = crate::endpoint::split_urls(secrecy::ExposeSecret::expose_secret(
-                &settings.amqp.url,
-            ))
-            .first()
-            .map(|u| broker::management::vhost_of(u))
-            .unwrap_or_default();
             let info = broker::management::exchange_info(
                 base,
-                &first,
+                &vhost(settings),
                 &exchange,
                 settings.amqp.connect_timeout,
             )

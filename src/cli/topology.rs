@@ -29,7 +29,12 @@ pub(super) async fn run(settings: &Settings, args: &TopologyArgs) -> anyhow::Res
             settings.topology.prefix
         );
     } else {
-        topology.declare(&channel).await?;
+        if topology.declare_on(&conn).await? == broker::DeadLimit::Lacking {
+            out!(
+                "WARNING: {}",
+                broker::dead::unprotected_warning(topology.dead_queue())
+            );
+        }
         out!(
             "delay mode: {} (configured: {})",
             topology.mode_name(),

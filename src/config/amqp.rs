@@ -118,4 +118,50 @@ mod tests {
         assert!(!err.contains("SECRETPW9"), "{err}");
         assert!(AmqpAddresses::parse(&SecretString::from(" , ")).is_err());
     }
+
+    /// Settings with `amqp.management_url` = `url` (and `allow_http`), or the error.
+    fn management(url: &str, allow_http: bool) -> Result<crate::config::Settings, String> {
+        let vars = [
+            ("POSTIE__AMQP__MANAGEMENT_URL", url),
+            (
+                "POSTIE__AMQP__MANAGEMENT_ALLOW_HTTP",
+                if allow_http { "true" } else { "false" },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        crate::config::Settings::load_from(None, Some(vars)).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_management_url_is_https_or_http_to_this_machine() {
+        assert!(management("https://u:SECRETPW@mq.example:15671", false).is_ok());
+        for local in [
+            "http://guest:guest@127.0.0.1:15672",
+            "http://u:p@localhost:15672/",
+            "http://u:p@[::1]:15672",
+        ] {
+            assert!(management(local, false).is_ok(), "{local}");
+        }
+        // Off this machine in clear: one line naming the key, never the password.
+        let refused = management("http://u:SECRETPW@rabbitmq:15672", false).unwrap_err();
+        assert!(
+            refused.contains("amqp.management_url") && refused.contains("management_allow_http"),
+            "{refused}"
+        );
+        assert!(
+            !refused.contains("SECRETPW") && !refused.contains('\n'),
+            "{refused}"
+        );
+        // A name that resolves to 127.0.0.1 is still a name: DNS decides nothing.
+        assert!(management("http://u:p@127.0.0.1.nip.io:15672", false).is_err());
+        // The explicit setting allows it.
+        assert!(management("http://u:SECRETPW@rabbitmq:15672", true).is_ok());
+        let ftp = management("ftp://u:SECRETPW@rabbitmq", true).unwrap_err();
+        assert!(
+            ftp.contains("amqp.management_url") && !ftp.contains("SECRETPW"),
+            "{ftp}"
+        );
+    }
 }

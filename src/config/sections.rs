@@ -44,10 +44,15 @@ pub struct AmqpSettings {
     /// How long a connection attempt may take.
     #[serde(deserialize_with = "duration")]
     pub connect_timeout: Duration,
-    /// RabbitMQ's management HTTP API, `http://user:pass@host:15672` (optional). Only
-    /// `postie status` uses it, to read how many messages the delayed-message plugin
-    /// still holds for a drained prefix (`topology.drain_prefixes`).
+    /// RabbitMQ's management HTTP API, `https://user:pass@host:15671` (optional;
+    /// `http://` only to this machine, see `management_allow_http`). Only `postie
+    /// status` uses it: how many messages the delayed-message plugin still holds for a
+    /// drained prefix (`topology.drain_prefixes`), and which policy gives `<p>.dead`
+    /// its delivery limit.
     pub management_url: Option<SecretString>,
+    /// Allow `management_url` to be `http://` to a host other than this machine (its
+    /// password then crosses the network in clear). Off: such a URL stops start-up.
+    pub management_allow_http: bool,
 }
 
 impl Default for AmqpSettings {
@@ -57,6 +62,7 @@ impl Default for AmqpSettings {
             prefetch: 128,
             connect_timeout: Duration::from_secs(10),
             management_url: None,
+            management_allow_http: false,
         }
     }
 }

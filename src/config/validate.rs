@@ -79,6 +79,33 @@ impl Settings {
         self.parse_addresses()
     }
 
+    /// `amqp.management_url`: `https://`, or `http://` to this machine (or with
+    /// `amqp.management_allow_http`), since its password goes with every request.
+    fn check_management_url(&self) -> Result<(), ConfigError> {
+        let Some(raw) = &self.amqp.management_url else {
+            return Ok(());
+        };
+        let raw = raw.expose_secret();
+        let shown = redact_url(raw);
+        let url = match url::Url::parse(raw) {
+            Ok(url) => url,
+            // The parser's text could quote the URL: only its kind is said.
+            Err(e) => return fail(format!("amqp.management_url {shown} is not a URL ({e})")),
+        };
+        let host = url.host_str().unwrap_or("");
+        match url.scheme() {
+            "https" => Ok(()),
+            "http" if crate::endpoint::is_loopback_host(host) => Ok(()),
+            "http" if self.amqp.management_allow_http => Ok(()),
+            "http" => fail(format!(
+                "amqp.management_url {shown}: http:// to {host}, which is not this machine,                  would send its password in clear; use https:// (RabbitMQ's management TLS                  listener), or set amqp.management_allow_http = true on a network you trust"
+            )),
+            other => fail(format!(
+                "amqp.management_url {shown}: scheme {other}:// is not https:// (or http://                  to this machine)"
+            )),
+        }
+    }
+
     fn check_topology(&self) -> Result<(), ConfigError> {
         let topology = &self.topology;
         let allowed = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
@@ -191,6 +218,7 @@ impl Settings {
     fn parse_addresses(&self) -> Result<Parsed, ConfigError> {
         // amqp.url: one address or a comma-separated list, each a URL of its own.
         let amqp = AmqpAddresses::parse(&self.amqp.url)?;
+        self.check_management_url()?;
         let providers = self.provider_plans()?;
         if let Some(endpoint) = &self.otel.endpoint {
             let endpoint = endpoint.expose_secret();

@@ -192,11 +192,10 @@ impl Service {
     }
 }
 
-/// Declares the topology on a channel of its own, closed afterwards.
+/// Declares the topology on channels of its own, closed afterwards (an existing
+/// `<p>.dead` without its delivery limit kept, with a warning: `broker::dead`).
 pub(super) async fn declare(topology: &Topology, conn: &Connection) -> anyhow::Result<()> {
-    let channel = conn.create_channel().await?;
-    topology.declare(&channel).await?;
-    bounded(channel.close(200, "declared".into())).await;
+    topology.declare_on(conn).await?;
     Ok(())
 }
 

@@ -1,14 +1,24 @@
 //! `postie dlq …`: look at the dead letters in `<p>.dead` and move some or all of them
 //! back to `<p>.send`.
 //!
-//! - [`list`] reads dead letters without consuming them: it takes them with
-//!   `basic.get` (manual ack), never acks, and closes its channel, so the broker puts
-//!   every one of them back.
+//! - [`list`] reads dead letters without consuming them: a consumer takes them
+//!   (manual ack) and never acks; the look ends by cancelling the consumer and
+//!   handing every letter back with one `basic.nack` (requeue), in the order they
+//!   came, before its channel closes ([`give_back`]).
 //! - [`replay`] republishes the dead letters that match a filter straight to
 //!   `<p>.send` (through `<p>.work`, mandatory, publisher confirm) without postie's
 //!   dead-letter headers and retry counter, so each starts a fresh retry cycle; a
 //!   dead letter is acked only after its copy is confirmed. The others go back to the
-//!   queue untouched.
+//!   queue untouched, the same way.
+//!
+//! Why a nack and not just the close: a quorum queue counts a letter handed back as
+//! a delivery, and drops it past the queue's delivery limit (`<p>.dead` dead-letters
+//! nowhere). RabbitMQ 4.x counts a closed channel's unacked letters (and
+//! `basic.reject`) against a default limit of 20, but not `basic.nack` with requeue;
+//! 3.x counts all three, without a default limit. `<p>.dead` is also declared with a
+//! limit no number of looks reaches (`broker::dead`); one declared by an older postie
+//! lacks it, which start-up and `postie status` report. Measured on RabbitMQ 3.10.8
+//! and 4.3.6: docs/brokers.md.
 //!
 //! Both work on a snapshot: at most as many messages as `<p>.dead` held when they
 //! started are looked at, so a replayed job that fails again and comes back while a
@@ -24,7 +34,8 @@ pub use letter::{replay_headers, summarize, table, DeadLetterSummary};
 use futures_util::StreamExt as _;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+    BasicQosOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -82,6 +93,9 @@ pub(crate) async fn peek(
     Ok((depth, letters))
 }
 
+/// The consumer tag of [`inspect`]'s reads.
+const INSPECT_CONSUMER: &str = "postie-dlq-inspect";
+
 /// One dead letter in full: what [`summarize`] reads, its body and its headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LetterDetail {
@@ -101,49 +115,79 @@ pub(crate) async fn inspect(
 ) -> anyhow::Result<(u32, Vec<DeadLetterSummary>, Option<LetterDetail>)> {
     let topology = names(settings);
     let queue = topology.dead_queue();
-    let rules = ParseRules::from_settings(settings);
     let conn = connect(settings).await?;
     let result = async {
-        // A channel of its own: closing it is what hands the messages back.
+        // A channel of its own: what it holds unacked goes back when it closes.
         let channel = conn.create_channel().await?;
         let depth = depth(&channel, queue).await?;
-        let (mut letters, mut found) = (Vec::new(), None);
-        // Never more than the snapshot: messages held unacked are not handed out
-        // again, but one dead-lettered meanwhile would be. A consumer with a prefetch
-        // of the snapshot, not basic.get: one round trip per message made a page of
-        // 10^4 dead letters take seconds. Each wait is bounded by
-        // amqp.connect_timeout (a queue emptied by someone else meanwhile).
-        let wanted = limit.min(depth as usize);
-        let mut deliveries = consumer(&channel, queue, wanted).await?;
-        while letters.len() < wanted {
-            let next = tokio::time::timeout(settings.amqp.connect_timeout, deliveries.next());
-            let Ok(Some(delivery)) = next.await else {
-                break;
-            };
-            let delivery = delivery?;
-            let headers = delivery.properties.headers().as_ref();
-            let summary = summarize(&delivery.data, headers, &rules.for_user(user_id(&delivery)));
-            if found.is_none() && detail.is_some_and(|key| key == summary.key) {
-                found = Some(LetterDetail {
-                    summary: summary.clone(),
-                    body: String::from_utf8_lossy(&delivery.data).into_owned(),
-                    headers: headers::as_text(headers),
-                });
-            }
-            letters.push(summary);
-            // Not acked, on purpose.
-        }
-        // Closing the channel returns every unacked message to the queue. A quorum
-        // queue counts that as a delivery attempt of each message; `<p>.dead` has no
-        // delivery limit, so this is harmless. (Not so on RabbitMQ 4.0 to 4.2: they give
-        // every quorum queue a default limit of 20 and count such returns against it,
-        // so there `<p>.dead` needs an explicit, high limit.)
+        let read = read(&channel, queue, limit.min(depth as usize), detail, settings).await;
+        // Every letter back, uncounted, even after a failed read.
+        let returned = give_back(&channel, Some(INSPECT_CONSUMER)).await;
+        let (letters, found) = read?;
+        returned?;
         channel.close(200, "listed".into()).await?;
         Ok::<_, anyhow::Error>((depth, letters, found))
     }
     .await;
     let _ = conn.close(200, "done".into()).await;
     result
+}
+
+/// [`inspect`]'s read: up to `wanted` letters from a consumer on `channel`, none
+/// acked.
+async fn read(
+    channel: &Channel,
+    queue: &str,
+    wanted: usize,
+    detail: Option<&str>,
+    settings: &Settings,
+) -> anyhow::Result<(Vec<DeadLetterSummary>, Option<LetterDetail>)> {
+    let rules = ParseRules::from_settings(settings);
+    let (mut letters, mut found) = (Vec::new(), None);
+    // Never more than the snapshot: messages held unacked are not handed out
+    // again, but one dead-lettered meanwhile would be. A consumer with a prefetch
+    // of the snapshot, not basic.get: one round trip per message made a page of
+    // 10^4 dead letters take seconds. Each wait is bounded by
+    // amqp.connect_timeout (a queue emptied by someone else meanwhile).
+    let mut deliveries = consumer(channel, queue, wanted).await?;
+    while letters.len() < wanted {
+        let next = tokio::time::timeout(settings.amqp.connect_timeout, deliveries.next());
+        let Ok(Some(delivery)) = next.await else {
+            break;
+        };
+        let delivery = delivery?;
+        let headers = delivery.properties.headers().as_ref();
+        let summary = summarize(&delivery.data, headers, &rules.for_user(user_id(&delivery)));
+        if found.is_none() && detail.is_some_and(|key| key == summary.key) {
+            found = Some(LetterDetail {
+                summary: summary.clone(),
+                body: String::from_utf8_lossy(&delivery.data).into_owned(),
+                headers: headers::as_text(headers),
+            });
+        }
+        letters.push(summary);
+        // Not acked, on purpose: handed back by `give_back`.
+    }
+    Ok((letters, found))
+}
+
+/// Hands every letter `channel` holds unacked back to its queue, uncounted: cancels
+/// the consumer first (else the broker would deliver them to it again at once), then
+/// one `basic.nack` of every outstanding delivery (tag 0, multiple) with requeue.
+/// RabbitMQ 4.x does not count a nack against the delivery limit, where it counts
+/// the close of a channel holding them; the letters keep their order.
+async fn give_back(channel: &Channel, consumer: Option<&str>) -> anyhow::Result<()> {
+    if let Some(tag) = consumer {
+        channel
+            .basic_cancel(tag.into(), BasicCancelOptions::default())
+            .await?;
+    }
+    let all = BasicNackOptions {
+        multiple: true,
+        requeue: true,
+    };
+    channel.basic_nack(0, all).await?;
+    Ok(())
 }
 
 /// Moves the dead letters that match `filter` back to `<p>.send`, each as a fresh
@@ -162,8 +206,8 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
         depth(&publish, send).await?;
         let snapshot = depth(&consume, dead).await?;
         let limit = filter.limit.unwrap_or(usize::MAX);
-        // Non-matching deliveries stay unacked on `consume` until it is closed; they
-        // are not nacked with requeue one by one, since basic.get would hand the same
+        // Non-matching deliveries stay unacked on `consume` until the end, then go
+        // back with one nack; not one by one, since basic.get would hand the same
         // ones out again and again.
         let mut examined = 0;
         while report.moved < limit && examined < snapshot {
@@ -199,8 +243,8 @@ pub async fn replay(settings: &Settings, filter: &ReplayFilter) -> anyhow::Resul
             ack(&delivery).await?;
             report.moved += 1;
         }
-        // Hands every unmatched dead letter back to `<p>.dead` (see `peek` about
-        // delivery counts).
+        // Hands every unmatched dead letter back to `<p>.dead`, uncounted.
+        give_back(&consume, None).await?;
         consume.close(200, "replayed".into()).await?;
         let _ = publish.close(200, "replayed".into()).await;
         Ok::<_, anyhow::Error>(())
@@ -255,7 +299,7 @@ async fn consumer(
     Ok(channel
         .basic_consume(
             queue.into(),
-            "postie-dlq-inspect".into(),
+            INSPECT_CONSUMER.into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )

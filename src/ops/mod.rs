@@ -5,5 +5,6 @@
 pub mod backoff;
 pub mod health;
 pub mod http;
+pub(crate) mod https;
 pub mod metrics;
 pub mod telemetry;

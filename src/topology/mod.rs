@@ -8,7 +8,8 @@
 //!          <p>.retry.<n> ── TTL ──▶ <p>.work ──email──▶ <p>.send ◀──────────┘
 //!                                                    │ (delivery limit)
 //!                                                    ▼
-//!                               <p>.dlx ──▶ <p>.dead ◀── dead letters (with reasons)
+//!                               <p>.dlx ──▶ <p>.dead ◀── dead letters (with reasons;
+//!                                                        a limit of 2^31 − 1 looks)
 //!
 //! outcomes (postie_events) ─▶ <p>.events (topic: email.<outcome>.<type>) ─▶ producers' queues
 //! ```
@@ -287,6 +288,30 @@ impl Topology {
                 &mut args,
                 "x-quorum-initial-group-size",
                 AMQPValue::LongInt(size.min(i32::MAX as u32) as i32),
+            );
+        }
+        args
+    }
+}
+
+/// `<p>.dead`'s delivery limit, `x-delivery-limit`: 2^31 − 1, the largest the
+/// argument's signed 32-bit type holds, so that no number of looks at a dead letter
+/// drops it. Not `-1`: RabbitMQ 4.x reads it as "no limit", but 3.10 takes it as 0
+/// and drops a letter the first time a reader hands it back (measured on 3.10.8 and
+/// 4.3.6; docs/brokers.md). 3.x has no default limit; 4.x's is 20.
+pub const DEAD_DELIVERY_LIMIT: i32 = i32::MAX;
+
+impl Topology {
+    /// `<p>.dead`'s arguments: a quorum queue that dead-letters nowhere, with
+    /// [`DEAD_DELIVERY_LIMIT`]. `legacy` gives those of a queue declared before
+    /// postie set the limit (quorum only), which an existing broker may still have.
+    pub(crate) fn dead_queue_args(&self, legacy: bool) -> FieldTable {
+        let mut args = self.quorum_args();
+        if !legacy {
+            insert(
+                &mut args,
+                "x-delivery-limit",
+                AMQPValue::LongInt(DEAD_DELIVERY_LIMIT),
             );
         }
         args

@@ -59,6 +59,11 @@ pub struct ProviderStats {
     /// Requests to the account endpoints (the probe's); not in `requests`.
     #[serde(default)]
     pub probes: u64,
+    /// Requests answered with an endless body, and the bytes of it written.
+    #[serde(default)]
+    pub endless: u64,
+    #[serde(default)]
+    pub reply_bytes: u64,
 }
 
 /// The executable, built on first use (`POSTIE_PROVIDER_SERVER` names one instead).

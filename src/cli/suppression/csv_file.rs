@@ -8,7 +8,23 @@
 //! `--reason`); `expires_at` (RFC 3339, empty for never); `evidence` or `note`. Other
 //! columns are ignored. Every row is checked before anything is added: one bad row
 //! stops the import with its line number, and the list is unchanged.
+//!
+//! **Formula injection.** A spreadsheet evaluates a cell that begins with `=`, `+`,
+//! `-` or `@` (and some a tab or a carriage return) as a formula, and an address may
+//! well begin with `=`, `+` or `-` (`=?x@example.com` is valid). Export neutralises
+//! such a cell as OWASP advises, with a single quote in front ([`neutralise`]), and
+//! quotes a cell that begins with a quote too, so that the mark is never ambiguous in
+//! postie's own files. Import takes one leading quote off a cell that begins with a
+//! quote followed by one of those characters or another quote ([`restore`]): postie's
+//! exports read back exactly. A cell of someone else's file that begins so (an
+//! address `'=x@example.com`, which no provider has been seen to write) would lose
+//! its quote; every other cell is read as it is.
+//!
+//! **Bounds.** Import reads at most [`BYTES_PER_ROW`] × `--max-rows` bytes (plus a
+//! header's worth): a longer input is refused before more of it is read, so a file
+//! of one endless line costs no more memory than a full one.
 
+use std::borrow::Cow;
 use std::io::{Read, Write};
 
 use chrono::{DateTime, Utc};
@@ -19,6 +35,33 @@ use crate::inbox::{Inbox, SuppressionEntry, SuppressionReason};
 const PAGE: i64 = 5_000;
 /// Bad rows named in an import's refusal (the count covers them all).
 const ERRORS_SHOWN: usize = 10;
+/// Bytes of input an import allows per row of `--max-rows` (an exported row is
+/// about 100).
+pub(super) const BYTES_PER_ROW: u64 = 4096;
+/// Bytes of input an import allows beyond its rows (the header).
+const HEADER_BYTES: u64 = 64 * 1024;
+/// The characters a spreadsheet may take as the start of a formula (OWASP's list),
+/// and the quote that marks a neutralised cell.
+const FORMULA_STARTS: [char; 7] = ['=', '+', '-', '@', '\t', '\r', '\''];
+
+/// `cell` as export writes it: with a single quote in front if it begins with one of
+/// [`FORMULA_STARTS`], so that a spreadsheet shows it as text.
+pub(super) fn neutralise(cell: &str) -> Cow<'_, str> {
+    if cell.starts_with(FORMULA_STARTS) {
+        Cow::Owned(format!("'{cell}"))
+    } else {
+        Cow::Borrowed(cell)
+    }
+}
+
+/// `cell` as [`neutralise`] had it: one leading quote taken off a cell that begins
+/// with a quote and then one of [`FORMULA_STARTS`]; any other cell as it is.
+pub(super) fn restore(cell: &str) -> &str {
+    match cell.strip_prefix('\'') {
+        Some(rest) if rest.starts_with(FORMULA_STARTS) => rest,
+        _ => cell,
+    }
+}
 
 /// The columns export writes (and import reads).
 const HEADER: [&str; 7] = [
@@ -41,7 +84,7 @@ pub(super) async fn export(inbox: &Inbox, out: impl Write) -> anyhow::Result<u64
         let after = last.as_ref().map(|(a, s)| (a.as_str(), s.as_str()));
         let page = inbox.suppression_page(after, PAGE).await?;
         for r in &page {
-            writer.write_record([
+            let cells = [
                 r.address.as_str(),
                 &r.scope,
                 r.reason.as_str(),
@@ -49,7 +92,8 @@ pub(super) async fn export(inbox: &Inbox, out: impl Write) -> anyhow::Result<u64
                 &r.created_at,
                 r.expires_at.as_deref().unwrap_or(""),
                 r.evidence.as_deref().unwrap_or(""),
-            ])?;
+            ];
+            writer.write_record(cells.map(neutralise).iter().map(|c| c.as_ref()))?;
         }
         rows += page.len() as u64;
         match page.last() {
@@ -126,7 +170,7 @@ fn entry(
 ) -> Result<SuppressionEntry, String> {
     let field = |i: Option<usize>| {
         i.and_then(|i| row.get(i))
-            .map(str::trim)
+            .map(|f| restore(f.trim()))
             .filter(|f| !f.is_empty())
     };
     let address = field(Some(columns.address)).ok_or("no address")?;
@@ -165,6 +209,13 @@ pub(super) fn read(
     default_reason: SuppressionReason,
     max_rows: usize,
 ) -> anyhow::Result<Vec<SuppressionEntry>> {
+    let bound = (max_rows as u64)
+        .saturating_mul(BYTES_PER_ROW)
+        .saturating_add(HEADER_BYTES);
+    let input = Bounded {
+        inner: input,
+        left: bound,
+    };
     let mut reader = csv::ReaderBuilder::new().flexible(true).from_reader(input);
     let columns = Columns::find(reader.headers()?)?;
     let (mut entries, mut bad) = (Vec::new(), Vec::new());
@@ -192,60 +243,31 @@ pub(super) fn read(
     Ok(entries)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// A reader that fails once its input goes past `left` bytes, instead of reading on
+/// (or stopping silently, as `Read::take` would).
+struct Bounded<R> {
+    inner: R,
+    left: u64,
+}
 
-    fn read_text(text: &str) -> anyhow::Result<Vec<SuppressionEntry>> {
-        read(text.as_bytes(), SuppressionReason::Manual, 100)
-    }
-
-    #[test]
-    fn postie_s_own_export_reads_back() {
-        let text = "address,scope,reason,source,created_at,expires_at,evidence\n\
-                    ann@example.com,*,complaint,cli,2026-12-01T00:00:00Z,,\"ARF, report 42\"\n\
-                    bob@example.com,newsletter,manual,cli,2026-12-01T00:00:00Z,2027-01-01T00:00:00Z,\n";
-        let entries = read_text(text).unwrap();
-        assert_eq!(entries.len(), 2);
-        assert_eq!(entries[0].reason, SuppressionReason::Complaint);
-        assert_eq!(entries[0].evidence.as_deref(), Some("ARF, report 42"));
-        assert_eq!(entries[1].scope, "newsletter");
-        assert!(entries[1].expires_at.is_some());
-    }
-
-    #[test]
-    fn a_provider_s_columns_and_words_are_understood() {
-        let text = "Email Address,Reason,Last Update\nx@example.com,BOUNCE,2026\ny@example.com,spamreport,\n";
-        let entries = read_text(text).unwrap();
-        assert_eq!(entries[0].reason, SuppressionReason::HardBounce);
-        assert_eq!(entries[1].reason, SuppressionReason::Complaint);
-        assert_eq!(entries[0].scope, "*");
-    }
-
-    #[test]
-    fn one_bad_row_refuses_the_file_naming_its_line() {
-        let text =
-            "email,reason\nok@example.com,manual\nnot-an-address,manual\nz@example.com,sometimes\n";
-        let error = read_text(text).unwrap_err().to_string();
-        assert!(error.contains("2 bad rows"), "{error}");
-        assert!(
-            error.contains("line 3") && error.contains("not-an-address"),
-            "{error}"
-        );
-        assert!(
-            error.contains("line 4") && error.contains("sometimes"),
-            "{error}"
-        );
-        let no_address = read_text("name,reason\nann,manual\n")
-            .unwrap_err()
-            .to_string();
-        assert!(no_address.contains("no address column"), "{no_address}");
-    }
-
-    #[test]
-    fn more_rows_than_allowed_is_refused() {
-        let text = "email\na@example.com\nb@example.com\nc@example.com\n";
-        let error = read(text.as_bytes(), SuppressionReason::Manual, 2).unwrap_err();
-        assert!(error.to_string().contains("--max-rows 2"), "{error}");
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        // One byte more than allowed tells "exactly at the bound" from "past it".
+        let room = usize::try_from(self.left.saturating_add(1)).unwrap_or(usize::MAX);
+        let n = buf.len().min(room);
+        let read = self.inner.read(&mut buf[..n])?;
+        if read as u64 > self.left {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the input is longer than {BYTES_PER_ROW} bytes a row of --max-rows                      allows: nothing imported"
+                ),
+            ));
+        }
+        self.left -= read as u64;
+        Ok(read)
     }
 }
+
+#[cfg(test)]
+mod tests;

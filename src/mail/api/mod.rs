@@ -14,7 +14,7 @@
 //! | 5xx, 408 | [`SendError::Transient`] | retries on the ladder; the provider's breaker counts it (it said it did not take the email) |
 //! | no connection (refused, DNS, TLS, connect timeout) | [`SendError::Unreachable`] | retries; the breaker counts it and probes |
 //! | credentials refused (401; SES 403) | [`SendError::Unreachable`] | as a relay that refuses AUTH: postie's set-up, not the job's; pauses instead of dead-lettering every job |
-//! | timeout or a broken connection after the request was sent | [`SendError::Transient`], the clearance marked uncertain | retried on this provider only, never failed over: it may have been accepted (at least once, as with SMTP's lost final reply); the breaker does not count it |
+//! | timeout, a broken connection or a reply longer than [`MAX_REPLY_BYTES`] after the request was sent | [`SendError::Transient`], the clearance marked uncertain | retried on this provider only, never failed over: it may have been accepted (at least once, as with SMTP's lost final reply); the breaker does not count it |
 //! | any other 4xx (invalid address, account suspended, message rejected) | [`SendError::Permanent`] | dead letter, the provider's own message as the reason |
 
 use std::time::Duration;
@@ -23,12 +23,13 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use http::{HeaderMap, StatusCode};
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::{Clearance, Email, SendError, Transport};
 use crate::config::{ApiEndpoint, ApiProvider, SmtpSettings};
+use crate::ops::https;
 
 mod mailgun;
 mod postmark;
@@ -38,7 +39,14 @@ mod ses;
 
 pub(super) use request::HttpRequest;
 
-/// A provider's reply: status, headers and body (at most what `smtp.timeout` let us read).
+/// The longest reply body postie reads from a provider: 64 KiB. Their answers are a
+/// few hundred bytes of JSON or XML (an id, or an error and its message); a longer
+/// one is refused unread past the bound, and the send counts as uncertain, as a
+/// reply that broke off does.
+pub(crate) const MAX_REPLY_BYTES: usize = 64 * 1024;
+
+/// A provider's reply: status, headers and body (at most [`MAX_REPLY_BYTES`], read
+/// within `smtp.timeout`).
 pub(super) struct Reply {
     pub(super) status: StatusCode,
     pub(super) headers: HeaderMap,
@@ -106,7 +114,7 @@ impl ApiTransport {
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(settings.pool_size as usize)
             .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector(settings.timeout)?);
+            .build(https::connector(settings.timeout)?);
         let base = endpoint.base.clone();
         let api = match &endpoint.provider {
             ApiProvider::Ses { .. } => Api::Ses(ses::Ses::new(&endpoint.provider, &base)?),
@@ -195,13 +203,15 @@ impl ApiTransport {
                 .await
                 .map_err(|e| self.lost(&e))?;
             let (parts, body) = response.into_parts();
-            let body = body.collect().await.map_err(|e| {
-                self.after_sending(&format!("the reply broke off: {}", crate::error_chain(&e)))
-            })?;
+            // A reply past the bound, or one that broke off, is no answer: the
+            // request may have been accepted, so the send is uncertain.
+            let body = https::read_body(body, MAX_REPLY_BYTES)
+                .await
+                .map_err(|e| self.after_sending(&e.to_string()))?;
             Ok(Reply {
                 status: parts.status,
                 headers: parts.headers,
-                body: body.to_bytes().to_vec(),
+                body: body.to_vec(),
             })
         };
         tokio::time::timeout(self.step, exchange)
@@ -302,7 +312,7 @@ impl Transport for ApiTransport {
     }
 }
 
-/// An HTTP(S) client on the same TLS as the providers' APIs (system roots, ring), for
+/// An HTTP(S) client on the same TLS as the providers' APIs (`ops::https`), for
 /// the feedback endpoint's fetches (SNS certificates, subscription URLs).
 pub(crate) type WebClient = Client;
 
@@ -310,41 +320,8 @@ pub(crate) type WebClient = Client;
 pub(crate) fn web_client(connect_timeout: Duration) -> anyhow::Result<WebClient> {
     Ok(
         hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .build(connector(connect_timeout)?),
+            .build(https::connector(connect_timeout)?),
     )
-}
-
-/// HTTP or HTTPS ([`tls_config`]), each connection attempt within `connect_timeout`.
-fn connector(
-    connect_timeout: Duration,
-) -> anyhow::Result<hyper_rustls::HttpsConnector<HttpConnector>> {
-    let mut http = HttpConnector::new();
-    http.set_connect_timeout(Some(connect_timeout));
-    http.enforce_http(false);
-    Ok(hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls_config()?)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http))
-}
-
-/// rustls on ring with the system's root certificates.
-fn tls_config() -> anyhow::Result<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    for cert in native.certs {
-        // A certificate the store cannot take is skipped, as browsers do.
-        let _ = roots.add(cert);
-    }
-    if roots.is_empty() {
-        tracing::warn!("no system root certificates were found: HTTPS to a provider will fail");
-    }
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    // ALPN (http/1.1) is set by hyper-rustls's `enable_http1`.
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
 }
 
 /// A request's fields, or a permanent error for an email built without them (the

@@ -168,7 +168,7 @@ async fn probe(state: Arc<AppState>, provider: Provider, req: Request) -> Respon
 /// (`delay_ms`, after the delay), else its counter in `counters` (none for probes) is
 /// bumped and this is the reply; a hang never returns.
 async fn fault(
-    counters: Option<&AppState>,
+    counters: Option<&Arc<AppState>>,
     provider: Provider,
     action: Action,
     first: &str,
@@ -183,6 +183,11 @@ async fn fault(
         Action::Status(status) => (Count::ServerErrors, Some(Reply::ServerError(status))),
         Action::Suspended(_) => (Count::Rejected, Some(Reply::Suspended)),
         Action::Reject(_) => (Count::Rejected, Some(Reply::Rejected(first))),
+        Action::EndlessReply(_) => {
+            let state = counters.cloned().unwrap_or_default();
+            state.count(Count::Endless);
+            return Some(endless(state));
+        }
     };
     if let Some(state) = counters {
         state.count(count);
@@ -191,6 +196,23 @@ async fn fault(
         Some(answer) => Some(reply(provider, answer)),
         None => std::future::pending().await,
     }
+}
+
+/// A 200 whose JSON-looking body never ends, 64 KiB a chunk, each counted once it
+/// is handed to the connection.
+fn endless(state: Arc<AppState>) -> Response {
+    const CHUNK: usize = 64 * 1024;
+    let chunk = Bytes::from(vec![b' '; CHUNK]);
+    let body = futures_util::stream::unfold((state, chunk), |(state, chunk)| async move {
+        state.add_reply_bytes(CHUNK as u64);
+        Some((Ok::<_, std::io::Error>(chunk.clone()), (state, chunk)))
+    });
+    let mut response = axum::body::Body::from_stream(body).into_response();
+    response.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    response
 }
 
 fn header<'a>(req: &'a Request, name: &str) -> &'a str {

@@ -20,8 +20,10 @@
 //! where `action` is `{"throttle": true}` (the provider's 429 and headers),
 //! `{"status": N}` (a server error), `{"hang": true}` (never answer, after reading the
 //! request), `{"delay_ms": N}` (a slow reply), `{"suspended": true}` (the provider's
-//! account-suspended rejection) or `{"reject": true}` (its invalid-recipient
-//! rejection). A rule applies to sends, or with `"probe": true` to the account
+//! account-suspended rejection), `{"reject": true}` (its invalid-recipient
+//! rejection) or `{"endless_reply": true}` (a 200 whose body never ends; `GET /stats`
+//! counts the requests so answered in `endless` and the bytes written in
+//! `reply_bytes`). A rule applies to sends, or with `"probe": true` to the account
 //! endpoints instead (which have no recipient: such a rule has no `to_contains`).
 //! `PUT /quota` with `{"per_second": R}` answers the provider's 429 to
 //! requests beyond R accepted in any second (`{"per_second": null}`: off).

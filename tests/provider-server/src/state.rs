@@ -56,6 +56,9 @@ pub(crate) enum Action {
     Suspended(bool),
     /// The provider's "invalid recipient" permanent rejection.
     Reject(bool),
+    /// A 200 whose body never ends (a misbehaving or hostile endpoint): the bytes
+    /// written before the client hung up are counted in `reply_bytes`.
+    EndlessReply(bool),
 }
 
 /// A fault rule: `{"provider": "ses", "to_contains": "bad", "action": {"status": 503}, "times": 2}`.
@@ -99,6 +102,10 @@ pub(crate) struct Stats {
     pub(crate) hung: u64,
     /// Requests that reached an account endpoint (whatever the answer).
     pub(crate) probes: u64,
+    /// Requests answered with an endless body.
+    pub(crate) endless: u64,
+    /// Bytes of endless bodies written (taken by the client, or its socket).
+    pub(crate) reply_bytes: u64,
 }
 
 /// At most `per_second` accepted in any second; the rest get the provider's 429.
@@ -134,6 +141,7 @@ pub(crate) enum Count {
     AuthFailed,
     Hung,
     Probes,
+    Endless,
 }
 
 impl AppState {
@@ -151,8 +159,14 @@ impl AppState {
             Count::AuthFailed => &mut stats.auth_failed,
             Count::Hung => &mut stats.hung,
             Count::Probes => &mut stats.probes,
+            Count::Endless => &mut stats.endless,
         };
         *counter += 1;
+    }
+
+    /// `n` more bytes of an endless body written.
+    pub(crate) fn add_reply_bytes(&self, n: u64) {
+        self.lock().stats.reply_bytes += n;
     }
 
     /// The first active rule for `provider`'s sends (account requests when `probe`)
