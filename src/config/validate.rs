@@ -160,6 +160,17 @@ impl Settings {
             // The letters are read by one consumer whose prefetch is this many.
             return fail("console.dead_letter_scan must be 1 to 65535".into());
         }
+        let http = &self.http;
+        if http.max_connections == 0
+            || http.header_timeout.is_zero()
+            || http.request_timeout.is_zero()
+        {
+            return fail(
+                "http.max_connections, http.header_timeout and http.request_timeout must be \
+                 above zero"
+                    .into(),
+            );
+        }
         Ok(())
     }
 

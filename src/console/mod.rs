@@ -13,7 +13,8 @@
 //! Every page is a GET that reads fine without JavaScript; htmx (vendored:
 //! `assets/htmx.min.js`, htmx 2.0.11, 0BSD licence, from the npm package `htmx.org`)
 //! only refreshes the overview's live part. Every action is a POST with a CSRF token,
-//! refused to a read-only principal, and logged with the principal's name.
+//! refused to a read-only principal, and logged with the principal's name. Served by
+//! `ops::http::serve` under `http.*`'s connection cap and deadlines.
 
 mod auth;
 mod job;
@@ -40,6 +41,9 @@ pub use auth::{Credentials, READ_TOKEN_ENV, TOKEN_ENV};
 
 /// htmx 2.0.11 (0BSD), `dist/htmx.min.js` of the npm package `htmx.org`.
 const HTMX: &[u8] = include_bytes!("assets/htmx.min.js");
+
+/// The largest request body the console reads: its forms are a few fields.
+const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// What every handler shares.
 pub(crate) struct Console {
@@ -68,13 +72,14 @@ pub async fn start(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for the console on {listen}: {e}"))?;
     let bound = listener.local_addr()?;
+    let limits = crate::ops::http::Limits::new(&settings.http, MAX_BODY_BYTES);
     let console = Arc::new(Console {
         settings,
         inbox,
         topology,
         auth,
     });
-    crate::ops::http::serve(listener, router(console), stop, "console");
+    crate::ops::http::serve(listener, router(console), limits, stop, "console");
     tracing::info!(%bound, "console: http://{bound}/");
     Ok(bound)
 }
