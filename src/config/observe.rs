@@ -41,39 +41,6 @@ impl Default for HttpSettings {
     }
 }
 
-/// The operator console (`postie console`, or in `serve` when `listen` is set).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ConsoleSettings {
-    /// Where `postie serve` also serves the console; empty (the default) for no
-    /// console in `serve`. `postie console` listens here too, else on 127.0.0.1:9092.
-    /// Off loopback it needs credentials (`POSTIE_CONSOLE_TOKEN` or
-    /// `POSTIE_CONSOLE_READ_TOKEN` in the environment).
-    #[serde(deserialize_with = "optional_addr")]
-    pub listen: Option<SocketAddr>,
-    /// Everyone sees the pages and no one may act (cancel, replay, suppress).
-    pub read_only: bool,
-    /// At most this many dead letters are read for one page or count of the dead
-    /// letters (each is held unacked while the page is made).
-    pub dead_letter_scan: usize,
-    /// Rows on one page of a list.
-    pub page_size: i64,
-    /// At most this many jobs are cancelled, or dead letters replayed, by one action.
-    pub max_batch: usize,
-}
-
-impl Default for ConsoleSettings {
-    fn default() -> Self {
-        Self {
-            listen: None,
-            read_only: false,
-            dead_letter_scan: 10_000,
-            page_size: 50,
-            max_batch: 10_000,
-        }
-    }
-}
-
 /// Log output.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
