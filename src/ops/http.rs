@@ -156,7 +156,7 @@ async fn accept(
 /// timer, which also closes an idle kept-alive connection); once a handler has
 /// answered, the client must take the answer, or send its next request's headers,
 /// within `request_timeout`, else the connection is dropped. The slot goes with it.
-pub(crate) async fn connection<S>(
+async fn connection<S>(
     io: S,
     peer: SocketAddr,
     app: Router,
