@@ -15,8 +15,9 @@ use support::{delayed_properties, eventually, free_port, job, run_postie, TestEn
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
-const OPERATOR: &str = "operator-token-for-tests";
-const VIEWER: &str = "viewer-token-for-tests";
+/// Tokens as `postie console --new-token` makes them.
+const OPERATOR: &str = "Kd2mX9qL4vR7tW1zB8nC5pF3hJ6sG0yQaE4uT7iO2rU";
+const VIEWER: &str = "Vb7Nc1Xz4Lk8Jh2Gf5Ds9Ap3Qw6Er0Ty7Ui1Op4As8D";
 
 struct Site {
     base: String,
@@ -347,7 +348,8 @@ async fn every_page_and_action_over_http_with_its_guards() {
         .await
         .contains("asked by phone"));
 
-    // Sign-in: a cookie that stands for the token; an unknown token is refused.
+    // Sign-in: a cookie that holds a session (tests/console_attacks.rs tries it); an
+    // unknown token is refused.
     assert_eq!(
         site.post("/login", None, &[("token", "nope")]).await.0,
         StatusCode::UNAUTHORIZED
@@ -397,7 +399,7 @@ async fn every_page_and_action_over_http_with_its_guards() {
     let set = proxied.headers()["set-cookie"].to_str().unwrap().to_owned();
     assert!(set.contains("; Secure"), "{set}");
 
-    // Sign out: the cookie is cleared, and the page offers the button.
+    // Sign out: the session ends and the cookie is cleared; the page offers the button.
     assert!(with_cookie.text().await.unwrap().contains("Sign out"));
     let out = site
         .http

@@ -19,7 +19,8 @@ use support::{delayed_properties, eventually, job, TestEnv};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
-const OPERATOR: &str = "operator-token-for-the-browser";
+/// A token as `postie console --new-token` makes it.
+const OPERATOR: &str = "Hs3Jq8Lz1Wx6Cv0Bn5Mk9Pr2Tf7Yg4Ud1Ie6Oa3Sw8E";
 
 fn shot(name: &str) -> Option<PathBuf> {
     let folder = PathBuf::from(std::env::var_os("POSTIE_CONSOLE_SCREENSHOTS")?);

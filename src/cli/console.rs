@@ -1,4 +1,5 @@
-//! `postie console [--listen ADDR]`: the operator console until SIGTERM or Ctrl-C.
+//! `postie console [--listen ADDR]`: the operator console until SIGTERM or Ctrl-C;
+//! `postie console --new-token`: a token for it.
 
 use std::net::SocketAddr;
 
@@ -15,10 +16,18 @@ pub struct ConsoleArgs {
     /// POSTIE_CONSOLE_TOKEN or POSTIE_CONSOLE_READ_TOKEN must be set.
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Print a new random token (256 bits, base64url) for POSTIE_CONSOLE_TOKEN or
+    /// POSTIE_CONSOLE_READ_TOKEN, and exit.
+    #[arg(long, conflicts_with = "listen")]
+    new_token: bool,
 }
 
 /// Serves the console until a stop signal.
 pub(super) async fn run(settings: Settings, args: &ConsoleArgs) -> anyhow::Result<()> {
+    if args.new_token {
+        out!("{}", console::new_token()?);
+        return Ok(());
+    }
     let listen = args
         .listen
         .or(settings.console.listen)

@@ -16,6 +16,7 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod amqp;
+mod console;
 mod database;
 mod de;
 mod events;
@@ -34,6 +35,7 @@ mod transport;
 mod validate;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
+pub(crate) use console::ConsoleSettings;
 pub(crate) use database::{database_plan, DbPlan, DbTls};
 pub use events::EventsSettings;
 pub use feedback::{
@@ -42,7 +44,7 @@ pub use feedback::{
 pub(crate) use lanes::is_lane_name;
 pub use lanes::LaneSettings;
 pub(crate) use memory::Prefetch;
-pub(crate) use observe::{ConsoleSettings, HttpSettings, LogFormat, LogSettings, OtelSettings};
+pub(crate) use observe::{HttpSettings, LogFormat, LogSettings, OtelSettings};
 pub(crate) use outbox::source as outbox_source;
 pub use outbox::{OutboxSettings, OutboxSource};
 pub(crate) use provider::{ApiEndpoint, ApiProvider};

@@ -1,58 +1,42 @@
-//! The sections about observing postie: the HTTP endpoint, logging, trace export.
+//! The sections about observing postie: the HTTP endpoint, logging, trace export;
+//! and the bounds every HTTP listener of postie's holds its clients to.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use secrecy::SecretString;
 use serde::Deserialize;
 
-use super::de::optional_addr;
+use super::de::{duration, optional_addr};
 
-/// HTTP endpoint settings.
+/// The HTTP endpoint (metrics and health), and the bounds of every HTTP listener:
+/// this one, the console's and the feedback webhooks'.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSettings {
     /// Where `/metrics`, `/healthz` and `/readyz` listen; empty to disable.
     #[serde(deserialize_with = "optional_addr")]
     pub listen: Option<SocketAddr>,
+    /// Each listener serves at most this many connections at once; one more waits in
+    /// the kernel's queue until one of them ends.
+    pub max_connections: usize,
+    /// A request's headers must arrive within this, and a kept-alive connection with
+    /// no request for this long is closed (slow or idle clients).
+    #[serde(deserialize_with = "duration")]
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this (408 past it), and its answer be
+    /// taken by the client within this once ready (else the connection is closed).
+    #[serde(deserialize_with = "duration")]
+    pub request_timeout: Duration,
 }
 
 impl Default for HttpSettings {
     fn default() -> Self {
         Self {
             listen: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
-        }
-    }
-}
-
-/// The operator console (`postie console`, or in `serve` when `listen` is set).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ConsoleSettings {
-    /// Where `postie serve` also serves the console; empty (the default) for no
-    /// console in `serve`. `postie console` listens here too, else on 127.0.0.1:9092.
-    /// Off loopback it needs credentials (`POSTIE_CONSOLE_TOKEN` or
-    /// `POSTIE_CONSOLE_READ_TOKEN` in the environment).
-    #[serde(deserialize_with = "optional_addr")]
-    pub listen: Option<SocketAddr>,
-    /// Everyone sees the pages and no one may act (cancel, replay, suppress).
-    pub read_only: bool,
-    /// At most this many dead letters are read for one page or count of the dead
-    /// letters (each is held unacked while the page is made).
-    pub dead_letter_scan: usize,
-    /// Rows on one page of a list.
-    pub page_size: i64,
-    /// At most this many jobs are cancelled, or dead letters replayed, by one action.
-    pub max_batch: usize,
-}
-
-impl Default for ConsoleSettings {
-    fn default() -> Self {
-        Self {
-            listen: None,
-            read_only: false,
-            dead_letter_scan: 10_000,
-            page_size: 50,
-            max_batch: 10_000,
+            max_connections: 64,
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -73,6 +73,7 @@ impl Settings {
         self.check_delay_and_throttles()?;
         self.check_inbox()?;
         self.check_feedback()?;
+        self.check_listeners()?;
         self.check_worker_and_smtp()?;
         self.check_budget()?;
         self.suppression.check().map_err(ConfigError)?;
@@ -176,13 +177,41 @@ impl Settings {
 
     fn check_feedback(&self) -> Result<(), ConfigError> {
         self.feedback.check().map_err(ConfigError)?;
+        Ok(())
+    }
+
+    /// The console's and every HTTP listener's bounds.
+    fn check_listeners(&self) -> Result<(), ConfigError> {
         let console = &self.console;
-        if console.page_size <= 0 || console.max_batch == 0 {
-            return fail("console.page_size and max_batch must be above zero".into());
+        if !(1..=10_000).contains(&console.page_size) || console.max_batch == 0 {
+            return fail(
+                "console.page_size must be 1 to 10000 and console.max_batch above zero".into(),
+            );
         }
         if !(1..=65_535).contains(&console.dead_letter_scan) {
             // The letters are read by one consumer whose prefetch is this many.
             return fail("console.dead_letter_scan must be 1 to 65535".into());
+        }
+        if console.session_ttl < std::time::Duration::from_secs(1)
+            || console.max_sessions == 0
+            || console.sign_in_clients == 0
+        {
+            return fail(
+                "console.session_ttl must be at least 1s, console.max_sessions and \
+                 console.sign_in_clients above zero"
+                    .into(),
+            );
+        }
+        let http = &self.http;
+        if http.max_connections == 0
+            || http.header_timeout.is_zero()
+            || http.request_timeout.is_zero()
+        {
+            return fail(
+                "http.max_connections, http.header_timeout and http.request_timeout must be \
+                 above zero"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -1,30 +1,39 @@
 //! Who may see the console and who may act: credentials from the environment, the
-//! role each one grants, and the CSRF token every action carries.
+//! role each one grants, the session a sign-in opens, and the CSRF token every
+//! action carries.
 //!
 //! - A credential is a token: `POSTIE_CONSOLE_TOKEN` (the `operator`: sees and acts)
-//!   and `POSTIE_CONSOLE_READ_TOKEN` (the `viewer`: sees, gets 403 on actions). It
-//!   comes as `Authorization: Bearer <token>`, as the password of HTTP Basic auth, or
-//!   in the `postie_console` cookie that `POST /login` sets. Only an HMAC of each token
-//!   under a per-process random key is kept, and a token is checked by verifying its
-//!   HMAC (`ring::hmac::verify`, constant time).
+//!   and `POSTIE_CONSOLE_READ_TOKEN` (the `viewer`: sees, gets 403 on actions), each
+//!   judged at start-up and refused under 128 bits (`token.rs`). It comes as
+//!   `Authorization: Bearer <token>`, as the password of HTTP Basic auth, or in the
+//!   sign-in form, which opens a session (`session.rs`): the `postie_console` cookie
+//!   holds the session, never the token. Only an HMAC of each token under a
+//!   per-process random key is kept, and a token is checked by verifying its HMAC
+//!   (`ring::hmac::verify`, constant time). A token that fails counts against its
+//!   client (`throttle.rs`), which is made to wait after a few.
 //! - With no credential configured, the console is open to whoever reaches it, as the
-//!   `local` operator, and [`Auth::new`] allows that only on a loopback address.
+//!   `local` operator, and [`Auth::new`] allows that only on a loopback address
+//!   (where `guard.rs` serves only requests for a loopback `Host`).
 //! - `console.read_only` caps every role at viewing.
-//! - An action's CSRF token is the HMAC of the principal's name under the same key, in
-//!   a hidden form field, verified in constant time.
+//! - An action's CSRF token is the HMAC of the principal's name and session under the
+//!   same key, in a hidden form field, verified in constant time.
 
 use std::net::SocketAddr;
+use std::time::Instant;
 
-use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::extract::{ConnectInfo, FromRequestParts};
+use axum::http::header;
 use axum::http::request::Parts;
-use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Form;
 use base64::Engine as _;
 use ring::hmac;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::{page, Console};
+use super::action::Refused;
+use super::session::{Session, Sessions};
+use super::throttle::{Client, SignInRefused, SignIns};
+use super::{token, Console};
+use crate::config::ConsoleSettings;
 
 /// The environment variable holding the operator's token.
 pub const TOKEN_ENV: &str = "POSTIE_CONSOLE_TOKEN";
@@ -75,34 +84,48 @@ pub(super) struct Principal {
     pub(super) role: Role,
     /// The CSRF token their forms carry.
     pub(super) csrf: String,
+    /// The session they came with, if they signed in with the form.
+    pub(super) session: Option<Session>,
 }
 
-/// The credentials as kept: their HMACs under a per-process key.
+/// The credentials as kept (their HMACs under a per-process key), the sessions the
+/// sign-ins opened, and the failed sign-ins.
 pub(super) struct Auth {
     key: hmac::Key,
     tokens: Vec<(&'static str, Role, hmac::Tag)>,
     read_only: bool,
+    sessions: Sessions,
+    sign_ins: SignIns,
 }
 
 impl Auth {
-    /// Refuses an address off loopback without a credential.
+    /// Refuses a token under 128 bits, and an address off loopback without a
+    /// credential.
     pub(super) fn new(
         credentials: Credentials,
         listen: SocketAddr,
-        read_only: bool,
+        settings: &ConsoleSettings,
     ) -> anyhow::Result<Self> {
         let key = hmac::Key::generate(hmac::HMAC_SHA256, &ring::rand::SystemRandom::new())
             .map_err(|_| anyhow::anyhow!("no random numbers for the console's key"))?;
-        let tokens: Vec<_> = [
-            ("operator", Role::Operate, credentials.operator),
-            ("viewer", Role::View, credentials.viewer),
-        ]
-        .into_iter()
-        .filter_map(|(name, role, token)| {
-            let tag = hmac::sign(&key, token?.expose_secret().as_bytes());
-            Some((name, role, tag))
-        })
-        .collect();
+        let mut tokens = Vec::new();
+        for (name, role, token, var) in [
+            ("operator", Role::Operate, credentials.operator, TOKEN_ENV),
+            ("viewer", Role::View, credentials.viewer, READ_TOKEN_ENV),
+        ] {
+            let Some(token) = token else { continue };
+            if let Err(why) = token::judge(token.expose_secret()) {
+                anyhow::bail!(
+                    "{var} is too weak: {why}; use 32 hex characters or more, or 22 or more \
+                     of mixed-case letters and digits (postie console --new-token makes one)"
+                );
+            }
+            tokens.push((
+                name,
+                role,
+                hmac::sign(&key, token.expose_secret().as_bytes()),
+            ));
+        }
         if tokens.is_empty() && !listen.ip().is_loopback() {
             anyhow::bail!(
                 "the console listens on {listen}, off loopback, and no credentials are set: \
@@ -112,34 +135,90 @@ impl Auth {
         Ok(Self {
             key,
             tokens,
-            read_only,
+            read_only: settings.read_only,
+            sessions: Sessions::new(settings.session_ttl, settings.max_sessions)?,
+            sign_ins: SignIns::new(settings.sign_in_clients),
         })
     }
 
-    /// The principal a presented token (or none) stands for, if any.
-    fn principal(&self, token: Option<&str>) -> Option<Principal> {
-        let (name, role) = if self.tokens.is_empty() {
-            ("local", Role::Operate)
-        } else {
-            let token = token?;
-            // Every credential is checked, so the time taken does not say which matched.
-            let matched = self.tokens.iter().fold(None, |found, (name, role, tag)| {
-                let ok = hmac::verify(&self.key, token.as_bytes(), tag.as_ref()).is_ok();
-                found.or(ok.then_some((*name, *role)))
-            });
-            matched?
-        };
+    /// True if no credential is configured: whoever reaches the console is `local`.
+    pub(super) fn is_open(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The principal `name` (a configured credential's, or `local`) stands for.
+    fn as_principal(&self, name: &'static str, role: Role, session: Option<Session>) -> Principal {
         let role = if self.read_only { Role::View } else { role };
-        Some(Principal {
+        let id = session.as_ref().map_or("", |s| s.id.as_str());
+        Principal {
             name,
             role,
-            csrf: hex::encode(hmac::sign(&self.key, &csrf_message(name))),
+            csrf: hex::encode(hmac::sign(&self.key, &csrf_message(name, id))),
+            session,
+        }
+    }
+
+    /// The configured credential `token` is, compared in constant time: every one is
+    /// checked, so the time taken does not say which matched.
+    fn credential(&self, token: &str) -> Option<(&'static str, Role)> {
+        self.tokens.iter().fold(None, |found, (name, role, tag)| {
+            let ok = hmac::verify(&self.key, token.as_bytes(), tag.as_ref()).is_ok();
+            found.or(ok.then_some((*name, *role)))
         })
     }
 
-    /// True if `token` is a configured credential (for `POST /login`).
-    pub(super) fn accepts(&self, token: &str) -> bool {
-        !self.tokens.is_empty() && self.principal(Some(token)).is_some()
+    /// The principal a token from `client` stands for, throttled: refused unread
+    /// while the client is made to wait; a failure counted, a success forgiving.
+    pub(super) fn sign_in(&self, client: Client, token: &str) -> Result<Principal, SignInRefused> {
+        let now = Instant::now();
+        self.sign_ins
+            .check(client, now)
+            .map_err(SignInRefused::Throttled)?;
+        let Some((name, role)) = self.credential(token) else {
+            self.sign_ins.failed(client, now);
+            tracing::warn!("console: a sign-in with an unknown token was refused");
+            return Err(SignInRefused::Unknown);
+        };
+        self.sign_ins.succeeded(client);
+        Ok(self.as_principal(name, role, None))
+    }
+
+    /// A new session for `who` (signed in with the form): the cookie's value.
+    pub(super) fn open_session(&self, who: &Principal) -> anyhow::Result<String> {
+        self.sessions.open(who.name, unix_now())
+    }
+
+    /// Ends `who`'s session, if they came with one (sign-out).
+    pub(super) fn end_session(&self, who: &Principal) {
+        if let Some(session) = &who.session {
+            self.sessions.end(session);
+        }
+    }
+
+    /// The principal of a live session's cookie, if its credential is still one.
+    fn session_principal(&self, cookie: &str) -> Option<Principal> {
+        let session = self.sessions.verify(cookie, unix_now())?;
+        let (name, role) = self
+            .tokens
+            .iter()
+            .find(|(name, _, _)| *name == session.name)
+            .map(|(name, role, _)| (*name, *role))?;
+        Some(self.as_principal(name, role, Some(session)))
+    }
+
+    /// The principal of a request: `local` on an open console; else its session, or
+    /// the token it presents (throttled), or 401.
+    fn principal(&self, parts: &Parts) -> Result<Principal, SignInRefused> {
+        if self.is_open() {
+            return Ok(self.as_principal("local", Role::Operate, None));
+        }
+        if let Some(who) = cookie(parts).and_then(|c| self.session_principal(c)) {
+            return Ok(who);
+        }
+        match presented(parts) {
+            Some(token) => self.sign_in(client(parts), &token),
+            None => Err(SignInRefused::Missing),
+        }
     }
 
     /// Ok if `principal` may act and `csrf` is their token; else the 403 to answer.
@@ -148,7 +227,8 @@ impl Auth {
             return Err(Refused("read-only: this credential may look, not act"));
         }
         let given = hex::decode(csrf).unwrap_or_default();
-        if hmac::verify(&self.key, &csrf_message(principal.name), &given).is_err() {
+        let id = principal.session.as_ref().map_or("", |s| s.id.as_str());
+        if hmac::verify(&self.key, &csrf_message(principal.name, id), &given).is_err() {
             return Err(Refused(
                 "the form's CSRF token is missing or wrong: reload the page and try again",
             ));
@@ -157,40 +237,40 @@ impl Auth {
     }
 }
 
-fn csrf_message(name: &str) -> Vec<u8> {
-    format!("postie-console-csrf:{name}").into_bytes()
+fn unix_now() -> i64 {
+    chrono::Utc::now().timestamp()
 }
 
-/// An action refused (403), and why.
-#[derive(Debug)]
-pub(super) struct Refused(&'static str);
-
-impl IntoResponse for Refused {
-    fn into_response(self) -> Response {
-        (StatusCode::FORBIDDEN, page::notice("Forbidden", self.0)).into_response()
-    }
+fn csrf_message(name: &str, session: &str) -> Vec<u8> {
+    format!("postie-console-csrf:{name}:{session}").into_bytes()
 }
 
-/// The token a request presents: a bearer token, Basic auth's password, or the cookie.
+/// The client a request came from (its address, as `ops::http::serve` gives it).
+pub(super) fn client(parts: &Parts) -> Client {
+    let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>();
+    Client::of(peer.map(|ConnectInfo(addr)| addr.ip()))
+}
+
+/// The token a request presents: a bearer token or Basic auth's password.
 fn presented(parts: &Parts) -> Option<String> {
-    let authorization = parts
+    let value = parts
         .headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if let Some(value) = authorization {
-        if let Some(token) = value.strip_prefix("Bearer ") {
-            return Some(token.trim().to_owned());
-        }
-        if let Some(basic) = value.strip_prefix("Basic ") {
-            let decoded = base64::engine::general_purpose::STANDARD
-                .decode(basic.trim())
-                .ok()?;
-            let text = String::from_utf8(decoded).ok()?;
-            return text
-                .split_once(':')
-                .map(|(_, password)| password.to_owned());
-        }
+        .and_then(|v| v.to_str().ok())?;
+    if let Some(token) = value.strip_prefix("Bearer ") {
+        return Some(token.trim().to_owned());
     }
+    let basic = value.strip_prefix("Basic ")?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(basic.trim())
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    text.split_once(':')
+        .map(|(_, password)| password.to_owned())
+}
+
+/// The session cookie's value, if the request has one.
+pub(super) fn cookie(parts: &Parts) -> Option<&str> {
     parts
         .headers
         .get_all(header::COOKIE)
@@ -199,7 +279,7 @@ fn presented(parts: &Parts) -> Option<String> {
         .flat_map(|v| v.split(';'))
         .find_map(|pair| {
             let (name, value) = pair.trim().split_once('=')?;
-            (name == COOKIE).then(|| value.to_owned())
+            (name == COOKIE).then_some(value)
         })
 }
 
@@ -212,49 +292,17 @@ impl FromRequestParts<std::sync::Arc<Console>> for Principal {
     ) -> Result<Self, Self::Rejection> {
         console
             .auth
-            .principal(presented(parts).as_deref())
-            // No Basic challenge: a browser shows the sign-in form instead of its own
-            // dialog; `curl -u :TOKEN` still sends Basic auth unasked.
-            .ok_or_else(|| (StatusCode::UNAUTHORIZED, page::login(None)).into_response())
-    }
-}
-
-/// A form that carries the CSRF token.
-pub(super) trait Csrf {
-    /// The form's `csrf` field.
-    fn csrf(&self) -> &str;
-}
-
-/// An action's request: its principal, who may act, and its form, whose CSRF token is
-/// theirs; else 401, or 403 ([`Auth::check_action`]).
-pub(super) struct Action<F>(pub(super) Principal, pub(super) F);
-
-impl<F> FromRequest<std::sync::Arc<Console>> for Action<F>
-where
-    F: serde::de::DeserializeOwned + Csrf + Send,
-{
-    type Rejection = Response;
-
-    async fn from_request(
-        request: Request,
-        console: &std::sync::Arc<Console>,
-    ) -> Result<Self, Self::Rejection> {
-        let (mut parts, body) = request.into_parts();
-        let who = Principal::from_request_parts(&mut parts, console).await?;
-        let Form(form) = Form::<F>::from_request(Request::from_parts(parts, body), console)
-            .await
-            .map_err(IntoResponse::into_response)?;
-        console
-            .auth
-            .check_action(&who, form.csrf())
-            .map_err(IntoResponse::into_response)?;
-        Ok(Self(who, form))
+            .principal(parts)
+            .map_err(IntoResponse::into_response)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const OP: &str = "q3Zk7Vd0r8QwL1mXp5sJt2nYb6cHf9gEa4uRiKoN0Ws";
+    const VIEW: &str = "Zx8Lm2Qp7Rt4Vw1Ys6Bn3Cd9Fg5Hj0Kl8Mn2Pq4Rs6T";
 
     fn auth(
         operator: Option<&str>,
@@ -263,28 +311,54 @@ mod tests {
         read_only: bool,
     ) -> anyhow::Result<Auth> {
         let credentials = Credentials::new(operator.map(Into::into), viewer.map(Into::into));
-        Auth::new(credentials, at.parse().unwrap(), read_only)
+        let settings = ConsoleSettings {
+            read_only,
+            ..ConsoleSettings::default()
+        };
+        Auth::new(credentials, at.parse().unwrap(), &settings)
+    }
+
+    fn client() -> Client {
+        Client::of(Some([192, 0, 2, 1].into()))
     }
 
     #[test]
     fn off_loopback_needs_a_credential_and_loopback_without_one_is_open() {
         let refused = auth(None, None, "0.0.0.0:9092", false).err().unwrap();
         assert!(refused.to_string().contains(TOKEN_ENV), "{refused}");
-        assert!(auth(None, Some("v"), "0.0.0.0:9092", false).is_ok());
+        assert!(auth(None, Some(VIEW), "0.0.0.0:9092", false).is_ok());
         let open = auth(None, None, "127.0.0.1:9092", false).unwrap();
-        let local = open.principal(None).unwrap();
-        assert_eq!((local.name, local.role), ("local", Role::Operate));
-        assert!(!open.accepts("anything"), "no sign-in without credentials");
+        assert!(open.is_open());
+        assert!(
+            open.sign_in(client(), "anything").is_err(),
+            "no sign-in without credentials"
+        );
+    }
+
+    #[test]
+    fn a_weak_token_is_refused_naming_its_variable_not_its_value() {
+        let weak = auth(Some("hunter2"), None, "127.0.0.1:1", false)
+            .err()
+            .unwrap();
+        let text = weak.to_string();
+        assert!(
+            text.contains(TOKEN_ENV) && text.contains("128 bits"),
+            "{text}"
+        );
+        assert!(!text.contains("hunter2"), "{text}");
+        let weak = auth(Some(OP), Some("short"), "127.0.0.1:1", false)
+            .err()
+            .unwrap();
+        assert!(weak.to_string().contains(READ_TOKEN_ENV), "{weak}");
     }
 
     #[test]
     fn tokens_name_their_role_and_read_only_caps_every_role() {
-        let auth_ = auth(Some("op"), Some("view"), "0.0.0.0:1", false).unwrap();
-        assert!(auth_.principal(None).is_none());
-        assert!(auth_.principal(Some("nope")).is_none());
-        let op = auth_.principal(Some("op")).unwrap();
+        let auth_ = auth(Some(OP), Some(VIEW), "0.0.0.0:1", false).unwrap();
+        assert!(auth_.sign_in(client(), "nope").is_err());
+        let op = auth_.sign_in(client(), OP).unwrap();
         assert_eq!((op.name, op.role), ("operator", Role::Operate));
-        let viewer = auth_.principal(Some("view")).unwrap();
+        let viewer = auth_.sign_in(client(), VIEW).unwrap();
         assert_eq!((viewer.name, viewer.role), ("viewer", Role::View));
         assert!(auth_.check_action(&op, &op.csrf).is_ok());
         assert!(
@@ -296,9 +370,23 @@ mod tests {
             "another's CSRF token"
         );
         assert!(auth_.check_action(&op, "").is_err(), "no CSRF token");
-        let capped = auth(Some("op"), None, "127.0.0.1:1", true).unwrap();
-        let op = capped.principal(Some("op")).unwrap();
+        let capped = auth(Some(OP), None, "127.0.0.1:1", true).unwrap();
+        let op = capped.sign_in(client(), OP).unwrap();
         assert_eq!(op.role, Role::View);
         assert!(capped.check_action(&op, &op.csrf).is_err());
+    }
+
+    #[test]
+    fn a_session_has_its_own_csrf_token_which_dies_with_it() {
+        let auth_ = auth(Some(OP), None, "127.0.0.1:1", false).unwrap();
+        let signed_in = auth_.sign_in(client(), OP).unwrap();
+        let cookie = auth_.open_session(&signed_in).unwrap();
+        assert!(!cookie.contains(OP));
+        let who = auth_.session_principal(&cookie).unwrap();
+        assert_eq!((who.name, who.role), ("operator", Role::Operate));
+        assert_ne!(who.csrf, signed_in.csrf, "bound to the session");
+        assert!(auth_.check_action(&who, &who.csrf).is_ok());
+        auth_.end_session(&who);
+        assert!(auth_.session_principal(&cookie).is_none());
     }
 }

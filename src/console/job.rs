@@ -9,7 +9,8 @@ use axum::response::IntoResponse;
 use lapin::types::{AMQPValue, FieldTable};
 use maud::html;
 
-use super::auth::{Action, Csrf, Principal};
+use super::action::{Action, Csrf};
+use super::auth::Principal;
 use super::overview::urlencode;
 use super::{page, Answer, Console};
 use crate::broker;

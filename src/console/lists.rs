@@ -7,10 +7,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::{Query, State};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use maud::{html, Markup};
 
-use super::auth::{Action, Csrf, Principal};
+use super::action::{Action, Csrf};
+use super::auth::Principal;
 use super::overview::urlencode;
 use super::{page, Answer, Console};
 use crate::dlq::{self, ReplayFilter};
@@ -29,11 +31,28 @@ pub(super) struct ListQuery {
     key: String,
     #[serde(default)]
     reason: String,
+    /// The page of a list, from 0 (a number up to [`MAX_PAGE`]).
     #[serde(default)]
-    page: i64,
+    page: String,
     /// The count the operator confirmed: an action moves at most this many.
     #[serde(default)]
     count: usize,
+}
+
+/// The last page a list may be asked for: with `console.page_size` at most 10,000,
+/// an OFFSET of at most 10^9 rows (which PostgreSQL stops at the table's end).
+const MAX_PAGE: i64 = 100_000;
+
+/// The page number asked for (none: the first), or why it is refused.
+fn page_number(text: &str) -> Result<i64, String> {
+    match text.trim() {
+        "" => Ok(0),
+        text => text
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (0..=MAX_PAGE).contains(n))
+            .ok_or_else(|| format!("page must be a whole number from 0 to {MAX_PAGE}.")),
+    }
 }
 
 pub(super) fn given(text: &str) -> Option<String> {
@@ -101,7 +120,13 @@ pub(super) async fn pending(
     Query(q): Query<ListQuery>,
 ) -> Answer {
     let size = console.settings.console.page_size;
-    let page_no = q.page.max(0);
+    let page_no = match page_number(&q.page) {
+        Ok(n) => n,
+        Err(why) => {
+            let refusal = page::notice("Bad request", &why);
+            return Ok((StatusCode::BAD_REQUEST, refusal).into_response());
+        }
+    };
     let (jobs, total) = console
         .inbox
         .pending_page(&q.pending_filter(), page_no * size, size)

@@ -3,7 +3,11 @@
 //! leader, the last hour's sends), one job's story by key, the pending jobs (ladder
 //! mode), the dead letters (through `dlq`) and the suppression list.
 //!
-//! - `auth.rs`: credentials, roles, the CSRF token of every action.
+//! - `auth.rs`: credentials, roles, the CSRF token of every action; `token.rs` how
+//!   strong a token is, `session.rs` the sessions sign-ins open, `throttle.rs` the
+//!   failed sign-ins per client; `action.rs` an action's request.
+//! - `guard.rs`: before every handler, the `Host` (without a token) and a POST's
+//!   origin; on every answer, no framing and no caching.
 //! - `page.rs`: the page frame and shared pieces (maud templates, compiled in).
 //! - `overview.rs`: the overview, its live part and chart.
 //! - `job.rs`: a job by key; Cancel, Reschedule.
@@ -13,20 +17,26 @@
 //! Every page is a GET that reads fine without JavaScript; htmx (vendored:
 //! `assets/htmx.min.js`, htmx 2.0.11, 0BSD licence, from the npm package `htmx.org`)
 //! only refreshes the overview's live part. Every action is a POST with a CSRF token,
-//! refused to a read-only principal, and logged with the principal's name.
+//! refused to a read-only principal, and logged with the principal's name. Served by
+//! `ops::http::serve` under `http.*`'s connection cap and deadlines.
 
+mod action;
 mod auth;
+mod guard;
 mod job;
 mod lists;
 mod overview;
 mod page;
+mod session;
 mod suppression;
+mod throttle;
+mod token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{Form, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{Form, FromRequest, FromRequestParts, Request, State};
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -41,12 +51,22 @@ pub use auth::{Credentials, READ_TOKEN_ENV, TOKEN_ENV};
 /// htmx 2.0.11 (0BSD), `dist/htmx.min.js` of the npm package `htmx.org`.
 const HTMX: &[u8] = include_bytes!("assets/htmx.min.js");
 
+/// The largest request body the console reads: its forms are a few fields.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+
 /// What every handler shares.
 pub(crate) struct Console {
     settings: Settings,
     inbox: Inbox,
     topology: Topology,
     auth: auth::Auth,
+    /// The port it listens on, which a loopback `Host` must name.
+    port: u16,
+}
+
+/// A new console token (`postie console --new-token`): 32 random bytes, base64url.
+pub(crate) fn new_token() -> anyhow::Result<String> {
+    token::generate()
 }
 
 /// Binds `listen` (refusing an address off loopback without credentials) and serves
@@ -57,7 +77,7 @@ pub async fn start(
     credentials: Credentials,
     stop: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
-    let auth = auth::Auth::new(credentials, listen, settings.console.read_only)?;
+    let auth = auth::Auth::new(credentials, listen, &settings.console)?;
     note_secrets(settings.passwords());
     let inbox = Inbox::connect(&settings.database)
         .await?
@@ -68,13 +88,15 @@ pub async fn start(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for the console on {listen}: {e}"))?;
     let bound = listener.local_addr()?;
+    let limits = crate::ops::http::Limits::new(&settings.http, MAX_BODY_BYTES);
     let console = Arc::new(Console {
         settings,
         inbox,
         topology,
         auth,
+        port: bound.port(),
     });
-    crate::ops::http::serve(listener, router(console), stop, "console");
+    crate::ops::http::serve(listener, router(console), limits, stop, "console");
     tracing::info!(%bound, "console: http://{bound}/");
     Ok(bound)
 }
@@ -103,15 +125,17 @@ fn router(console: Arc<Console>) -> Router {
         .route("/login", get(|| async { page::login(None) }).post(login))
         .route("/logout", post(logout))
         .route("/assets/htmx.min.js", get(htmx))
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            guard::guard,
+        ))
         .with_state(console)
 }
 
+/// The script, not cached either (`guard`): 50 KB from a console on loopback.
 async fn htmx() -> impl IntoResponse {
     (
-        [
-            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
-            (header::CACHE_CONTROL, "public, max-age=86400"),
-        ],
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
         HTMX,
     )
 }
@@ -121,29 +145,42 @@ struct LoginForm {
     token: String,
 }
 
-/// `POST /login`: a configured token becomes the session cookie (`Secure` when the
-/// request came through a proxy that says it spoke HTTPS).
-async fn login(
-    State(console): State<Arc<Console>>,
-    headers: HeaderMap,
-    Form(form): Form<LoginForm>,
-) -> Response {
-    if !console.auth.accepts(&form.token) {
-        tracing::warn!("console: a sign-in with an unknown token was refused");
-        return (
-            StatusCode::UNAUTHORIZED,
-            page::login(Some("That token is not one of the console's.")),
-        )
-            .into_response();
-    }
-    let cookie = session_cookie(&form.token, "", &headers);
+/// `POST /login`: a configured token (throttled per client) opens a session, whose
+/// cookie it sets (`Secure` when the request came through a proxy that says it
+/// spoke HTTPS); the cookie holds the session, never the token.
+async fn login(State(console): State<Arc<Console>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let client = auth::client(&parts);
+    let headers = parts.headers.clone();
+    let form = Form::<LoginForm>::from_request(Request::from_parts(parts, body), &()).await;
+    let Ok(Form(form)) = form else {
+        return throttle::SignInRefused::Unknown.into_response();
+    };
+    let who = match console.auth.sign_in(client, &form.token) {
+        Ok(who) => who,
+        Err(refused) => return refused.into_response(),
+    };
+    let cookie = match console.auth.open_session(&who) {
+        Ok(value) => value,
+        Err(error) => return Failure(error).into_response(),
+    };
+    let max_age = console.settings.console.session_ttl.as_secs();
+    let cookie = session_cookie(&cookie, &format!("Max-Age={max_age}; "), &headers);
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }
 
-/// `POST /logout`: the session cookie is cleared, then the sign-in page. It needs no
-/// credential: it can only take one away from the browser that sends it.
-async fn logout(headers: HeaderMap) -> Response {
-    let cookie = session_cookie("", "Max-Age=0; ", &headers);
+/// `POST /logout`: the session ends on the server (its cookie, even copied, is
+/// refused from now on), the browser's cookie is cleared, then the sign-in page. A
+/// request without a live session only has the cookie cleared.
+async fn logout(State(console): State<Arc<Console>>, request: Request) -> Response {
+    let (mut parts, _) = request.into_parts();
+    if auth::cookie(&parts).is_some() {
+        if let Ok(who) = auth::Principal::from_request_parts(&mut parts, &console).await {
+            console.auth.end_session(&who);
+            tracing::info!(who = who.name, action = "sign_out", "console action");
+        }
+    }
+    let cookie = session_cookie("", "Max-Age=0; ", &parts.headers);
     ([(header::SET_COOKIE, cookie)], Redirect::to("/login")).into_response()
 }
 
@@ -217,7 +254,7 @@ impl IntoResponse for Failure {
         let text = scrubbed(&self.0);
         tracing::warn!(error = %text, "console: a page failed");
         (
-            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             page::notice("Something failed", &text),
         )
             .into_response()

@@ -7,7 +7,8 @@ use axum::extract::{Query, State};
 use axum::response::IntoResponse;
 use maud::html;
 
-use super::auth::{Action, Csrf, Principal};
+use super::action::{Action, Csrf};
+use super::auth::Principal;
 use super::lists::given;
 use super::{page, Answer, Console};
 use crate::inbox::{Suppress, SuppressionReason};

@@ -64,7 +64,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
     let http_stop = CancellationToken::new();
     let _http_guard = http_stop.clone().drop_guard();
     if let Some(addr) = settings.http.listen {
-        crate::ops::http::start(addr, health.clone(), http_stop.clone()).await?;
+        crate::ops::http::start(&settings.http, addr, health.clone(), http_stop.clone()).await?;
     }
     let parsed = settings.validate()?;
     let inbox =

@@ -96,7 +96,8 @@ pub(crate) async fn start(
         .layer(axum::middleware::from_fn(
             move |req: Request, next: Next| within(timeout, req, next),
         ));
-    crate::ops::http::serve(listener, app, stop, "feedback endpoint");
+    let limits = crate::ops::http::Limits::new(&settings.http, cfg.max_body_bytes);
+    crate::ops::http::serve(listener, app, limits, stop, "feedback endpoint");
     tracing::info!(%bound, "feedback endpoint: /feedback/{{ses,sendgrid,postmark,mailgun}}");
     Ok(bound)
 }
