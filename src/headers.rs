@@ -1,11 +1,19 @@
 //! Every message header postie reads or writes, and typed access to AMQP header
 //! tables. A leaf: it imports nothing of postie's, so the contract, the broker code
 //! and the unit of work can all use it without depending on each other.
+//!
+//! `seal.rs`: postie's own headers sealed on every copy it publishes, and dropped
+//! from a delivery at intake unless their seal holds (a producer's `postie-*`).
+
+mod seal;
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-/// Header the producer may set: its own publish time in Unix milliseconds. It wins
-/// over the AMQP `timestamp` property, which only has seconds.
+pub(crate) use seal::Seal;
+
+/// Header the producer may set (the only `postie-*` one): its own publish time in
+/// Unix milliseconds. It wins over the AMQP `timestamp` property, which only has
+/// seconds.
 pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
 /// Header postie sets when it first sees a job: the due time in Unix milliseconds.
 pub(crate) const HEADER_DUE_AT: &str = "postie-due-at";

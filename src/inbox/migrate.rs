@@ -55,6 +55,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (18, "0018_breakers"),
     (19, "0019_lanes"),
     (20, "0020_tenants"),
+    (21, "0021_header_key"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -138,6 +138,8 @@ declare! {
     pub struct Metrics {
         jobs_received: Counter
             => "jobs_received", "Deliveries taken from the send queue";
+        headers_dropped: Counter
+            => "unsealed_headers_dropped", "postie-* headers a delivery carried without postie's seal (a producer's), dropped at intake";
         emails_sent: Counter
             => "emails_sent", "Emails accepted by the SMTP server and recorded as sent";
         duplicates_suppressed: Counter
