@@ -31,8 +31,9 @@ pub(crate) const PRODUCER_HEADERS: &[&str] = &[HEADER_PUBLISHED_AT];
 /// Bound into every tag, so that a tag is never valid for anything else.
 const CONTEXT: &[u8] = b"postie header seal v1\0";
 
-/// The fleet's header key; cheap to share by reference.
-pub(crate) struct Seal {
+/// The fleet's header key; cheap to share by reference. Public, with [`Seal::admit`]
+/// and [`Seal::seal`], for `tests/properties.rs`.
+pub struct Seal {
     key: hmac::Key,
     /// Keep unsealed headers (`worker.trust_unsealed_headers`, for an upgrade from a
     /// postie that did not seal): nothing is dropped.
@@ -49,11 +50,11 @@ impl std::fmt::Debug for Seal {
 
 /// What [`Seal::admit`] made of a delivery's headers.
 #[derive(Debug, Default)]
-pub(crate) struct Admitted {
+pub struct Admitted {
     /// The headers to use instead of the delivery's, if any had to go.
-    pub(crate) headers: Option<FieldTable>,
+    pub headers: Option<FieldTable>,
     /// How many `postie-*` headers were dropped for want of a valid seal.
-    pub(crate) dropped: usize,
+    pub dropped: usize,
 }
 
 /// Whether `name` is postie's and sealed (not a producer's, not the seal table).
@@ -63,7 +64,7 @@ fn is_sealed_kind(name: &str) -> bool {
 
 impl Seal {
     /// A seal under `key` (the fleet's, from its database).
-    pub(crate) fn new(key: &[u8], trust_unsealed: bool) -> Self {
+    pub fn new(key: &[u8], trust_unsealed: bool) -> Self {
         Self {
             key: hmac::Key::new(hmac::HMAC_SHA256, key),
             trust_unsealed,
@@ -95,7 +96,7 @@ impl Seal {
     /// Seals every `postie-*` header of `headers` that is postie's, for `body`, in a
     /// fresh `postie-seal` table (one it had is replaced): what a republished copy
     /// carries.
-    pub(crate) fn seal(&self, headers: &mut FieldTable, body: &[u8]) {
+    pub fn seal(&self, headers: &mut FieldTable, body: &[u8]) {
         let mut seals = FieldTable::default();
         let mut digest = None;
         for (name, value) in headers.inner() {
@@ -119,7 +120,7 @@ impl Seal {
     /// `postie-*` header that is postie's and has no valid seal for this body
     /// removed, and the seal table with them. `headers: None` when nothing had to
     /// go (the common case of a producer's job: no hashing at all).
-    pub(crate) fn admit(&self, headers: Option<&FieldTable>, body: &[u8]) -> Admitted {
+    pub fn admit(&self, headers: Option<&FieldTable>, body: &[u8]) -> Admitted {
         let Some(table) = headers else {
             return Admitted::default();
         };
