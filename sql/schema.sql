@@ -196,6 +196,14 @@ CREATE TABLE postie_tenant_slots (
     PRIMARY KEY (lane, tenant)
 );
 
+-- The key postie seals its own message headers with (0022): one row, written by
+-- the first instance that starts.
+CREATE TABLE postie_header_key (
+    id         smallint    PRIMARY KEY DEFAULT 1 CHECK (id = 1),
+    key        bytea       NOT NULL CHECK (octet_length(key) >= 32),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
 -- The migration runner's record (created by the runner itself, before 0001;
 -- checksum: SHA-256 of the file as applied, or as found when first recorded).
 CREATE TABLE postie_migrations (

@@ -11,9 +11,28 @@ use std::ops::Range;
 /// no parser accepts (several hosts, `host:99999`, a raw `/` or `@` in the password)
 /// is taken apart by hand, a port that is not a number in an address without user
 /// info is shown as `***` (it may be half of a password), and what cannot be read at
-/// all is `***`.
-pub(crate) fn redact_url(raw: &str) -> String {
+/// all is `***`. Public for `tests/properties.rs` (arbitrary input, bounded time and
+/// memory, no password shown).
+///
+/// A comma-separated list of URLs (`amqp.url` naming every node) is redacted address
+/// by address: a comma followed by `scheme://` starts the next one.
+pub fn redact_url(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len());
+    let mut from = 0;
+    for comma in list_commas(raw) {
+        redact_one(&raw[from..comma], &mut out);
+        out.push(',');
+        from = comma + 1;
+    }
+    redact_one(&raw[from..], &mut out);
+    out
+}
+
+/// One address of [`redact_url`], appended to `out` (spaces before it kept as they are).
+fn redact_one(raw: &str, out: &mut String) {
+    let trimmed = raw.trim_start();
+    out.push_str(&raw[..raw.len() - trimmed.len()]);
+    let raw = trimmed;
     let mut copied = 0;
     for span in secret_spans(raw) {
         out.push_str(&raw[copied..span.range.start]);
@@ -21,14 +40,34 @@ pub(crate) fn redact_url(raw: &str) -> String {
         copied = span.range.end;
     }
     out.push_str(&raw[copied..]);
-    out
+}
+
+/// The commas of `raw` that separate one URL from the next: each followed (after
+/// spaces) by `scheme://`. A PostgreSQL URL's `host1,host2` has none.
+fn list_commas(raw: &str) -> Vec<usize> {
+    let starts_a_url = |rest: &str| {
+        let rest = rest.trim_start();
+        let scheme = rest
+            .char_indices()
+            .take_while(|(i, c)| match i {
+                0 => c.is_ascii_alphabetic(),
+                _ => c.is_ascii_alphanumeric() || "+-.".contains(*c),
+            })
+            .count();
+        scheme > 0 && rest[scheme..].starts_with("://")
+    };
+    raw.match_indices(',')
+        .map(|(i, _)| i)
+        .filter(|&i| starts_a_url(&raw[i + 1..]))
+        .collect()
 }
 
 /// The passwords in a connection address or a comma-separated list of them, as
 /// written and percent-decoded (or unquoted), for scrubbing text a library may have
 /// quoted them in (see [`scrub`]). Values shorter than 3 characters are left out:
-/// replacing them everywhere would mangle the text and hide little.
-pub(crate) fn passwords(raw: &str) -> Vec<String> {
+/// replacing them everywhere would mangle the text and hide little. Public for
+/// `tests/properties.rs`.
+pub fn passwords(raw: &str) -> Vec<String> {
     let mut found = Vec::new();
     for piece in std::iter::once(raw).chain(split_urls(raw)) {
         for span in secret_spans(piece) {
@@ -521,6 +560,16 @@ mod tests {
         );
         assert_eq!(redact_url_list("amqp://h"), "amqp://h");
         assert!(split_urls(" , ").is_empty());
+        // A whole list given to redact_url: each address on its own too.
+        assert_eq!(
+            redact_url("amqp://a:FirstPw1@h1/%2f, amqps://b:SecondPw2@h2/%2f"),
+            "amqp://a:***@h1/%2f, amqps://b:***@h2/%2f"
+        );
+        // A PostgreSQL URL's hosts are one address.
+        assert_eq!(
+            redact_url("postgres://u:Pw3@h1:5432,h2:5433/db"),
+            "postgres://u:***@h1:5432,h2:5433/db"
+        );
     }
 
     #[test]

@@ -1,11 +1,19 @@
 //! Every message header postie reads or writes, and typed access to AMQP header
 //! tables. A leaf: it imports nothing of postie's, so the contract, the broker code
 //! and the unit of work can all use it without depending on each other.
+//!
+//! `seal.rs`: postie's own headers sealed on every copy it publishes, and dropped
+//! from a delivery at intake unless their seal holds (a producer's `postie-*`).
+
+mod seal;
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-/// Header the producer may set: its own publish time in Unix milliseconds. It wins
-/// over the AMQP `timestamp` property, which only has seconds.
+pub use seal::{Admitted, Seal};
+
+/// Header the producer may set (the only `postie-*` one): its own publish time in
+/// Unix milliseconds. It wins over the AMQP `timestamp` property, which only has
+/// seconds.
 pub const HEADER_PUBLISHED_AT: &str = "postie-published-at";
 /// Header postie sets when it first sees a job: the due time in Unix milliseconds.
 pub(crate) const HEADER_DUE_AT: &str = "postie-due-at";
@@ -42,8 +50,8 @@ pub fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
 
 /// Every header of a table by name, its value as text: a string or a number as
 /// [`header_text`] reads it, anything else (a table, an array, `x-death`) as AMQP
-/// spells it in Rust's debug form.
-pub(crate) fn as_text(headers: Option<&FieldTable>) -> Vec<(String, String)> {
+/// spells it in Rust's debug form. Public for `tests/properties.rs`.
+pub fn as_text(headers: Option<&FieldTable>) -> Vec<(String, String)> {
     let Some(table) = headers else {
         return Vec::new();
     };
@@ -58,7 +66,8 @@ pub(crate) fn as_text(headers: Option<&FieldTable>) -> Vec<(String, String)> {
 }
 
 /// A header value as an integer, if it is an integer, or a string holding one.
-pub(crate) fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+/// Public for `tests/properties.rs`.
+pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
     let value = headers?.inner().get(name)?;
     header_i64(value).or_else(|| match value {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok(),

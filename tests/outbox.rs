@@ -3,114 +3,15 @@
 //! `outbox.sources` in `postie serve`. Real broker, real PostgreSQL (the producer's
 //! database a second one per test, dropped at its end), the real SMTP sink.
 
+mod outbox_support;
 mod support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use outbox_support::*;
 use postie::config::Settings;
 use support::*;
-
-/// A producer's database for one test: created, the outbox installed by the CLI,
-/// dropped (with every connection to it) when the test ends.
-struct ProducerDb {
-    name: String,
-}
-
-impl ProducerDb {
-    async fn new(env: &TestEnv) -> Self {
-        let db = Self::empty(env).await;
-        install(env, &db.url()).await;
-        db
-    }
-
-    /// The database without the outbox.
-    async fn empty(env: &TestEnv) -> Self {
-        let name = format!("{}_producer", env.db_name);
-        admin_sql_in("postgres", &format!("CREATE DATABASE {name}")).await;
-        Self { name }
-    }
-
-    fn url(&self) -> String {
-        format!("{}/{}", pg_base(), self.name)
-    }
-
-    async fn client(&self) -> tokio_postgres::Client {
-        pg_admin(&self.name).await
-    }
-
-    /// Rows waiting in the outbox.
-    async fn waiting(&self) -> i64 {
-        count(&self.client().await, "postie.outbox").await
-    }
-}
-
-/// The rows of `table`.
-async fn count(client: &tokio_postgres::Client, table: &str) -> i64 {
-    let sql = format!("SELECT count(*) FROM {table}");
-    client.query_one(&sql, &[]).await.unwrap().get(0)
-}
-
-/// Roles of the cluster for one test, dropped (their grants in the producer's
-/// database first) when the test ends, also on a failure.
-struct Roles {
-    names: Vec<String>,
-    db: String,
-}
-
-impl Roles {
-    async fn create(producer: &ProducerDb, names: &[&str]) -> Self {
-        for name in names {
-            admin_sql_in("postgres", &format!("CREATE ROLE {name} LOGIN")).await;
-        }
-        Self {
-            names: names.iter().map(|n| n.to_string()).collect(),
-            db: producer.name.clone(),
-        }
-    }
-}
-
-impl Drop for Roles {
-    fn drop(&mut self) {
-        let (names, db) = (self.names.join(", "), self.db.clone());
-        on_own_thread(async move {
-            admin_sql_in(&db, &format!("DROP OWNED BY {names}")).await;
-            admin_sql_in("postgres", &format!("DROP ROLE {names}")).await;
-        });
-    }
-}
-
-/// `postie outbox install` into `url`, and the producer's business table `orders`.
-async fn install(env: &TestEnv, url: &str) {
-    let out = env
-        .postie(&["outbox", "install", "--database", url])
-        .expect("postie outbox install");
-    assert!(out.contains("applied 0001_outbox"), "{out}");
-    assert!(out.contains("applied 0002_take"), "{out}");
-    let client = connect_pg(url).await;
-    client
-        .batch_execute("CREATE TABLE orders (id serial PRIMARY KEY, note text)")
-        .await
-        .unwrap();
-}
-
-impl Drop for ProducerDb {
-    fn drop(&mut self) {
-        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        on_own_thread(async move { admin_sql_in("postgres", &drop).await });
-    }
-}
-
-/// The test world's settings with `sources` relayed, plus `extra` variables.
-fn settings_with(env: &TestEnv, sources: &str, extra: &[(&str, &str)]) -> Settings {
-    let mut vars: std::collections::HashMap<String, String> = env.env_vars().into_iter().collect();
-    vars.insert("POSTIE__OUTBOX__SOURCES".into(), sources.into());
-    vars.insert("POSTIE__OUTBOX__POLL_INTERVAL".into(), "200ms".into());
-    for (k, v) in extra {
-        vars.insert(k.to_string(), v.to_string());
-    }
-    Settings::load_from(None, Some(vars)).expect("test settings are valid")
-}
 
 /// Enqueues `job` in a transaction that also writes a business row, and commits
 /// (or rolls back); the row's id.
@@ -276,20 +177,22 @@ async fn installs_side_by_side_apply_each_script_once() {
     assert_eq!((applied, up_to_date), (1, 2), "{outputs:?}");
     assert_eq!(
         count(&producer.client().await, "postie.outbox_version").await,
-        2
+        3
     );
     // An outbox installed by 0001 alone (an earlier postie) gets what is newer.
     producer
         .client()
         .await
         .batch_execute(
-            "DROP FUNCTION postie.take(integer); DELETE FROM postie.outbox_version WHERE version = 2",
+            "DROP FUNCTION postie.take(integer), postie.reject(bigint, text);
+             DROP TABLE postie.outbox_settings, postie.outbox_rejected;
+             DELETE FROM postie.outbox_version WHERE version IN (2, 3)",
         )
         .await
         .unwrap();
     let run = run_postie(&["outbox", "install", "--database", &producer.url()], &vars);
     assert!(
-        run.stdout.contains("applied 0002_take"),
+        run.stdout.contains("applied 0002_take") && run.stdout.contains("applied 0003_refusals"),
         "{}{}",
         run.stdout,
         run.stderr
@@ -324,7 +227,7 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
         assert!(again.contains("up to date"), "{again}");
         let client = producer.client().await;
         let versions = count(&client, "postie.outbox_version").await;
-        assert_eq!(versions, 2, "each script recorded once");
+        assert_eq!(versions, 3, "each script recorded once");
         let job = job("ob-role", "a@example.com");
         // The application's role: enqueue, nothing else.
         client
@@ -348,6 +251,17 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
             .await
             .expect_err("nor delete");
         assert_eq!(denied.code().map(|c| c.code()), Some("42501"), "{denied:?}");
+        for sql in [
+            "SELECT * FROM postie.outbox_rejected",
+            "SELECT postie.reject(1, 'x')",
+        ] {
+            let denied = client.query(sql, &[]).await.expect_err(sql);
+            assert_eq!(
+                denied.code().map(|c| c.code()),
+                Some("42501"),
+                "{sql}: {denied:?}"
+            );
+        }
         // The relay's role: read and delete, never enqueue or write.
         client
             .batch_execute(&format!("RESET ROLE; SET ROLE {relay}"))
@@ -370,6 +284,15 @@ async fn install_twice_is_a_no_op_and_each_role_gets_only_its_rights() {
             )
             .await
             .expect_err("nor insert");
+        assert_eq!(denied.code().map(|c| c.code()), Some("42501"), "{denied:?}");
+        client
+            .query("SELECT * FROM postie.outbox_rejected", &[])
+            .await
+            .expect("the relay may read the rows set aside");
+        let denied = client
+            .execute("DELETE FROM postie.outbox_settings", &[])
+            .await
+            .expect_err("nor change enqueue's limit");
         assert_eq!(denied.code().map(|c| c.code()), Some("42501"), "{denied:?}");
         assert_eq!(
             client

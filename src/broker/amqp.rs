@@ -25,6 +25,25 @@ pub enum PublishError {
     Unroutable(String),
 }
 
+impl PublishError {
+    /// The broker's words when it refused the message itself: the channel closed with
+    /// 406 PRECONDITION_FAILED in answer to the publish (a message over the broker's
+    /// `max_message_size`), which no retry of the same message changes. Only a
+    /// publish of one message alone tells whose it was: every publish in flight on
+    /// the channel fails with the same error.
+    pub(crate) fn refusal(&self) -> Option<String> {
+        match self {
+            Self::Broker(error) => match error.kind() {
+                lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
+                    Some(format!("{} {}", amqp.get_id(), amqp.get_message()))
+                }
+                _ => None,
+            },
+            Self::Nacked(_) | Self::Unroutable(_) => None,
+        }
+    }
+}
+
 /// A connection and the (redacted) address of the node it reached.
 pub struct Connected {
     /// The connection.

@@ -29,6 +29,10 @@ pub struct InstallArgs {
     /// A role that may then only read and delete the outbox's rows (postie's relay).
     #[arg(long)]
     relay_role: Option<String>,
+    /// The largest job `postie.enqueue` accepts, in bytes (default:
+    /// `worker.max_body_bytes`, as `postie serve` refuses larger ones).
+    #[arg(long)]
+    max_body_bytes: Option<usize>,
 }
 
 /// Runs `command`.
@@ -56,7 +60,10 @@ async fn run_install(settings: &Settings, args: &InstallArgs) -> anyhow::Result<
     };
     // Each statement is quick, but the advisory lock waits for another install.
     let limit = settings.database.statement_timeout;
-    let applied = tokio::time::timeout(limit, install(&mut client, grants))
+    let max_body_bytes = args
+        .max_body_bytes
+        .unwrap_or(settings.worker.max_body_bytes);
+    let applied = tokio::time::timeout(limit, install(&mut client, grants, max_body_bytes))
         .await
         .map_err(|_| {
             anyhow::anyhow!(
@@ -71,6 +78,7 @@ async fn run_install(settings: &Settings, args: &InstallArgs) -> anyhow::Result<
     for name in applied {
         out!("applied {name} to {}", source.shown);
     }
+    out!("postie.enqueue refuses jobs over {max_body_bytes} bytes (worker.max_body_bytes)");
     for (what, role) in [("enqueue", grants.app), ("relay", grants.relay)] {
         if let Some(role) = role {
             out!("granted {role:?} the {what} rights");
@@ -79,8 +87,8 @@ async fn run_install(settings: &Settings, args: &InstallArgs) -> anyhow::Result<
     Ok(())
 }
 
-/// `postie status`'s lines for `outbox.sources`: each source's rows waiting and the
-/// oldest one's age, or why it cannot be read (each look under
+/// `postie status`'s lines for `outbox.sources`: each source's rows waiting, the
+/// oldest one's age and the rows set aside (refused for good), or why it cannot be read (each look under
 /// `database.statement_timeout`).
 pub(super) async fn status(settings: &Settings) -> anyhow::Result<()> {
     let parsed = settings.outbox.parse_sources(&settings.database)?;
@@ -97,12 +105,16 @@ pub(super) async fn status(settings: &Settings) -> anyhow::Result<()> {
         };
         match tokio::time::timeout(limit, look).await {
             Ok(Ok(lag)) => out!(
-                "  {:<24} {:>8} {}",
+                "  {:<24} {:>8} {}{}",
                 source.name,
                 lag.rows,
                 humantime::format_duration(Duration::from_millis(
                     (lag.oldest_seconds * 1000.0) as u64
-                ))
+                )),
+                match lag.rejected {
+                    0 => String::new(),
+                    n => format!("  ({n} set aside in postie.outbox_rejected)"),
+                }
             ),
             Ok(Err(error)) => out!("  {:<24} (unavailable: {})", source.name, error.cause()),
             Err(_) => out!(

@@ -270,6 +270,11 @@ pub struct WorkerSettings {
     /// RabbitMQ checks against the publishing connection's user (README,
     /// "Producer isolation").
     pub key_namespace: KeyNamespace,
+    /// Keep `postie-*` headers that carry no seal of this fleet (README, "Headers a
+    /// producer may set"). Only for the upgrade from a postie that did not seal them,
+    /// while copies it published are still in the retry and delay queues; off, a
+    /// producer's `postie-*` header (but `postie-published-at`) is dropped at intake.
+    pub trust_unsealed_headers: bool,
 }
 
 /// Whose key space a job's key lives in (`worker.key_namespace`).
@@ -298,6 +303,7 @@ impl Default for WorkerSettings {
             outage_backoff_max: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
             key_namespace: KeyNamespace::Off,
+            trust_unsealed_headers: false,
         }
     }
 }

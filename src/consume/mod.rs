@@ -45,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker;
 use crate::config::Settings;
+use crate::headers::Seal;
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
@@ -95,6 +96,11 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         .iter()
         .map(|source| crate::outbox::Source::new(source, &settings.database))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let trust_unsealed = settings.worker.trust_unsealed_headers;
+    if trust_unsealed {
+        tracing::warn!("worker.trust_unsealed_headers = true: postie-* headers without this fleet's seal are obeyed, a producer's too; turn it off once the copies of the postie before the upgrade are through");
+    }
+    let seal = Seal::new(&inbox.header_key().await?, trust_unsealed);
     let mailer = Mailer::with_routes(&parsed.providers, &settings.smtp, health.metrics())?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
@@ -110,6 +116,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         inbox,
         mailer,
         health,
+        seal,
         hard_stop: CancellationToken::new(),
     });
     let inbox = cx.inbox.clone();

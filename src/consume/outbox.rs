@@ -22,21 +22,35 @@
 //! leaves the rows where they are and backs off too. At least once: a batch whose
 //! confirms arrived but whose delete did not commit is published again, and the
 //! inbox's key makes the email once.
+//!
+//! A row that can never be published does not stop the rows after it (issue 45): one
+//! over `worker.max_body_bytes`, or whose times `postie.take` could not compute, is
+//! set aside unpublished; when the broker refuses a batch with a 406 (a message over
+//! its `max_message_size` closes the channel, and every publish in flight with it),
+//! the batch is published again one row at a time, and the row the broker refuses
+//! alone is set aside with the broker's words. Set aside is `postie.reject`: moved to
+//! `postie.outbox_rejected` in the batch's transaction, counted
+//! (`postie_outbox_rejected_total`) and shown by `postie status`. A source whose
+//! outbox is older than version 3 has nowhere to set rows aside: its refused rows
+//! wait as before, and the relay says once, at connect, to run `postie outbox install`.
+
+mod rows;
 
 use std::time::{Duration, Instant};
 
-use lapin::types::{AMQPValue, FieldTable, ShortString};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::publisher::Publisher;
 use super::Service;
-use crate::broker::{self, PublishError, ROUTING_KEY};
-use crate::headers::{HEADER_PUBLISHED_AT, HEADER_X_DELAY};
+use crate::broker::{PublishError, ROUTING_KEY};
 use crate::inbox::OutboxError;
 use crate::ops::backoff::Backoff;
 use crate::ops::metrics::SourceLabel;
-use crate::outbox::{oldest_seconds, relay_batch, Batch, Row, Source};
+use crate::outbox::{
+    oldest_seconds, relay_batch, version, Batch, Refused, Row, Source, REJECTS_FROM,
+};
+use rows::screen;
 
 impl Service {
     /// Starts the relay of every outbox source, one task each, for the life of
@@ -84,8 +98,14 @@ impl Service {
     ) -> Result<(), String> {
         let settings = &self.cx.settings;
         let (mut client, _listener, mut wake) = open(source, settings).await?;
+        let version = within(settings.database.statement_timeout, version(&client)).await?;
+        let can_reject = version >= REJECTS_FROM;
         if self.cx.health.set_outbox_source(&source.name, true) {
             tracing::info!(source = %source.name, url = %source.shown, "relaying the outbox source");
+        }
+        if !can_reject {
+            tracing::warn!(source = %source.name, version,
+                "this outbox cannot set aside a row that can never be published (one such row stops the rows after it): run `postie outbox install` on it");
         }
         let deadline = settings.database.statement_timeout + settings.amqp.connect_timeout;
         let label = SourceLabel {
@@ -105,8 +125,8 @@ impl Service {
                 continue;
             };
             let started = Instant::now();
-            let pass =
-                tokio::time::timeout(deadline, self.outbox_pass(&mut client, &publisher)).await;
+            let pass = self.outbox_pass(&mut client, &publisher, can_reject);
+            let pass = tokio::time::timeout(deadline, pass).await;
             let wait = match pass {
                 Ok(Ok(batch)) => {
                     self.count_batch(&label, batch, started);
@@ -148,20 +168,47 @@ impl Service {
         }
     }
 
-    /// One batch: taken, published (confirms awaited together), deleted.
+    /// One batch: taken, published (confirms awaited together), deleted; with
+    /// `can_reject`, the rows that can never be published set aside.
     async fn outbox_pass(
         &self,
         client: &mut tokio_postgres::Client,
         publisher: &Publisher,
+        can_reject: bool,
     ) -> Result<Batch, OutboxError<PublishError>> {
         let exchange = self.cx.topology.delayed_exchange();
         let limit = self.cx.settings.outbox.batch_size as i32;
+        // Before version 3 a row cannot be set aside: published as before, postie
+        // dead-letters one over its limit.
+        let max_body = match can_reject {
+            true => self.cx.settings.worker.max_body_bytes,
+            false => usize::MAX,
+        };
         relay_batch(client, limit, |rows: Vec<Row>| async move {
-            let publishes = rows.iter().map(|row| {
-                publisher.publish(exchange, ROUTING_KEY, false, &row.body, properties(row))
-            });
-            futures_util::future::try_join_all(publishes).await?;
-            Ok(())
+            let (ready, mut refused) = screen(&rows, max_body);
+            let all = ready
+                .iter()
+                .map(|row| publish_row(publisher, exchange, row));
+            let error = match futures_util::future::try_join_all(all).await {
+                Ok(_) => return Ok(refused),
+                Err(error) if can_reject && error.refusal().is_some() => error,
+                Err(error) => return Err(error),
+            };
+            // One of them closed the channel, and every publish in flight failed with
+            // it: each alone now, to find which.
+            tracing::warn!(%error, rows = ready.len(),
+                "the broker refused a message of an outbox batch; publishing its rows one by one");
+            for row in &ready {
+                let Err(error) = publish_row(publisher, exchange, row).await else {
+                    continue;
+                };
+                let Some(words) = error.refusal() else {
+                    return Err(error);
+                };
+                let reason = format!("refused by the broker: {words}");
+                refused.push(Refused { id: row.id, reason });
+            }
+            Ok(refused)
         })
         .await
     }
@@ -187,6 +234,14 @@ impl Service {
             .outbox_oldest_seconds
             .get_or_create(label)
             .set(batch.oldest_seconds);
+        if batch.rejected > 0 {
+            tracing::warn!(source = %label.source, rows = batch.rejected,
+                "outbox rows that can never be published set aside in postie.outbox_rejected, with the reason");
+            metrics
+                .outbox_rejected
+                .get_or_create(label)
+                .inc_by(batch.rejected as u64);
+        }
         if batch.rows > 0 {
             metrics
                 .outbox_relayed
@@ -198,6 +253,16 @@ impl Service {
                 .observe(started.elapsed().as_secs_f64());
         }
     }
+}
+
+/// One row published to `exchange` as a producer would, its confirm awaited.
+async fn publish_row(
+    publisher: &Publisher,
+    exchange: &str,
+    row: &rows::Ready<'_>,
+) -> Result<(), PublishError> {
+    let properties = row.properties();
+    (publisher.publish(exchange, ROUTING_KEY, false, row.body, properties)).await
 }
 
 /// A source's connection for the batches and, with `outbox.listen`, its listening
@@ -244,65 +309,5 @@ async fn next_wake(wake: &mut Option<mpsc::Receiver<()>>) -> Option<()> {
     match wake {
         Some(wake) => wake.recv().await,
         None => std::future::pending().await,
-    }
-}
-
-/// A producer's properties: persistent JSON, the key as `message_id`, `x-delay` and
-/// `postie-published-at` so that the job is due when its row said.
-fn properties(row: &Row) -> lapin::BasicProperties {
-    let mut headers = FieldTable::default();
-    headers.insert(
-        HEADER_X_DELAY.into(),
-        AMQPValue::LongLongInt(row.delay_ms.max(0)),
-    );
-    headers.insert(
-        HEADER_PUBLISHED_AT.into(),
-        AMQPValue::LongLongInt(row.enqueued_ms),
-    );
-    let mut properties = broker::job_properties()
-        .with_headers(headers)
-        .with_timestamp((row.enqueued_ms / 1000).max(0) as u64);
-    if let Some((key, _)) = crate::contract::peek_key(&row.body) {
-        properties = properties.with_message_id(ShortString::from(key.as_str().to_owned()));
-    }
-    properties
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_row_is_published_as_a_producer_would() {
-        let row = Row {
-            id: 1,
-            body: br#"{"order_id":"42","type":"receipt","to":["a@x.example"]}"#.to_vec(),
-            enqueued_ms: 1_700_000_000_123,
-            delay_ms: 5_000,
-        };
-        let props = properties(&row);
-        assert_eq!(
-            props.message_id().as_ref().map(|m| m.as_str()),
-            Some("42:receipt")
-        );
-        assert_eq!(props.delivery_mode(), &Some(2));
-        let headers = props.headers().as_ref().unwrap();
-        assert_eq!(
-            crate::headers::header_int(Some(headers), HEADER_PUBLISHED_AT),
-            Some(1_700_000_000_123)
-        );
-        assert_eq!(
-            crate::headers::header_int(Some(headers), HEADER_X_DELAY),
-            Some(5_000)
-        );
-        let late = Row {
-            delay_ms: -3,
-            ..row
-        };
-        let headers = properties(&late).headers().clone().unwrap();
-        assert_eq!(
-            crate::headers::header_int(Some(&headers), HEADER_X_DELAY),
-            Some(0)
-        );
     }
 }

@@ -212,6 +212,7 @@ impl Service {
         for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
+            self.cx.seal.seal(&mut table, &job.body);
             let mut properties = broker::job_properties().with_headers(table);
             // Per-producer keys: the job goes back under the user_id it came with.
             if self.cx.settings.worker.key_namespace == KeyNamespace::UserId {

@@ -1,5 +1,7 @@
 //! The send role's handler, and the one place a [`Disposition`] is carried out:
-//! publish a copy (confirmed) and then ack, ack alone, or leave the delivery unacked.
+//! publish a copy (confirmed, its `postie-*` headers sealed) and then ack, ack alone,
+//! or leave the delivery unacked; and [`Service::admit`], the door every delivery
+//! passes: a `postie-*` header without postie's seal is dropped.
 
 use std::time::Duration;
 
@@ -75,6 +77,26 @@ impl Service {
         metrics.in_flight.dec();
     }
 
+    /// `delivery` as postie may trust it: its `postie-*` headers without a valid seal
+    /// (a producer's, or forged) dropped and counted, the others and a producer's own
+    /// (`x-delay`, `postie-published-at`, `traceparent`, …) kept (`headers::Seal`).
+    pub(super) fn admit(&self, mut delivery: Delivery) -> Delivery {
+        let headers = delivery.properties.headers().as_ref();
+        let admitted = self.cx.seal.admit(headers, &delivery.data);
+        if let Some(headers) = admitted.headers {
+            delivery.properties = std::mem::take(&mut delivery.properties).with_headers(headers);
+        }
+        if admitted.dropped > 0 {
+            let metrics = self.cx.metrics();
+            metrics.headers_dropped.inc_by(admitted.dropped as u64);
+            tracing::debug!(
+                dropped = admitted.dropped,
+                "postie-* headers without postie's seal dropped at intake"
+            );
+        }
+        delivery
+    }
+
     /// A sent email counted in its lane, with its lateness (`postie_lane_*`).
     fn count_lane(&self, lane: LaneId, outcome: &Outcome) {
         let Outcome::Sent { lateness_ms, .. } = outcome else {
@@ -125,7 +147,9 @@ impl Service {
             routing_key,
             headers,
         } = target;
-        let headers = headers::without_broker_death(headers);
+        let mut headers = headers::without_broker_death(headers);
+        // postie's own headers on the copy, sealed for its body (`headers::Seal`).
+        self.cx.seal.seal(&mut headers, &delivery.data);
         let keep_user_id = self.cx.settings.worker.key_namespace == KeyNamespace::UserId;
         let properties: BasicProperties =
             broker::copy_properties(&delivery.properties, keep_user_id)

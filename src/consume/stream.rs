@@ -3,7 +3,9 @@
 //! timeout). Deliveries go to the role's handler: the send role's in delivery order
 //! (in ladder mode, one held unclaimed too long is marked as arrived: `arrivals.rs`),
 //! the relay's earliest due first from its prefetch window (`relay::DueOrder`). Each
-//! loop's prefetch is cut to the byte budget (`config::Prefetch`).
+//! loop's prefetch is cut to the byte budget (`config::Prefetch`). Every delivery is
+//! admitted as it is read: its `postie-*` headers without postie's seal dropped
+//! (`Service::admit`), whichever door it came through.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -191,7 +193,7 @@ impl Service {
                     self.dispatch(c, permit, Work::Relay(delivery, decision));
                 }
                 next = c.deliveries.next() => match c.received(next) {
-                    Ok(delivery) => waiting.arrive(&self.cx.topology, &rules, delivery, now_ms()),
+                    Ok(delivery) => waiting.arrive(&self.cx.topology, &rules, self.admit(delivery), now_ms()),
                     Err(end) => return end,
                 },
             }
@@ -237,7 +239,7 @@ impl Service {
                 }
                 next = c.deliveries.next(), if held.len() < usize::from(c.prefetch) => {
                     match c.received(next) {
-                        Ok(delivery) => held.push_back(Held { delivery, received: Instant::now() }),
+                        Ok(delivery) => held.push_back(Held { delivery: self.admit(delivery), received: Instant::now() }),
                         Err(end) => return end,
                     }
                 }

@@ -15,8 +15,8 @@ pub(crate) const PLUGIN_MAX_DELAY: Duration = Duration::from_millis(u32::MAX as 
 
 /// Reads `x-delay` in milliseconds: an integer or a numeric string; missing, zero or
 /// negative means now. Floats, garbage and values over `max` are refused, never
-/// truncated.
-pub(crate) fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
+/// truncated. Public for `tests/properties.rs`.
+pub fn x_delay(headers: Option<&FieldTable>, max: Duration) -> Result<u64, InvalidJob> {
     let Some(value) = headers.and_then(|h| h.inner().get(HEADER_X_DELAY)) else {
         return Ok(0);
     };
@@ -89,7 +89,8 @@ const PLAUSIBLE_PAST_MS: i64 = 3_650 * 86_400_000;
 
 /// The due time in Unix ms: the `postie-due-at` postie stamped earlier, else
 /// published-at + `x-delay`. Times that cannot be true are refused, not clamped.
-pub(crate) fn due_at(
+/// Public for `tests/properties.rs`.
+pub fn due_at(
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     received_ms: i64,

@@ -123,7 +123,8 @@ fn text_if_present<'de, D: Deserializer<'de>>(member: D) -> Result<Option<String
 
 impl Request {
     /// Parses a job or a cancel request, its key in the namespace `rules` give.
-    pub(crate) fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
+    /// Public for `tests/properties.rs`.
+    pub fn parse(body: &[u8], rules: &ParseRules<'_>) -> Result<Self, InvalidJob> {
         match Self::parse_as_published(body, rules)? {
             Self::Job(mut job) => {
                 job.key = rules.namespaced(&job.key)?;

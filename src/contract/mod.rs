@@ -14,11 +14,13 @@ mod peek;
 mod rules;
 
 pub(crate) use address::Address;
-pub(crate) use delay::{due_at, x_delay, PLUGIN_MAX_DELAY};
+pub(crate) use delay::PLUGIN_MAX_DELAY;
+pub use delay::{due_at, x_delay};
 pub use job::{CancelRequest, EmailJob, Request};
 pub(crate) use key::message_id_of;
 pub use key::{key_owner, IdempotencyKey};
-pub(crate) use peek::{peek_job, peek_key, peek_key_text};
+pub use peek::peek_key_text;
+pub(crate) use peek::{peek_job, peek_key};
 pub use rules::ParseRules;
 
 /// Longest accepted key, order id or type.

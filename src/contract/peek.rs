@@ -107,7 +107,8 @@ pub(crate) fn peek_job(body: &[u8]) -> Option<Peeked> {
 
 /// The key a body names by the contract's rule, as published and unvalidated (so that
 /// an operator can tell invalid jobs apart): `None` for cancels, bodies that are no
-/// JSON object, and bodies whose key members name none.
-pub(crate) fn peek_key_text(body: &[u8]) -> Option<String> {
+/// JSON object, and bodies whose key members name none. Public for
+/// `tests/properties.rs`.
+pub fn peek_key_text(body: &[u8]) -> Option<String> {
     Some(Peek::read(body)?.key()?.into_owned())
 }

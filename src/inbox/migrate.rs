@@ -56,6 +56,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (19, "0019_lanes"),
     (20, "0020_tenants"),
     (21, "0021_feedback_trust"),
+    (22, "0022_header_key"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

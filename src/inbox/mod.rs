@@ -18,6 +18,7 @@ mod dial;
 mod error;
 mod events;
 mod feedback;
+mod header_key;
 mod inspect;
 mod lanes;
 mod migrate;

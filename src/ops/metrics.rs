@@ -138,6 +138,8 @@ declare! {
     pub struct Metrics {
         jobs_received: Counter
             => "jobs_received", "Deliveries taken from the send queue";
+        headers_dropped: Counter
+            => "unsealed_headers_dropped", "postie-* headers a delivery carried without postie's seal (a producer's), dropped at intake";
         emails_sent: Counter
             => "emails_sent", "Emails accepted by the SMTP server and recorded as sent";
         duplicates_suppressed: Counter
@@ -217,6 +219,8 @@ declare! {
             => "outbox_oldest_row_age_seconds", "Age of the oldest row of a source: in this instance's last batch, or waiting while it cannot publish (0: none)";
         outbox_source_up: Family<SourceLabel, Gauge>
             => "outbox_source_up", "1 while this instance reaches the source's outbox, 0 while it does not";
+        outbox_rejected: Family<SourceLabel, Counter>
+            => "outbox_rejected", "Rows of a producer's outbox refused for good (by the broker, or over worker.max_body_bytes) and moved to postie.outbox_rejected, by source";
         lane_sent: Family<LaneLabel, Counter>
             => "lane_emails_sent", "Emails sent, by lane (topology.lanes)";
         lane_lateness_seconds: Family<LaneLabel, Histogram, fn() -> Histogram> = Family::new_with_constructor(|| seconds(0.005, 16))

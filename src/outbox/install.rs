@@ -3,7 +3,14 @@
 //! under an advisory lock and in one transaction, so that installs run side by side
 //! (several deploys at once) apply each script once and a failed one leaves nothing.
 //! A database installed by a newer postie is refused. The grants are given on every
-//! run (GRANT is idempotent), so a second run can add a role.
+//! run (GRANT is idempotent), so a second run can add a role, and the job size limit
+//! (`postie.outbox_settings`, from `worker.max_body_bytes`) is written on every run.
+//!
+//! What it installs into must be its own: a `postie` schema, or an `outbox_version`,
+//! that another role owns (or that is not a plain table, or has a trigger) is refused
+//! before anything runs in it, since whoever owns them could have left code there
+//! that would run as the installer. Its statements run with `search_path` pinned to
+//! `pg_catalog, pg_temp`, so no other schema's function is called by mistake.
 
 use tokio_postgres::Client;
 
@@ -18,6 +25,11 @@ const SCRIPTS: &[(i32, &str, &str)] = &[
         2,
         "0002_take",
         include_str!("../../sql/outbox/0002_take.sql"),
+    ),
+    (
+        3,
+        "0003_refusals",
+        include_str!("../../sql/outbox/0003_refusals.sql"),
     ),
 ];
 
@@ -35,15 +47,20 @@ pub(crate) struct Grants<'a> {
     pub(crate) relay: Option<&'a str>,
 }
 
-/// Applies the scripts not yet applied and gives the grants; the names of the
-/// scripts it applied (empty: the outbox was up to date).
+/// Applies the scripts not yet applied, writes `max_body_bytes` (enqueue's limit) and
+/// gives the grants; the names of the scripts it applied (empty: the outbox was up
+/// to date).
 pub(crate) async fn install(
     client: &mut Client,
     grants: Grants<'_>,
+    max_body_bytes: usize,
 ) -> anyhow::Result<Vec<&'static str>> {
     let tx = client.transaction().await?;
+    tx.batch_execute("SET LOCAL search_path = pg_catalog, pg_temp")
+        .await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
         .await?;
+    check_owned(&tx).await?;
     tx.batch_execute(
         "CREATE SCHEMA IF NOT EXISTS postie;
          CREATE TABLE IF NOT EXISTS postie.outbox_version (
@@ -79,9 +96,76 @@ pub(crate) async fn install(
         .await?;
         applied.push(*name);
     }
+    let max_body_bytes = i32::try_from(max_body_bytes).unwrap_or(i32::MAX);
+    tx.execute(
+        "INSERT INTO postie.outbox_settings (only_row, max_body_bytes) VALUES (true, $1)
+         ON CONFLICT (only_row) DO UPDATE SET max_body_bytes = excluded.max_body_bytes",
+        &[&max_body_bytes],
+    )
+    .await?;
     tx.batch_execute(&grant_statements(grants)).await?;
     tx.commit().await?;
     Ok(applied)
+}
+
+/// Refuses a `postie` schema, or a `postie.outbox_version`, that the installing role
+/// does not own, and an `outbox_version` that is not a plain table without triggers:
+/// whoever made them could run code as the installer (a trigger on the version
+/// table, a view over a table of theirs). Strict ownership, not membership: a
+/// superuser is a member of every role.
+async fn check_owned(tx: &tokio_postgres::Transaction<'_>) -> anyhow::Result<()> {
+    let schema = tx
+        .query_opt(
+            "SELECT pg_get_userbyid(n.nspowner), n.nspowner = r.oid, r.rolname::text
+               FROM pg_namespace n, pg_roles r
+              WHERE n.nspname = 'postie' AND r.rolname = current_user",
+            &[],
+        )
+        .await?;
+    let Some(schema) = schema else {
+        return Ok(());
+    };
+    let (owner, ours, me): (String, bool, String) = (schema.get(0), schema.get(1), schema.get(2));
+    if !ours {
+        anyhow::bail!(
+            "the schema postie in this database belongs to role {owner:?}, not to {me:?}, \
+             which installs: refusing to install into it (its owner could run code as the \
+             installer); drop it, or ALTER SCHEMA postie OWNER TO {me:?} once it is checked"
+        );
+    }
+    let table = tx
+        .query_opt(
+            "SELECT c.relkind::text, pg_get_userbyid(c.relowner), c.relowner = r.oid,
+                    EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal)
+               FROM pg_class c, pg_roles r
+              WHERE c.relnamespace = 'postie'::regnamespace AND c.relname = 'outbox_version'
+                AND r.rolname = current_user",
+            &[],
+        )
+        .await?;
+    let Some(table) = table else {
+        return Ok(());
+    };
+    let (kind, owner, ours, triggers): (String, String, bool, bool) =
+        (table.get(0), table.get(1), table.get(2), table.get(3));
+    let wrong = if kind != "r" {
+        Some(format!("is not a plain table (relkind {kind:?})"))
+    } else if !ours {
+        Some(format!(
+            "belongs to role {owner:?}, not to {me:?}, which installs"
+        ))
+    } else if triggers {
+        Some("has triggers".to_string())
+    } else {
+        None
+    };
+    match wrong {
+        Some(wrong) => anyhow::bail!(
+            "postie.outbox_version in this database {wrong}: refusing to install (whoever \
+             made it could run code as the installer); check it and drop it"
+        ),
+        None => Ok(()),
+    }
 }
 
 /// The GRANT statements for `grants` (each role name quoted as an identifier).
@@ -99,7 +183,8 @@ fn grant_statements(grants: Grants<'_>) -> String {
             "GRANT USAGE ON SCHEMA postie TO {role};
              GRANT SELECT, DELETE ON postie.outbox TO {role};
              GRANT EXECUTE ON FUNCTION postie.take(integer) TO {role};
-             GRANT SELECT ON postie.outbox_version TO {role};\n"
+             GRANT SELECT ON postie.outbox_version, postie.outbox_rejected TO {role};
+             GRANT EXECUTE ON FUNCTION postie.reject(bigint, text) TO {role};\n"
         ));
     }
     sql

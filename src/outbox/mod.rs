@@ -6,7 +6,9 @@
 //!   `postie.outbox_version` apart from postie's own migrations, and the grants.
 //! - this file: a source (one producer's database, by its `name=`), a batch taken
 //!   `FOR UPDATE SKIP LOCKED` and deleted only after its publish succeeded, in one
-//!   transaction, and the lag `postie status` shows.
+//!   transaction, the rows its publish refused for good moved to
+//!   `postie.outbox_rejected` (`postie.reject`) in the same transaction, and the lag
+//!   `postie status` shows.
 //!
 //! The relay that publishes the batches runs in `postie serve`'s session
 //! (`consume::outbox`), on the session's confirm channel.
@@ -60,6 +62,10 @@ impl Source {
     }
 }
 
+/// The outbox version from which a source has `postie.reject` and
+/// `postie.outbox_rejected` (`sql/outbox/0003_refusals.sql`).
+pub(crate) const REJECTS_FROM: i32 = 3;
+
 /// One row of `postie.outbox`, as the relay publishes it.
 #[derive(Debug, Clone)]
 pub(crate) struct Row {
@@ -69,9 +75,20 @@ pub(crate) struct Row {
     pub(crate) body: Vec<u8>,
     /// When `postie.enqueue` was called, in ms since the epoch: the job's
     /// `postie-published-at`, so its delay counts from the producer's enqueue.
-    pub(crate) enqueued_ms: i64,
-    /// Due minus enqueued, in ms (≤ 0: at once): the job's `x-delay`.
-    pub(crate) delay_ms: i64,
+    /// `None`: a time `postie.take` could not compute (not finite).
+    pub(crate) enqueued_ms: Option<i64>,
+    /// Due minus enqueued, in ms (≤ 0: at once): the job's `x-delay`; `None` as above
+    /// (a row due at `'infinity'`, enqueued before version 3 refused it).
+    pub(crate) delay_ms: Option<i64>,
+}
+
+/// A row its publish refused for good, and why: moved to `postie.outbox_rejected`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Refused {
+    /// The row's id.
+    pub(crate) id: i64,
+    /// Why, for a person (the broker's words, or postie's).
+    pub(crate) reason: String,
 }
 
 /// What one batch did.
@@ -79,14 +96,18 @@ pub(crate) struct Row {
 pub(crate) struct Batch {
     /// Rows published and deleted.
     pub(crate) rows: usize,
+    /// Rows refused for good and moved to `postie.outbox_rejected`.
+    pub(crate) rejected: usize,
     /// Age of the oldest row taken, in seconds (0 when none).
     pub(crate) oldest_seconds: f64,
 }
 
 /// Takes up to `limit` rows, oldest first, that no other relay holds (`postie.take`:
-/// `FOR UPDATE SKIP LOCKED`), hands them to `publish`, and deletes them only if it succeeded
-/// (every publish confirmed), in one transaction: a failed publish, a lost
-/// connection or a killed instance leaves them to the next pass (at least once).
+/// `FOR UPDATE SKIP LOCKED`), hands them to `publish`, and, if it succeeded (every
+/// publish confirmed but those it names as refused for good), deletes the published
+/// ones and moves the refused ones to `postie.outbox_rejected` (`postie.reject`), in
+/// one transaction: a failed publish, a lost connection or a killed instance leaves
+/// them all to the next pass (at least once).
 pub(crate) async fn relay_batch<E, F, Fut>(
     client: &mut Client,
     limit: i32,
@@ -95,7 +116,7 @@ pub(crate) async fn relay_batch<E, F, Fut>(
 where
     E: std::error::Error + 'static,
     F: FnOnce(Vec<Row>) -> Fut,
-    Fut: Future<Output = Result<(), E>>,
+    Fut: Future<Output = Result<Vec<Refused>, E>>,
 {
     let tx = client.transaction().await.map_err(DbError::from)?;
     let found = tx
@@ -117,16 +138,40 @@ where
     if rows.is_empty() {
         return Ok(Batch::default());
     }
-    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-    publish(rows).await.map_err(OutboxError::Publish)?;
-    tx.execute("DELETE FROM postie.outbox WHERE id = ANY($1)", &[&ids])
-        .await
-        .map_err(DbError::from)?;
+    let taken: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    let refused = publish(rows).await.map_err(OutboxError::Publish)?;
+    let published: Vec<i64> = (taken.iter().copied())
+        .filter(|id| !refused.iter().any(|r| r.id == *id))
+        .collect();
+    tx.execute(
+        "DELETE FROM postie.outbox WHERE id = ANY($1)",
+        &[&published],
+    )
+    .await
+    .map_err(DbError::from)?;
+    for Refused { id, reason } in &refused {
+        tx.execute("SELECT postie.reject($1, $2)", &[id, reason])
+            .await
+            .map_err(DbError::from)?;
+    }
     tx.commit().await.map_err(DbError::from)?;
     Ok(Batch {
-        rows: ids.len(),
+        rows: published.len(),
+        rejected: refused.len(),
         oldest_seconds,
     })
+}
+
+/// The source's outbox version (`postie.outbox_version`): below [`REJECTS_FROM`], a
+/// refused row cannot be set aside.
+pub(crate) async fn version(client: &Client) -> Result<i32, DbError> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM postie.outbox_version",
+            &[],
+        )
+        .await?;
+    Ok(row.try_get(0)?)
 }
 
 /// The age in seconds of the source's oldest row by id (0 when none): one index
@@ -152,20 +197,31 @@ pub(crate) struct Lag {
     pub(crate) rows: i64,
     /// Age of the oldest, in seconds (0 when none).
     pub(crate) oldest_seconds: f64,
+    /// Rows set aside in `postie.outbox_rejected` (0 before version 3).
+    pub(crate) rejected: i64,
 }
 
-/// The source's lag: rows waiting, and the oldest one's age.
+/// The source's lag: rows waiting, the oldest one's age, and the rows set aside.
 pub(crate) async fn lag(client: &Client) -> Result<Lag, DbError> {
     let row = client
         .query_one(
             "SELECT count(*),
-                    coalesce(extract(epoch FROM clock_timestamp() - min(enqueued_at)), 0)::float8
+                    coalesce(extract(epoch FROM clock_timestamp() - min(enqueued_at)), 0)::float8,
+                    to_regclass('postie.outbox_rejected') IS NOT NULL
                FROM postie.outbox",
             &[],
         )
         .await?;
+    let rejected = match row.try_get(2)? {
+        true => {
+            let count = "SELECT count(*) FROM postie.outbox_rejected";
+            client.query_one(count, &[]).await?.try_get(0)?
+        }
+        false => 0,
+    };
     Ok(Lag {
         rows: row.try_get(0)?,
         oldest_seconds: row.try_get(1)?,
+        rejected,
     })
 }

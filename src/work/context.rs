@@ -12,6 +12,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AmqpAddresses, Settings};
+use crate::headers::Seal;
 use crate::inbox::Inbox;
 use crate::mail::Mailer;
 use crate::ops::health::Health;
@@ -37,6 +38,9 @@ pub(crate) struct Context {
     /// Dependency health (readiness, pausing, the circuit breaker), and through it the
     /// metrics.
     pub(crate) health: Health,
+    /// The fleet's seal on postie's own headers: checked on every delivery at intake,
+    /// put on every copy postie publishes.
+    pub(crate) seal: Seal,
     /// Cancelled when the drain timeout runs out: ends every wait for a dependency,
     /// so in-flight work gives up and its deliveries return to the queue unacked.
     pub(crate) hard_stop: CancellationToken,
