@@ -39,6 +39,8 @@ async fn listeners(env: &TestEnv) -> Listeners {
     let mut settings = env.settings();
     settings.http.listen = Some(metrics);
     settings.feedback.listen = Some(feedback);
+    // No SES topics to name here: the listener's bounds are under test, not SNS.
+    settings.feedback.sns.enabled = false;
     let serving = env.serve(settings);
     let stop = CancellationToken::new();
     let console = console::start(
