@@ -51,41 +51,37 @@ fn tlv(der: &[u8]) -> Option<(u8, &[u8], &[u8])> {
     (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
 }
 
-/// The SubjectPublicKeyInfo (whole element) of a DER certificate.
-pub(crate) fn certificate_spki(cert: &[u8]) -> Option<&[u8]> {
+/// A DER certificate's TBSCertificate fields from its serial number on: the optional
+/// `[0]` version passed over, then `skip` more fields (serial, signature, issuer,
+/// validity, subject, spki in that order).
+fn tbs_field(cert: &[u8], skip: usize) -> Option<&[u8]> {
     let (0x30, cert, _) = tlv(cert)? else {
         return None;
     };
     let (0x30, mut tbs, _) = tlv(cert)? else {
         return None;
     };
-    // [0] version (optional), serial, signature, issuer, validity, subject, spki.
     if tbs.first() == Some(&0xa0) {
         tbs = tlv(tbs)?.2;
     }
-    for _ in 0..5 {
+    for _ in 0..skip {
         tbs = tlv(tbs)?.2;
     }
+    Some(tbs)
+}
+
+/// The SubjectPublicKeyInfo (whole element) of a DER certificate.
+pub(crate) fn certificate_spki(cert: &[u8]) -> Option<&[u8]> {
+    // Past serial, signature, issuer, validity and subject.
+    let tbs = tbs_field(cert, 5)?;
     let (tag, _, rest) = tlv(tbs)?;
     (tag == 0x30).then(|| &tbs[..tbs.len() - rest.len()])
 }
 
 /// The subject's last common name (OID 2.5.4.3) of a DER certificate, as text.
 pub(crate) fn certificate_common_name(cert: &[u8]) -> Option<String> {
-    let (0x30, cert, _) = tlv(cert)? else {
-        return None;
-    };
-    let (0x30, mut tbs, _) = tlv(cert)? else {
-        return None;
-    };
-    if tbs.first() == Some(&0xa0) {
-        tbs = tlv(tbs)?.2;
-    }
-    // serial, signature, issuer, validity, then the subject.
-    for _ in 0..4 {
-        tbs = tlv(tbs)?.2;
-    }
-    let (0x30, mut names, _) = tlv(tbs)? else {
+    // Past serial, signature, issuer and validity: the subject.
+    let (0x30, mut names, _) = tlv(tbs_field(cert, 4)?)? else {
         return None;
     };
     let mut common = None;
