@@ -1,22 +1,41 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
+# The SMTP and provider test servers, built by the same cargo command as the tests
+# (--workspace --all-targets builds every member's binaries): each test process takes
+# them from here instead of asking cargo for them, once per test under cargo-nextest.
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
+TEST_SERVERS = POSTIE_SMTP_SINK=$(TARGET_DIR)/debug/postie-smtp-sink POSTIE_PROVIDER_SERVER=$(TARGET_DIR)/debug/postie-provider-server
+NEXTEST = $(TEST_SERVERS) $(CARGO) nextest run --locked --workspace --all-targets
 
-.PHONY: help build test test-rabbitmq-4 demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
+.PHONY: help build test test-slow test-rabbitmq-4 test-slow-rabbitmq-4 test-times demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 
-build: ## release build of postie (the tests build the SMTP sink, tests/smtp-sink, themselves)
+build: ## release build of postie (make test builds the SMTP sink, tests/smtp-sink, with the tests)
 	$(CARGO) build --release --locked
 
-test: ## the whole test suite; first installs/starts what it needs (scripts/test-setup.sh)
+test: ## the fast tier: every behaviour at the smallest size that proves it, in parallel (cargo-nextest; .config/nextest.toml); first installs/starts what it needs (scripts/test-setup.sh)
 	bash scripts/test-setup.sh
-	$(CARGO) test --locked --workspace --all-targets --no-fail-fast
+	$(NEXTEST)
 
-test-rabbitmq-4: ## the whole test suite against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673); the same cargo command as make test, so nothing is built twice
+test-slow: ## the slow tier: full-size twins (slow_*), node-loss clusters, then the service restarts and the chaos smoke alone
+	bash scripts/test-setup.sh
+	$(NEXTEST) --profile slow; slow=$$?; $(NEXTEST) --profile alone && exit $$slow
+
+test-rabbitmq-4: ## the fast tier against RabbitMQ 4.3 (Debian's, debootstrapped by scripts/rabbitmq-4.sh, ports 5673/15673); nothing is built twice
 	bash scripts/test-setup.sh
 	bash scripts/rabbitmq-4.sh start
-	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(CARGO) test --locked --workspace --all-targets --no-fail-fast
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && $(NEXTEST)
+
+test-slow-rabbitmq-4: ## the slow tier against RabbitMQ 4.3 (what CI runs: the broker users deploy)
+	bash scripts/test-setup.sh
+	bash scripts/rabbitmq-4.sh start
+	set -a && eval "$$(bash scripts/rabbitmq-4.sh env)" && set +a \
+	  && { $(NEXTEST) --profile slow; slow=$$?; $(NEXTEST) --profile alone && exit $$slow; }
+
+test-times: ## per-test wall times of the last run of each profile (target/nextest/*/junit.xml), slowest first (docs/benchmarks.md)
+	python3 scripts/test-times.py
 
 demo: ## migrate, serve, publish a few jobs (one delayed), show the delivered emails
 	bash scripts/demo.sh
@@ -30,7 +49,7 @@ lint: ## formatting and clippy, warnings are errors
 
 check: lint test ## what CI checks
 
-ci: ## what CI runs (.ci/run): make lint, then scripts/test-setup.sh, make test and make test-rabbitmq-4
+ci: ## what CI runs (.ci/run): make lint, the fast tier on RabbitMQ 3.10 and 4.3, the slow tier on 4.3
 	bash .ci/run
 
 bench: ## throughput: end to end (1 and 3 processes), each leg's ceiling, CPU/email, ladder backlog (target/bench/)

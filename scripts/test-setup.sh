@@ -29,6 +29,11 @@ wait_for() { # what, seconds, command...
 }
 
 # --- Tools --------------------------------------------------------------------------
+# cargo-nextest runs the tiers (.config/nextest.toml): one process per test, in
+# parallel. The machine's image carries it; building it here would cost CI minutes.
+if ! cargo nextest --version >/dev/null 2>&1; then
+    die "cargo-nextest is missing (make test runs the suite with it): cargo install cargo-nextest --locked, or a release binary from https://nexte.st"
+fi
 # Debian's packages: socat and openssl (TLS in front of the broker, tests/security.rs),
 # Go with Debian's amqp091-go and pgx v4 (the Go producer example is built in GOPATH
 # mode against them, without the module proxy), and libfaketime (instances with a

@@ -13,21 +13,22 @@ mod support;
 use std::time::Duration;
 
 use postie::inbox::{Claim, Inbox};
-use support::TestEnv;
+use support::Db;
 
 const LEASE: Duration = Duration::from_secs(30);
 
-async fn inbox(env: &TestEnv) -> Inbox {
+/// An inbox on a PostgreSQL-only environment: claims need no broker.
+async fn inbox(env: &Db) -> Inbox {
     let settings = env.settings();
-    let plan = settings.database.plan().unwrap();
-    let inbox = Inbox::new(&plan, &settings.database).unwrap();
+    let plan = settings.plan().unwrap();
+    let inbox = Inbox::new(&plan, &settings).unwrap();
     inbox.migrate().await.unwrap();
     inbox
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_asked_at_once_share_a_statement_and_each_hears_its_own_answer() {
-    let env = TestEnv::new("claims-batch").await;
+    let env = Db::new("claims-batch").await;
     let inbox = inbox(&env).await;
     let keys: Vec<String> = (0..32).map(|i| format!("batch-{i:02}")).collect();
     let asks = keys.iter().flat_map(|key| {
@@ -41,7 +42,7 @@ async fn claims_asked_at_once_share_a_statement_and_each_hears_its_own_answer() 
         })
     });
     let answers = futures_util::future::join_all(asks.collect::<Vec<_>>()).await;
-    let db = env.db().await;
+    let db = env.client().await;
     for key in &keys {
         let mine: Vec<_> = answers
             .iter()
@@ -94,7 +95,7 @@ async fn claims_asked_at_once_share_a_statement_and_each_hears_its_own_answer() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_postgresql_refuses_fails_alone_and_the_rest_of_its_batch_is_claimed() {
-    let env = TestEnv::new("claims-refused").await;
+    let env = Db::new("claims-refused").await;
     let inbox = inbox(&env).await;
     let keys: Vec<String> = (0..16)
         .map(|i| match i {
@@ -120,7 +121,7 @@ async fn a_row_postgresql_refuses_fails_alone_and_the_rest_of_its_batch_is_claim
         }
     }
     let claimed: i64 = env
-        .db()
+        .client()
         .await
         .query_one(
             "SELECT count(*) FROM postie_inbox WHERE key LIKE 'fine-%' AND status = 'sending'",

@@ -2,7 +2,8 @@
 //! broker addresses with every password redacted, node loss (SIGKILL of the node
 //! leading most of postie's queues, kept down) and a rolling restart, under load.
 //!
-//! Each test starts its own cluster (one at a time: they share two cores) and prints
+//! Each test starts its own cluster (one at a time: they share two cores; the
+//! `clusters` test group of .config/nextest.toml, slow tier) and prints
 //! its figures to stderr (`--nocapture`). The bigger node-loss run is `#[ignore]`d:
 //! `cargo test --test cluster -- --ignored --nocapture`.
 
@@ -34,9 +35,6 @@ const MARGIN: Duration = Duration::from_secs(45);
 /// reconnect backoff (`worker.outage_backoff_max` is 1 s in tests) plus the quorum
 /// queues' leader elections (a few seconds) that declaring the topology waits for.
 const READY_AGAIN: Duration = Duration::from_secs(30);
-
-/// One cluster test at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -350,7 +348,6 @@ fn assert_no_panics(instances: &[Instance]) {
 
 /// Kill -9 the node leading most of postie's queues under load and keep it down.
 async fn node_loss_run(run: &str, now: usize, pending: usize) -> Figures {
-    let _serial = SERIAL.lock().await;
     let mut cluster = start_cluster(3);
     let mut env = TestEnv::on_broker(run, &cluster.urls()).await;
     env.delete_topology = false; // the cluster goes away whole
@@ -435,7 +432,6 @@ async fn losing_the_busiest_node_under_load_figures() {
 async fn a_rolling_restart_under_load() {
     const NOW: usize = 300;
     const PENDING: usize = 600;
-    let _serial = SERIAL.lock().await;
     let mut cluster = start_cluster(3);
     let mut env = TestEnv::on_broker("croll", &cluster.urls()).await;
     env.delete_topology = false;
@@ -481,7 +477,6 @@ async fn a_rolling_restart_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
-    let _serial = SERIAL.lock().await;
     let mut cluster = start_cluster(1);
     let closed = [free_port(), free_port()];
     let dead = |n: usize, port: u16| format!("amqp://u:SECRETPW{n}x@127.0.0.1:{port}/%2f");
@@ -690,7 +685,6 @@ async fn broker_sizing_figures() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
-    let _serial = SERIAL.lock().await;
     let cluster = start_cluster(nodes);
     let usage = |label: &str| {
         let all: Vec<_> = (0..nodes).map(|i| node_usage(&cluster, i)).collect();

@@ -1,7 +1,7 @@
 //! Whole-service outages: RabbitMQ restarted (with jobs pending in the ladder).
-//! These tests stop and start the shared services, so they take a process-wide
-//! lock and run one at a time; `cargo test` runs test binaries one after another,
-//! so no other binary's tests see the outage.
+//! These tests stop and start the shared services, so nothing may run beside them:
+//! they are the slow tier's `alone` profile (.config/nextest.toml, one test at a
+//! time, after every other test), never in the fast tier.
 
 mod support;
 
@@ -12,9 +12,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use postie::broker;
 use postie::headers::HEADER_PUBLISHED_AT;
 use support::{job, message_id, TestEnv};
-use tokio::sync::Mutex;
-
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn rabbitmqctl(args: &[&str]) {
     let status = support::rabbitmqctl_command(args)
@@ -33,7 +30,6 @@ async fn restart_rabbitmq(down: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_pending_in_the_ladder_survive_a_broker_restart() {
-    let _serial = SERIAL.lock().await;
     const JOBS: usize = 40;
     let env = TestEnv::new("brokerrestart").await;
     let _postie = env.spawn_process(&[]);
@@ -146,7 +142,6 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_stopped_and_started_mid_run_loses_nothing() {
-    let _serial = SERIAL.lock().await;
     let recovery =
         run_through_outage("rmqdown", 400, || restart_rabbitmq(Duration::from_secs(5))).await;
     eprintln!("FIGURES rabbitmq-restart: 400 jobs, broker down 5 s; next email {recovery:.1}s after it was back; lost 0, duplicates 0, dead-lettered 0");
@@ -154,7 +149,6 @@ async fn rabbitmq_stopped_and_started_mid_run_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgresql_restarted_mid_run_loses_nothing() {
-    let _serial = SERIAL.lock().await;
     let recovery = run_through_outage("pgrestart", 400, || async {
         assert!(support::restart_postgres(), "pg_ctlcluster restart failed");
     })

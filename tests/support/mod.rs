@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod browser;
 pub mod cluster;
+pub mod db;
 pub mod feedback;
 pub mod providers;
 pub mod proxy;
@@ -24,6 +25,8 @@ use postie::config::Settings;
 use secrecy::SecretString;
 use tokio_util::sync::CancellationToken;
 
+#[allow(unused_imports)]
+pub use db::Db;
 pub use sink::SmtpSink;
 
 /// RabbitMQ for tests (override with POSTIE_TEST_AMQP_URL).
@@ -130,7 +133,7 @@ impl TestEnv {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let prefix = format!("t.{name}.{id}");
         let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
-        admin_sql(&format!("CREATE DATABASE {db_name}")).await;
+        db::create_migrated(&db_name).await;
         let extra: Vec<(String, String)> = extra
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
