@@ -158,20 +158,30 @@ async fn a_killed_instance_s_jobs_are_taken_over_after_the_lease() {
 /// its record is committed and its copy confirmed: a relay killed mid-batch leaves
 /// every job it had not finished in `<p>.intake`, and the next instance relays it.
 /// Every job is sent once, none early, and none is left listed as pending.
+/// The fast tier's twin: 1,000 jobs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
-    const JOBS: usize = 3_000;
+    relay_killed_mid_batch(1_000).await;
+}
+
+/// The full size (slow tier): 3,000 jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
+    relay_killed_mid_batch(3_000).await;
+}
+
+async fn relay_killed_mid_batch(jobs: usize) {
     let env = TestEnv::new("relaykill").await;
     // Due 8-12 s after publishing: nothing is due while the first relay runs.
     let due = support::bench::publish_delayed(
         &env,
         "rk",
-        (0..JOBS as i64).map(|i| 8_000 + (i % 41) * 100),
+        (0..jobs as i64).map(|i| 8_000 + (i % 41) * 100),
     )
     .await;
     let first_due = *due.values().min().unwrap();
     let intake = env.topology.intake_queue();
-    assert_eq!(env.depth(intake).await as usize, JOBS);
+    assert_eq!(env.depth(intake).await as usize, jobs);
 
     // Small pools: the other tests of this file run at the same time, with three
     // processes of 16 connections each, under PostgreSQL's 100.
@@ -182,14 +192,14 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
     eventually(
         "the first relay took part of the intake",
         Duration::from_secs(120),
-        move || async move { (envr.depth(intake_ref).await as usize <= JOBS - 300).then_some(()) },
+        move || async move { (envr.depth(intake_ref).await as usize <= jobs - 300).then_some(()) },
     )
     .await;
     first.kill9();
     let killed_at = chrono::Utc::now().timestamp_millis();
     let left = env.depth(intake).await;
     let _second = env.spawn_process(&small_pool);
-    env.wait_for_emails("every delayed job", JOBS, Duration::from_secs(300))
+    env.wait_for_emails("every delayed job", jobs, Duration::from_secs(300))
         .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
 
@@ -207,7 +217,7 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_sends_nothing_early() {
         "rows still listed as pending"
     );
     eprintln!(
-        "FIGURES relay kill: {JOBS} delayed jobs, relay killed with {left} still in the intake; \
+        "FIGURES relay kill: {jobs} delayed jobs, relay killed with {left} still in the intake; \
          lost {}, early {}, duplicates {}, lateness p50 {} ms p99 {} ms max {} ms",
         report.lost, report.early, report.duplicates, report.p50_ms, report.p99_ms, report.max_ms
     );
