@@ -125,15 +125,36 @@ impl TestEnv {
         Self::build(name, &amqp_url(), &[], sink).await
     }
 
+    /// Like [`TestEnv::new`], with an empty database (every other world's is a copy of
+    /// the migrated template): for a test whose postie must migrate it itself, e.g. as
+    /// a role that then owns what it creates.
+    pub async fn unmigrated(name: &str) -> Self {
+        Self::build_in(name, &amqp_url(), &[], SmtpSink::start().await, false).await
+    }
+
     async fn on_broker_with(name: &str, amqp_url: &str, extra: &[(&str, &str)]) -> Self {
         Self::build(name, amqp_url, extra, SmtpSink::start().await).await
     }
 
     async fn build(name: &str, amqp_url: &str, extra: &[(&str, &str)], sink: SmtpSink) -> Self {
+        Self::build_in(name, amqp_url, extra, sink, true).await
+    }
+
+    async fn build_in(
+        name: &str,
+        amqp_url: &str,
+        extra: &[(&str, &str)],
+        sink: SmtpSink,
+        migrated: bool,
+    ) -> Self {
         let id = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let prefix = format!("t.{name}.{id}");
         let db_name = format!("postie_t_{}_{id}", name.replace(['-', '.'], "_"));
-        db::create_migrated(&db_name).await;
+        if migrated {
+            db::create_migrated(&db_name).await;
+        } else {
+            admin_sql(&format!("CREATE DATABASE {db_name}")).await;
+        }
         let extra: Vec<(String, String)> = extra
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
