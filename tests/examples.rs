@@ -24,7 +24,9 @@
 //! ```
 //!
 //! (The Go example is built in GOPATH mode against Debian's packaged amqp091-go, as
-//! this machine cannot reach the Go module proxy.) The Rust example is compiled into
+//! this machine cannot reach the Go module proxy; once for the whole suite, into
+//! `target/tmp/go-examples/`, and rebuilt only when its sources, `go version` or the
+//! packaged libraries change: see `go_example`.) The Rust example is compiled into
 //! this test with `#[path]`, so the test runs the very code `cargo run --example
 //! publish` runs, minus its `main`.
 
@@ -383,37 +385,141 @@ async fn node_example_publishes_a_delayed_job_that_is_sent_once() {
 /// Debian's packaged amqp091-go, for a GOPATH-mode build without the module proxy.
 const DEBIAN_GOPATH: &str = "/usr/share/gocode";
 
-/// Builds the Go example into `CARGO_TARGET_TMPDIR/<name>` (its own directory and
-/// build cache per test, as the tests run in parallel) and returns the binary.
-async fn build_go_example(name: &str) -> PathBuf {
+/// The Go example's binary, built once for the whole suite (nextest runs each test in
+/// its own process, possibly at the same time) and reused after: in
+/// `CARGO_TARGET_TMPDIR/go-examples/<hash>/publish`, where the hash covers the
+/// example's sources, `go version`, the packaged libraries in [`DEBIAN_GOPATH`]
+/// (each file's path, size and modification time) and the build flags, so any change
+/// builds afresh. One process builds, under an exclusive `flock` of the directory's
+/// `lock` file (released by the kernel even if that process dies), while the others
+/// wait on it and then find the binary; it is written under a temporary name and
+/// renamed into place, so a half-written binary is never run. The Go build cache
+/// (`go-examples/cache`) is shared, so a changed source rebuilds little.
+async fn go_example() -> PathBuf {
     let dir = repo("examples/go");
+    let go_version = std::process::Command::new("go")
+        .arg("version")
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| o.stdout);
     assert!(
-        works("go", &["version"], &dir)
+        go_version.is_some()
             && Path::new(DEBIAN_GOPATH).join("src/github.com/rabbitmq/amqp091-go").is_dir()
             && Path::new(DEBIAN_GOPATH).join("src/github.com/jackc/pgx/v4").is_dir(),
         "the Go example needs go, amqp091-go and pgx v4: apt-get install -y golang-go golang-github-rabbitmq-amqp091-go-dev golang-github-jackc-pgx-v4-dev"
     );
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    const BUILD_ENV: [(&str, &str); 3] = [
+        ("GO111MODULE", "off"),
+        ("GOPATH", DEBIAN_GOPATH),
+        ("GOFLAGS", ""),
+    ];
+
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    hash.update(go_version.unwrap());
+    hash.update(format!("{BUILD_ENV:?}"));
+    for file in files_under(&dir) {
+        hash.update(
+            file.strip_prefix(&dir)
+                .unwrap()
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        hash.update([0]);
+        let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    }
+    let libraries = Path::new(DEBIAN_GOPATH).join("src");
+    for file in files_under(&libraries) {
+        let meta = std::fs::metadata(&file).ok();
+        let modified = meta
+            .as_ref()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .unwrap_or_default();
+        hash.update(file.to_string_lossy().as_bytes());
+        hash.update([0]);
+        hash.update(meta.map_or(0, |m| m.len()).to_le_bytes());
+        hash.update(modified.as_nanos().to_le_bytes());
+    }
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("go-examples");
+    let out = root.join(&hex::encode(hash.finalize())[..16]);
     let binary = out.join("publish");
-    run(
-        "go build (examples/go)",
-        tokio::process::Command::new("go")
-            .args(["build", "-o"])
-            .arg(&binary)
-            .arg(".")
-            .current_dir(&dir)
-            .env("GO111MODULE", "off")
-            .env("GOPATH", DEBIAN_GOPATH)
-            .env("GOCACHE", out.join("cache"))
-            .env("GOFLAGS", ""),
-    )
-    .await;
+    if binary.is_file() {
+        return binary;
+    }
+
+    std::fs::create_dir_all(&out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(out.join("lock"))
+        .unwrap_or_else(|e| panic!("{}/lock: {e}", out.display()));
+    // Blocks until no other test process builds; the lock goes with `lock`'s close.
+    let lock = tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this closure owns (through `lock`).
+        while unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            let error = std::io::Error::last_os_error();
+            assert_eq!(
+                error.kind(),
+                std::io::ErrorKind::Interrupted,
+                "flock: {error}"
+            );
+        }
+        lock
+    })
+    .await
+    .unwrap();
+    if !binary.is_file() {
+        let partial = out.join(format!("publish.partial-{}", std::process::id()));
+        run(
+            "go build (examples/go)",
+            tokio::process::Command::new("go")
+                .args(["build", "-o"])
+                .arg(&partial)
+                .arg(".")
+                .current_dir(&dir)
+                .envs(BUILD_ENV)
+                .env("GOCACHE", root.join("cache")),
+        )
+        .await;
+        std::fs::rename(&partial, &binary)
+            .unwrap_or_else(|e| panic!("rename to {}: {e}", binary.display()));
+    }
+    drop(lock);
     binary
+}
+
+/// Every file under `dir`, recursively, sorted by path.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => dirs.push(entry.path()),
+                Ok(_) => files.push(entry.path()),
+                Err(_) => {}
+            }
+        }
+    }
+    files.sort();
+    files
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_example_publishes_a_delayed_job_that_is_sent_once() {
-    let binary = build_go_example("go-example").await;
+    let binary = go_example().await;
 
     let env = TestEnv::new("ex-go").await;
     let serving = env.serve(env.settings());
@@ -527,7 +633,7 @@ async fn node_example_publishes_many_jobs_with_pipelined_confirms() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_example_publishes_many_jobs_with_pipelined_confirms() {
-    let binary = build_go_example("go-example-bulk").await;
+    let binary = go_example().await;
     let env = TestEnv::new("ex-go-bulk").await;
     let serving = env.serve(env.settings());
     let to = "go@example.com";
@@ -726,7 +832,7 @@ async fn node_example_consumes_delivery_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_example_consumes_delivery_events() {
-    let binary = build_go_example("go-example-events").await;
+    let binary = go_example().await;
     let mut cmd = tokio::process::Command::new(&binary);
     cmd.arg("events");
     consumer_example_prints_the_sent_event("ex-events-go", "Go", &mut cmd).await;
@@ -963,7 +1069,7 @@ async fn node_outbox_example_sends_committed_orders_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn go_outbox_example_sends_committed_orders_once() {
-    let binary = build_go_example("go-outbox").await;
+    let binary = go_example().await;
     outbox_example_sends_committed_orders_once("ex-go-outbox", "Go", Producer::Go(binary)).await;
 }
 

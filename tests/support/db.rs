@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use super::{admin_sql, pg_admin, pg_base};
 
 /// The advisory lock held while the template is built (any number nobody else uses).
-const TEMPLATE_LOCK: i64 = 0x706f_7374_6965_46;
+const TEMPLATE_LOCK: i64 = 0x0070_6f73_7469_6546;
 
 /// A PostgreSQL-only test environment: a database of its own, dropped at the end
 /// (also on panic). For tests that need no broker, no SMTP server and no topology.
