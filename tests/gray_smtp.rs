@@ -1,13 +1,21 @@
 //! Gray SMTP failures (issue 26, items 1 and 2) against real `postie serve` processes,
 //! the real broker and PostgreSQL, and the SMTP test server's `hang` and hold rules:
 //!
-//! - a relay that accepts and never answers, for 25 s, under 100 jobs: every job sent
-//!   once when it answers again, none dead, no retry counted, `/readyz` and the
-//!   breaker metric showing the transport down meanwhile;
+//! - a relay that accepts and never answers, at RCPT under 100 jobs, at the greeting
+//!   and after the body under 20: every job sent once when it answers again, none
+//!   dead, no retry counted, `/readyz` and the breaker metric showing the transport
+//!   down meanwhile;
 //! - SIGTERM while every send hangs: the process exits within `worker.drain_timeout`;
 //! - a relay holding RCPT, or DATA, longer than the lease, with a second copy of each
 //!   job on another instance: one email per key, no claim taken over;
 //! - a claim lost mid-send (its fence moved): the send stops before DATA.
+//!
+//! Sizes: the fast tier hangs the relay for 8 s and holds RCPT or DATA for 8 s (the
+//! test settings' `smtp.timeout` is 2 s, `worker.lease` 5 s, a send's deadline 4 s: an
+//! 8 s hang or hold outlasts each), and loses a claim under a 15 s lease. The `slow_`
+//! twins (the slow tier) run the sizes the docs quote: the RCPT hang for 25 s (issue
+//! 26's scenario), the greeting and body hangs for 10 s, holds of 12 s, the lost claim
+//! under a 30 s lease.
 //!
 //! Each test prints a `FIGURES` line (run with `--nocapture`).
 
@@ -141,21 +149,48 @@ async fn a_relay_hung_at(stage: &str, jobs: usize, hang: Duration) {
     drop(postie);
 }
 
-/// Issue 26's scenario: 100 jobs, every session hung at RCPT for 25 s.
+/// The fast tier's hang: longer than the test settings' `smtp.timeout` (2 s, so every
+/// hung step times out, several times over), a send's deadline (4 s) and
+/// `worker.lease` (5 s, so no claim may be held across it). The assertions do not
+/// depend on the hang's length: a hang charged as an attempt shows in
+/// `postie_retries_total` after the first timed-out step, whatever follows.
+const FAST_HANG: Duration = Duration::from_secs(8);
+
+/// 100 jobs, every session hung at RCPT for 8 s (fast tier; issue 26's 25 s in
+/// [`slow_gs_a_relay_hung_at_rcpt_costs_no_attempt_and_every_job_is_sent_once_after`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_hung_at_rcpt_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("rcpt", 100, FAST_HANG).await;
+}
+
+/// Issue 26's scenario: 100 jobs, every session hung at RCPT for 25 s (slow tier).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_relay_hung_at_rcpt_costs_no_attempt_and_every_job_is_sent_once_after() {
     a_relay_hung_at("rcpt", 100, Duration::from_secs(25)).await;
 }
 
-/// No greeting at all (the connect step, and the prober's, hang too).
+/// No greeting at all (the connect step, and the prober's, hang too), for 8 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_hung_at_the_greeting_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("connect", 20, FAST_HANG).await;
+}
+
+/// No greeting at all for 10 s (slow tier).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_relay_hung_at_the_greeting_costs_no_attempt_and_every_job_is_sent_once_after() {
     a_relay_hung_at("connect", 20, Duration::from_secs(10)).await;
 }
 
-/// The body sent, the final reply never comes (the sink does not keep the message).
+/// The body sent, the final reply never comes (the sink does not keep the message),
+/// for 8 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_hung_after_the_body_costs_no_attempt_and_every_job_is_sent_once_after() {
+    a_relay_hung_at("data_end", 20, FAST_HANG).await;
+}
+
+/// The final reply withheld for 10 s (slow tier).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_relay_hung_after_the_body_costs_no_attempt_and_every_job_is_sent_once_after() {
     a_relay_hung_at("data_end", 20, Duration::from_secs(10)).await;
 }
 
@@ -217,14 +252,21 @@ async fn gs_sigterm_during_a_hang_exits_within_the_drain_timeout() {
     assert!(env.take_dead_letters().await.is_empty());
 }
 
-/// Two instances, each key published twice, and a relay that holds `stage` longer
-/// than the lease for the first few sessions: one email per key, no claim taken over.
-async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str) {
+/// Two instances, each key published twice, and a relay that holds `stage` for `hold`,
+/// longer than the lease, for the first few sessions: one email per key, no claim
+/// taken over.
+async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str, hold: Duration) {
     const KEYS: usize = 4;
     let env = TestEnv::new(name).await;
-    // Test settings: lease 5 s, smtp.timeout 2 s; the relay holds for 12 s.
+    // Test settings: lease 5 s, smtp.timeout 2 s; the relay holds for longer than the
+    // lease (8 s in the fast tier, 12 s in the slow one).
+    assert!(
+        hold > Duration::from_secs(5),
+        "the hold must outlast the lease"
+    );
+    let hold_ms = hold.as_millis() as u64;
     env.sink
-        .set_faults(json!([{"stage": stage, "action": {"delay_ms": 12_000}, "times": 6}]))
+        .set_faults(json!([{"stage": stage, "action": {"delay_ms": hold_ms}, "times": 6}]))
         .await;
     let _a = env.spawn_process(&[]);
     let _b = env.spawn_process(&[]);
@@ -234,13 +276,15 @@ async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str) {
     let started = Instant::now();
     env.publish_many(&bodies).await;
     // Any late second email (the failure this test is about) has time to land: the
-    // relay's holds end 12 s after they began.
-    let (took, per_key) = all_sent(&env, &keys, started, Duration::from_secs(14)).await;
+    // relay's holds end `hold` after they began; 2 s more for it to arrive.
+    let settle = hold + Duration::from_secs(2);
+    let (took, per_key) = all_sent(&env, &keys, started, settle).await;
     let takeovers = env.takeovers().await;
     eprintln!(
         "FIGURES gs hold {stage}: {KEYS} keys published twice, 2 instances, relay holding \
-         {stage} 12s (lease 5s, smtp.timeout 2s): emails per key {per_key:?}, {takeovers} \
+         {stage} {}s (lease 5s, smtp.timeout 2s): emails per key {per_key:?}, {takeovers} \
          takeovers, all sent after {:.1}s",
+        hold.as_secs(),
         took.as_secs_f64()
     );
     assert!(
@@ -251,29 +295,54 @@ async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str) {
     assert!(env.take_dead_letters().await.is_empty());
 }
 
+/// The fast tier's hold: longer than the lease (5 s) and `smtp.timeout` (2 s).
+const FAST_HOLD: Duration = Duration::from_secs(8);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_holding_rcpt_past_the_lease_sends_one_email_per_key() {
-    one_email_per_key_when_the_relay_holds("rcpt", "gsrcpt").await;
+    one_email_per_key_when_the_relay_holds("rcpt", "gsrcpt", FAST_HOLD).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_relay_holding_rcpt_past_the_lease_sends_one_email_per_key() {
+    one_email_per_key_when_the_relay_holds("rcpt", "gsrcpt", Duration::from_secs(12)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gs_a_relay_holding_data_past_the_lease_sends_one_email_per_key() {
-    one_email_per_key_when_the_relay_holds("data", "gsdata").await;
+    one_email_per_key_when_the_relay_holds("data", "gsdata", FAST_HOLD).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_relay_holding_data_past_the_lease_sends_one_email_per_key() {
+    one_email_per_key_when_the_relay_holds("data", "gsdata", Duration::from_secs(12)).await;
 }
 
 /// A claim lost mid-send (its fence moved, as a takeover moves it) while the relay
 /// holds RCPT: the next renewal notices, and the send stops before DATA; the email is
 /// sent once, by whoever holds the key next.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
-    let env = TestEnv::new("gsfence").await;
-    // Renewals every 10 s (lease 30 s); RCPT held 12 s, inside smtp.timeout (15 s).
+///
+/// `lease` is renewed every third of itself; RCPT is held for `hold`, which must end
+/// after the first renewal (a third of the lease) and before `smtp_timeout` (so the
+/// step is still waiting when the renewal finds the claim gone). The lease must be at
+/// least a send's deadline, twice `smtp_timeout`.
+async fn a_send_whose_claim_is_lost_stops_before_data(
+    name: &str,
+    lease: Duration,
+    smtp_timeout: Duration,
+    hold: Duration,
+) {
+    assert!(lease / 3 < hold && hold < smtp_timeout && lease >= smtp_timeout * 2);
+    let env = TestEnv::new(name).await;
+    let hold_ms = hold.as_millis() as u64;
     env.sink
-        .set_faults(json!([{"stage": "rcpt", "action": {"delay_ms": 12_000}, "times": 1}]))
+        .set_faults(json!([{"stage": "rcpt", "action": {"delay_ms": hold_ms}, "times": 1}]))
         .await;
+    let timeout = format!("{}ms", smtp_timeout.as_millis());
+    let lease_text = format!("{}ms", lease.as_millis());
     let postie = env.spawn_process(&[
-        ("POSTIE__SMTP__TIMEOUT", "15s"),
-        ("POSTIE__WORKER__LEASE", "30s"),
+        ("POSTIE__SMTP__TIMEOUT", timeout.as_str()),
+        ("POSTIE__WORKER__LEASE", lease_text.as_str()),
     ]);
     let key = "gs-fence-lost";
     env.publish(&job(key, "f@example.com")).await;
@@ -283,6 +352,7 @@ async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
         (row.status == "sending").then_some(())
     })
     .await;
+    let claimed = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
     // What a takeover does to the first holder's claim.
     let moved = env
@@ -306,16 +376,53 @@ async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
         },
     )
     .await;
+    let noticed = claimed.elapsed();
     // The held RCPT has been answered by now; DATA never followed.
-    tokio::time::sleep(Duration::from_secs(13)).await;
+    tokio::time::sleep(hold + Duration::from_secs(1)).await;
     assert_eq!(env.sink.count().await, 0, "sent on a lost claim");
     // The claim's lease runs out (nobody renews the moved fence); the deferred
     // delivery then takes the key over and sends it, once.
     env.emails_or_log(&postie, "the email, sent once", 1, Duration::from_secs(90))
         .await;
+    let resent = claimed.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
+    eprintln!(
+        "FIGURES gs fence: lease {}ms (renewed every {}ms), smtp.timeout {}ms, RCPT held \
+         {}ms: the lost claim noticed {:.1}s after the claim was seen, the email sent once \
+         {:.1}s after it",
+        lease.as_millis(),
+        (lease / 3).as_millis(),
+        smtp_timeout.as_millis(),
+        hold.as_millis(),
+        noticed.as_secs_f64(),
+        resent.as_secs_f64()
+    );
     assert_eq!(env.emails_per_id().await.get(&message_id(key)), Some(&1));
     assert!(env.take_dead_letters().await.is_empty());
+}
+
+/// Lease 15 s (renewed every 5 s); RCPT held 6.5 s, inside smtp.timeout (7.5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
+    a_send_whose_claim_is_lost_stops_before_data(
+        "gsfence",
+        Duration::from_secs(15),
+        Duration::from_millis(7_500),
+        Duration::from_millis(6_500),
+    )
+    .await;
+}
+
+/// Lease 30 s (renewed every 10 s); RCPT held 12 s, inside smtp.timeout (15 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_gs_a_send_whose_claim_is_lost_stops_before_data() {
+    a_send_whose_claim_is_lost_stops_before_data(
+        "gsfence",
+        Duration::from_secs(30),
+        Duration::from_secs(15),
+        Duration::from_secs(12),
+    )
+    .await;
 }
 
 /// A pooled connection the relay has closed since its last email (reused within 2 s,
