@@ -1,11 +1,11 @@
 # postie — common tasks. `make help` lists them.
 CARGO ?= cargo
 # The SMTP and provider test servers, built by the same cargo command as the tests
-# (--workspace --all-targets builds every member's binaries): each test process takes
-# them from here instead of asking cargo for them, once per test under cargo-nextest.
+# (built first: the tests' build does not make other members' binaries): each test
+# process takes them from here instead of asking cargo for them, once per test.
 TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 TEST_SERVERS = POSTIE_SMTP_SINK=$(TARGET_DIR)/debug/postie-smtp-sink POSTIE_PROVIDER_SERVER=$(TARGET_DIR)/debug/postie-provider-server
-NEXTEST = $(TEST_SERVERS) $(CARGO) nextest run --locked --workspace --all-targets
+NEXTEST = $(CARGO) build --locked -q -p postie-smtp-sink -p postie-provider-server && $(TEST_SERVERS) $(CARGO) nextest run --locked --workspace --all-targets
 
 .PHONY: help build test test-slow test-rabbitmq-4 test-slow-rabbitmq-4 test-times demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-abba bench-delay chaos bench-console console-screenshots model
 
