@@ -7,8 +7,8 @@
 //!
 //! Tests run as separate processes at once (cargo-nextest), so the template is built
 //! under a PostgreSQL advisory lock, into a database of another name that is renamed
-//! when complete: a process never copies a half-migrated template. A test that must
-//! see an empty database (the migrations themselves) asks for one ([`Db::empty`]).
+//! when complete: a process never copies a half-migrated template. A test whose postie
+//! must migrate an empty database itself asks for one (`TestEnv::unmigrated`).
 
 use std::time::{Duration, Instant};
 
@@ -31,13 +31,6 @@ impl Db {
     pub async fn new(name: &str) -> Self {
         let name = unique_name(name);
         create_migrated(&name).await;
-        Self { name }
-    }
-
-    /// An empty database (no migration applied) of its own for test `name`.
-    pub async fn empty(name: &str) -> Self {
-        let name = unique_name(name);
-        admin_sql(&format!("CREATE DATABASE {name}")).await;
         Self { name }
     }
 
