@@ -130,7 +130,7 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
     // Through the relay (ladder intake), then straight onto the send queue, each
     // with a fresh process, so that each peak is that path's own.
     for path in ["relay", "send"] {
-        let postie = env.spawn_process(&[]);
+        let mut postie = env.spawn_process(&[]);
         wait_serving(&env).await;
         let pid = postie.child.id();
         let before = peak_rss(pid);
@@ -151,8 +151,15 @@ async fn gf_a_90_mb_body_is_dead_lettered_by_size_within_three_times_its_size() 
         )
         .await;
         let peak = peak_rss(pid);
+        // Stopped, not killed: a kill could land between the dead letter's confirm and
+        // the ack, and the next process would take the body again (a second dead letter,
+        // the publish-then-ack window) and count it in its own peak.
+        let exit = postie.terminate(Duration::from_secs(30));
+        assert!(
+            exit.is_some_and(|e| e.success()),
+            "{path}: stopped: {exit:?}"
+        );
         let log = postie.log();
-        drop(postie);
         let letters = env.take_dead_letters().await;
         assert_eq!(letters.len(), 1, "{path}");
         assert!(

@@ -452,10 +452,17 @@ async fn tenants(name: &str, instances: usize, kill: bool, a: usize, flowing: Du
 
     // Tenant b's 100 jobs arrive later, 5/s, in the same lane.
     let mut published = BTreeMap::new();
+    let mut status = String::new();
     let start = Instant::now();
     for i in 0..B {
         if kill && i == B / 2 {
             w.instances.remove(0).0.kill9();
+        }
+        // `postie status` while a's backlog is certainly ahead of its slot (5 s into
+        // b's, a quarter of the way): at 1,000 jobs a's last slot may have passed by
+        // the time b's last email is in.
+        if i == B / 4 {
+            status = w.env.postie(&["status"]).unwrap_or_else(|e| e);
         }
         tokio::time::sleep_until((start + Duration::from_millis(200) * i as u32).into()).await;
         let key = format!("b-{i}");
@@ -504,7 +511,6 @@ async fn tenants(name: &str, instances: usize, kill: bool, a: usize, flowing: Du
         .filter(|(m, _)| **m != "tenant_deferred")
         .map(|(m, n)| format!("{m} {n}"))
         .collect();
-    let status = w.env.postie(&["status"]).unwrap_or_else(|e| e);
     let dead = w.env.depth(w.env.topology.dead_queue()).await;
     eprintln!(
         "FIGURES tenants, {instances} instance(s){}, limit {RATE}, bulk lane tenant cap 30/s, tenant a {a} queued, tenant b {B} at 5/s: b's latency p50 {} ms p99 {} ms max {} ms; a sent {a_meanwhile} in b's {seconds:.1} s ({:.1}/s); deferred {deferred} ({}); dead {dead}",
@@ -599,8 +605,20 @@ async fn a_lanes_own_cap_holds_and_its_retries_stay_in_the_lane() {
     let ((bulk_first, bulk_last), (_, tx_last)) = (span(&bulk_sent), span(&tx_sent));
     let busiest = support::sink::busiest_window(&bulk_sent);
     let (_, port) = &w.instances[0];
-    let (_, metrics) = support::http_get(&format!("http://127.0.0.1:{port}/metrics")).await;
-    let lane_bulk = sample(&metrics, "postie_lane_emails_sent_total{lane=\"bulk\"}");
+    // The relay (here the sink) has the last email before postie records it and counts
+    // it: read the counters once the count is complete, or after 30 s as they stand.
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let bulk_counted = "postie_lane_emails_sent_total{lane=\"bulk\"}";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let (_, metrics) = support::http_get(&url).await;
+        let counted = sample(&metrics, bulk_counted) >= Some((BULK + 1) as f64);
+        if counted || Instant::now() > deadline {
+            break metrics;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let lane_bulk = sample(&metrics, bulk_counted);
     let moves = sample(&metrics, "postie_lane_moves_total");
     eprintln!(
         "FIGURES lane cap: bulk capped at 10/s under a fleet limit of {RATE}: {} bulk emails in {:.1} s, busiest 1000 ms {busiest}; 50 transactional done {:.1} s after the first bulk one; moved back to their lane {moves:?}",
