@@ -107,7 +107,13 @@ async fn list_shows_dead_letters_without_consuming_and_replay_moves_only_matchin
         (envr.sink.count().await == 2).then_some(())
     })
     .await;
+    // The sink has an email before postie records it: wait for the record.
     for key in ["k-nobody-1", "k-nobody-2"] {
+        eventually("the replayed job recorded sent", WAIT, move || async move {
+            let row = envr.inbox_row(key).await.unwrap();
+            (row.status == "sent").then_some(())
+        })
+        .await;
         let row = env.inbox_row(key).await.unwrap();
         assert_eq!(
             (row.status.as_str(), row.attempts),

@@ -151,7 +151,7 @@ async fn slow_client(
 /// Idle connections, headers sent a byte every 200 ms, a body never sent: every
 /// listener drops each within the deadline, and answers a real client meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_and_idle_clients_are_dropped_and_a_real_client_is_answered() {
+async fn idle_and_trickling_clients_are_dropped_and_a_real_client_is_answered() {
     let env = TestEnv::with_settings("listeners-slow", &LIMITS).await;
     let listeners = listeners(&env).await;
     let mut slow = Vec::new();
