@@ -105,11 +105,23 @@ EOF
     done
 }
 
+# Unmounts $1 if mounted, waiting up to 10 s for the stopped node's last processes
+# (epmd, the shell) to let go of it.
+unmount() {
+    local tries=10
+    while mountpoint -q "$1"; do
+        umount "$1" 2>/dev/null && return 0
+        tries=$((tries - 1))
+        [ "$tries" -gt 0 ] || { umount "$1"; return; }
+        sleep 1
+    done
+}
+
 stop() {
     if [ -d "$ROOT" ]; then
         ctl -q stop >/dev/null 2>&1 || true
-        mountpoint -q "$ROOT/proc" && umount "$ROOT/proc"
-        mountpoint -q "$ROOT/dev" && umount "$ROOT/dev"
+        unmount "$ROOT/proc"
+        unmount "$ROOT/dev"
     fi
     return 0
 }
