@@ -7,6 +7,12 @@ profile, the number of tests, their summed time and the slowest ones, as a Markd
 table (docs/benchmarks.md keeps one). Usage:
 
     scripts/test-times.py [--top N] [junit.xml ...]
+    scripts/test-times.py --compare LABEL=DIR [LABEL=DIR ...]
+
+--compare prints one table of the whole suite: every test of every profile found
+under each DIR (a copy of target/nextest from a run of `make test` and
+`make test-slow` on one broker), its tier and its seconds under each LABEL, slowest
+first (docs/test-times.md is one).
 """
 import argparse
 import glob
@@ -17,7 +23,46 @@ import xml.etree.ElementTree as ET
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--top", type=int, default=20, help="how many of the slowest to list")
 parser.add_argument("files", nargs="*", help="JUnit files (default: target/nextest/*/junit.xml)")
+parser.add_argument("--compare", nargs="+", metavar="LABEL=DIR",
+                    help="one whole-suite table, a column per LABEL")
 args = parser.parse_args()
+
+TIERS = {"default": "fast", "slow": "slow", "alone": "slow (alone)"}
+
+
+def cases_of(path):
+    """(seconds, binary, name, failed) of each test case in a JUnit file."""
+    for case in ET.parse(path).iter("testcase"):
+        bad = case.find("failure") is not None or case.find("error") is not None
+        yield float(case.get("time", "0")), case.get("classname", ""), case.get("name", ""), bad
+
+
+if args.compare:
+    labels, times, tiers = [], {}, {}
+    for spec in args.compare:
+        label, _, directory = spec.partition("=")
+        labels.append(label)
+        for profile, tier in TIERS.items():
+            path = os.path.join(directory, profile, "junit.xml")
+            if not os.path.exists(path):
+                sys.exit(f"{path}: missing (run that tier on that broker first)")
+            for seconds, binary, name, bad in cases_of(path):
+                test = f"{binary}::{name}"
+                tiers[test] = tier
+                times.setdefault(test, {})[label] = (seconds, bad)
+    rows = sorted(times, key=lambda t: -max(s for s, _ in times[t].values()))
+    print("| # | test | tier | " + " | ".join(f"{l} (s)" for l in labels) + " |")
+    print("|---|------|------|" + "|".join("-----:" for _ in labels) + "|")
+    for i, test in enumerate(rows, 1):
+        cells = []
+        for label in labels:
+            seconds, bad = times[test].get(label, (None, False))
+            cells.append("–" if seconds is None else f"{seconds:.1f}" + (" (failed)" if bad else ""))
+        print(f"| {i} | `{test}` | {tiers[test]} | " + " | ".join(cells) + " |")
+    for label in labels:
+        summed = sum(times[t][label][0] for t in times if label in times[t])
+        print(f"\n{label}: {sum(label in times[t] for t in times)} tests, summed {summed:.0f} s")
+    sys.exit(0)
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 files = args.files or sorted(glob.glob(os.path.join(root, "target/nextest/*/junit.xml")))
