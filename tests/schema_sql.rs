@@ -220,3 +220,54 @@ async fn sm_an_unknown_claim_answer_is_an_outage_not_a_busy_key() {
     assert!(error.to_string().contains("\"queued\""), "{error}");
     assert!(error.cause().contains("newer postie"), "{}", error.cause());
 }
+
+#[tokio::test]
+async fn sm_status_on_a_database_not_migrated_says_to_run_migrate() {
+    let env = TestEnv::unmigrated("sm_unmigrated").await;
+    // Never migrated: one line that says what to do, not PostgreSQL's 42P01.
+    let refused = env
+        .postie(&["status"])
+        .expect_err("status on an empty database");
+    assert!(
+        refused.contains("not migrated") && refused.contains("run `postie migrate`"),
+        "{refused}"
+    );
+    assert!(!refused.contains("42P01"), "{refused}");
+    env.postie(&["migrate"]).expect("postie migrate");
+    // The newest migration undone in the record only: one not applied, by name.
+    env.db()
+        .await
+        .batch_execute(
+            "DELETE FROM postie_migrations
+              WHERE version = (SELECT max(version) FROM postie_migrations)",
+        )
+        .await
+        .unwrap();
+    let refused = env
+        .postie(&["status"])
+        .expect_err("status one migration behind");
+    assert!(
+        refused.contains("1 of postie's migrations not applied") && refused.contains("migrate"),
+        "{refused}"
+    );
+    env.postie(&["migrate"]).expect("postie migrate again");
+    env.postie(&["topology"]).expect("postie topology");
+    let status = env
+        .postie(&["status"])
+        .expect("status on a migrated database");
+    assert!(status.contains("inbox:"), "{status}");
+    // The empty ladder queues in one line; each of them with --all.
+    let ladder = env.topology.ladder_queues();
+    assert!(!ladder.is_empty(), "ladder mode");
+    let (levels, level0) = (ladder.len(), format!("{} ", ladder[0]));
+    assert!(
+        status.contains(&format!("and {levels} of the {levels} ladder queues empty")),
+        "{status}"
+    );
+    assert!(!status.contains(&level0), "{status}");
+    let all = env.postie(&["status", "--all"]).expect("status --all");
+    assert!(
+        all.contains(&level0) && !all.contains("ladder queues empty"),
+        "{all}"
+    );
+}

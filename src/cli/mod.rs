@@ -62,7 +62,7 @@ pub enum Command {
     /// Publish one job to the contract exchange, with a publisher confirm.
     Publish(PublishArgs),
     /// Show inbox counts by status and queue depths.
-    Status,
+    Status(status::StatusArgs),
     /// Serve the operator console (a web UI) until SIGTERM or Ctrl-C.
     Console(console::ConsoleArgs),
     /// Cancel a key at once (a tombstone if no job for it was seen yet).
@@ -112,7 +112,7 @@ pub async fn run(
         Command::Migrate => migrate::run(&settings).await,
         Command::Topology(args) => topology::run(&settings, &args).await,
         Command::Publish(args) => publish::run(&settings, &args).await,
-        Command::Status => status::run(&settings).await,
+        Command::Status(args) => status::run(&settings, &args).await,
         Command::Console(args) => console::run(settings, &args).await,
         Command::Cancel(args) => cancel::run(&settings, &args).await,
         Command::Pending(args) => pending::run(&settings, &args).await,

@@ -4,9 +4,25 @@ use crate::broker;
 use crate::config::{SendRate, Settings};
 use crate::inbox::Inbox;
 
+/// Arguments of `postie status`.
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    /// List every ladder queue, also the empty ones (by default one line counts them).
+    #[arg(long)]
+    all: bool,
+}
+
 /// Prints inbox counts by status and the depth of every queue.
-pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
+pub(super) async fn run(settings: &Settings, args: &StatusArgs) -> anyhow::Result<()> {
     let inbox = Inbox::connect(&settings.database).await?;
+    let unapplied = inbox.unapplied_migrations().await?;
+    if let Some(first) = unapplied.first() {
+        anyhow::bail!(
+            "the database is not migrated: {} of postie's migrations not applied (from {first}); \
+             run `postie migrate`",
+            unapplied.len()
+        );
+    }
     let counts = inbox.counts().await?;
     out!("inbox:");
     for (status, count) in &counts.by_status {
@@ -29,11 +45,21 @@ pub(super) async fn run(settings: &Settings) -> anyhow::Result<()> {
     .await
     .map(|c| c.connection)?;
     out!("queues (ready messages, consumers):");
+    let ladder = topology.ladder_queues();
+    let mut empty_levels = 0;
     for (queue, depth) in broker::queue_depths(&conn, &topology.queues()).await? {
         match depth {
+            // A ladder level with nothing waiting: counted, not listed, unless --all.
+            Some((0, 0)) if !args.all && ladder.contains(&queue) => empty_levels += 1,
             Some((ready, consumers)) => out!("  {queue:<24} {ready:>8} {consumers:>4}"),
             None => out!("  {queue:<24} (missing: run `postie topology`)"),
         }
+    }
+    if empty_levels > 0 {
+        out!(
+            "  and {empty_levels} of the {} ladder queues empty (`postie status --all` lists them)",
+            ladder.len()
+        );
     }
     dead_check(settings, &conn, &topology).await?;
     for old in &settings.topology.drain_prefixes {

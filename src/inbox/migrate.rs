@@ -199,6 +199,20 @@ impl Inbox {
         verify(&applied(&client).await?, MIGRATIONS)?;
         Ok(())
     }
+
+    /// The migrations this postie has that the database has not applied (their files,
+    /// oldest first), for commands that read the inbox and would otherwise fail on a
+    /// missing table. Writes nothing.
+    pub async fn unapplied_migrations(&self) -> Result<Vec<&'static str>, MigrateError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
+        let recorded = applied(&client).await?;
+        verify(&recorded, MIGRATIONS)?;
+        Ok(MIGRATIONS
+            .iter()
+            .filter(|m| !recorded.iter().any(|r| r.version == m.version))
+            .map(|m| m.file)
+            .collect())
+    }
 }
 
 async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<Vec<String>, MigrateError> {

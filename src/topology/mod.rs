@@ -247,6 +247,16 @@ impl Topology {
         queues
     }
 
+    /// Ladder mode: every level's queue, shortest first (empty in plugin mode).
+    pub fn ladder_queues(&self) -> Vec<String> {
+        match self.delay {
+            DelayLayout::Ladder(ladder) => {
+                (0..ladder.levels()).map(|k| self.delay_level(k)).collect()
+            }
+            DelayLayout::Plugin => Vec::new(),
+        }
+    }
+
     /// Every exchange, for clean-up.
     pub fn exchanges(&self) -> Vec<String> {
         let mut exchanges: Vec<String> = [
