@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use base64::Engine;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
 use postie::broker::Ladder;
@@ -606,7 +607,7 @@ fn users_have_least_privilege_and_documented_placeholder_passwords() {
 
 /// `rabbit_password_hashing_sha256`: base64(salt ‖ sha256(salt ‖ password)), 4-byte salt.
 fn sha256_password_hash_matches(hash: &str, password: &str) -> bool {
-    let Some(bytes) = base64_decode(hash) else {
+    let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(hash) else {
         return false;
     };
     if bytes.len() != 4 + 32 {
@@ -617,42 +618,6 @@ fn sha256_password_hash_matches(hash: &str, password: &str) -> bool {
     hasher.update(salt);
     hasher.update(password.as_bytes());
     hasher.finalize().as_slice() == digest
-}
-
-/// Standard base64 with padding (no crate for it among the dependencies).
-fn base64_decode(input: &str) -> Option<Vec<u8>> {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let input = input.as_bytes();
-    if input.len() % 4 != 0 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(input.len() / 4 * 3);
-    for chunk in input.chunks(4) {
-        let padding = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-        if padding > 2 {
-            return None;
-        }
-        let mut acc = 0u32;
-        for &c in &chunk[..4 - padding] {
-            let value = ALPHABET.iter().position(|&a| a == c)? as u32;
-            acc = (acc << 6) | value;
-        }
-        acc <<= 6 * padding as u32;
-        let bytes = acc.to_be_bytes();
-        out.extend_from_slice(&bytes[1..4 - padding]);
-    }
-    Some(out)
-}
-
-#[test]
-fn base64_decoder_handles_padding() {
-    assert_eq!(base64_decode("").unwrap(), b"");
-    assert_eq!(base64_decode("Zg==").unwrap(), b"f");
-    assert_eq!(base64_decode("Zm8=").unwrap(), b"fo");
-    assert_eq!(base64_decode("Zm9v").unwrap(), b"foo");
-    assert_eq!(base64_decode("Zm9vYmE=").unwrap(), b"fooba");
-    assert!(base64_decode("Zm9").is_none());
-    assert!(base64_decode("Zm9*").is_none());
 }
 
 #[test]
