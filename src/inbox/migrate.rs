@@ -207,12 +207,13 @@ impl Inbox {
         let client = self.pool.get().await.map_err(DbError::from)?;
         let recorded = applied(&client).await?;
         verify(&recorded, MIGRATIONS)?;
-        Ok(MIGRATIONS
-            .iter()
-            .filter(|m| !recorded.iter().any(|r| r.version == m.version))
-            .map(|m| m.file)
-            .collect())
+        Ok(unapplied(&recorded).map(|m| m.file).collect())
     }
+}
+
+/// This postie's migrations that `recorded` does not hold, oldest first.
+fn unapplied(recorded: &[Applied]) -> impl Iterator<Item = &'static Migration> + '_ {
+    (MIGRATIONS.iter()).filter(|m| !recorded.iter().any(|r| r.version == m.version))
 }
 
 async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<Vec<String>, MigrateError> {
@@ -233,10 +234,7 @@ async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<Vec<Strin
             .map_err(DbError::from)?;
     }
     let mut done = Vec::new();
-    for migration in MIGRATIONS {
-        if recorded.iter().any(|r| r.version == migration.version) {
-            continue;
-        }
+    for migration in unapplied(&recorded) {
         let tx = client.transaction().await.map_err(DbError::from)?;
         tx.batch_execute(migration.sql)
             .await

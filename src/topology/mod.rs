@@ -239,10 +239,10 @@ impl Topology {
         let mut queues = vec![self.send_queue().to_owned(), self.dead_queue().to_owned()];
         queues.extend(self.lanes[1..].iter().map(|lane| lane.queue.clone()));
         queues.extend(self.names.retry_queues.iter().cloned());
-        if let DelayLayout::Ladder(ladder) = self.delay {
+        if let DelayLayout::Ladder(_) = self.delay {
             queues.push(self.intake_queue().to_owned());
             queues.extend(self.lanes[1..].iter().map(|lane| lane.intake.clone()));
-            queues.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
+            queues.extend(self.ladder_queues());
         }
         queues
     }
@@ -268,9 +268,8 @@ impl Topology {
         ]
         .map(str::to_owned)
         .into();
-        if let DelayLayout::Ladder(ladder) = self.delay {
-            exchanges.extend((0..ladder.levels()).map(|k| self.delay_level(k)));
-        }
+        // Each ladder level's exchange has its queue's name.
+        exchanges.extend(self.ladder_queues());
         exchanges
     }
 
