@@ -30,9 +30,9 @@ args = parser.parse_args()
 TIERS = {"default": "fast", "slow": "slow", "alone": "slow (alone)"}
 
 
-def cases_of(path):
-    """(seconds, binary, name, failed) of each test case in a JUnit file."""
-    for case in ET.parse(path).iter("testcase"):
+def cases_of(tree):
+    """(seconds, binary, name, failed) of each test case in a parsed JUnit file."""
+    for case in tree.iter("testcase"):
         bad = case.find("failure") is not None or case.find("error") is not None
         yield float(case.get("time", "0")), case.get("classname", ""), case.get("name", ""), bad
 
@@ -46,7 +46,7 @@ if args.compare:
             path = os.path.join(directory, profile, "junit.xml")
             if not os.path.exists(path):
                 sys.exit(f"{path}: missing (run that tier on that broker first)")
-            for seconds, binary, name, bad in cases_of(path):
+            for seconds, binary, name, bad in cases_of(ET.parse(path)):
                 test = f"{binary}::{name}"
                 tiers[test] = tier
                 times.setdefault(test, {})[label] = (seconds, bad)
@@ -71,16 +71,8 @@ if not files:
 
 for path in files:
     tree = ET.parse(path)
-    cases = []
-    failed = 0
-    for case in tree.iter("testcase"):
-        binary = case.get("classname", "")
-        name = case.get("name", "")
-        seconds = float(case.get("time", "0"))
-        bad = case.find("failure") is not None or case.find("error") is not None
-        failed += bad
-        cases.append((seconds, binary, name, bad))
-    cases.sort(reverse=True)
+    cases = sorted(cases_of(tree), reverse=True)
+    failed = sum(c[3] for c in cases)
     suites = tree.getroot()
     print(f"## {path}")
     print()
