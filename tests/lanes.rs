@@ -606,18 +606,18 @@ async fn a_lanes_own_cap_holds_and_its_retries_stay_in_the_lane() {
     let busiest = support::sink::busiest_window(&bulk_sent);
     let (_, port) = &w.instances[0];
     // The relay (here the sink) has the last email before postie records it and counts
-    // it: read the counters once the count is complete, or after 30 s as they stand.
-    let url = format!("http://127.0.0.1:{port}/metrics");
+    // it: read the counters once the count is complete.
+    let url = &format!("http://127.0.0.1:{port}/metrics");
     let bulk_counted = "postie_lane_emails_sent_total{lane=\"bulk\"}";
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let metrics = loop {
-        let (_, metrics) = support::http_get(&url).await;
-        let counted = sample(&metrics, bulk_counted) >= Some((BULK + 1) as f64);
-        if counted || Instant::now() > deadline {
-            break metrics;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let metrics = support::eventually(
+        "the bulk lane counting every email",
+        Duration::from_secs(30),
+        || async move {
+            let (_, metrics) = support::http_get(url).await;
+            (sample(&metrics, bulk_counted) >= Some((BULK + 1) as f64)).then_some(metrics)
+        },
+    )
+    .await;
     let lane_bulk = sample(&metrics, bulk_counted);
     let moves = sample(&metrics, "postie_lane_moves_total");
     eprintln!(
