@@ -1,4 +1,4 @@
-//! Claims in batches (`src/inbox/claim_many.rs`) against a real PostgreSQL: claims
+//! Claims in batches (`src/inbox/machine/claim.rs`) against a real PostgreSQL: claims
 //! asked at once share a statement and a transaction, and each caller hears its own
 //! key's answer, as from a claim of its own.
 //!

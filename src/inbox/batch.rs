@@ -3,8 +3,8 @@
 //! caller, then takes the next batch. Under load many rows share a statement; alone,
 //! a row goes at once (the task waits for nothing but the statement in flight).
 //!
-//! Used for the two statements every email pays: its claim (`claim_many.rs`) and its
-//! completion (`complete.rs`). Rows are run in key order, so that two batches (of two
+//! Used for the two statements every email pays: its claim (`machine/claim.rs`) and its
+//! completion (`machine/complete.rs`). Rows are run in key order, so that two batches (of two
 //! instances, or a claim batch and a completion batch) lock rows in the same order and
 //! cannot deadlock. A batch PostgreSQL refuses for what one row carried is run again
 //! row by row, so that the refusal reaches only that row's caller; an outage reaches

@@ -58,45 +58,6 @@ impl Inbox {
             .collect())
     }
 
-    /// Takes `tenant`'s next slot in `lane` for job `key` under a cap of one job per
-    /// `interval_ms`: the slot's time (Unix ms, PostgreSQL's clock) if it is more than
-    /// `burst_ms` ahead, and then, in the same statement, the job's scheduled row (if
-    /// any) is due at its slot, so that the reconciler does not take a deferred job
-    /// for a lost one; `None` if the job may go now.
-    pub(crate) async fn tenant_slot(
-        &self,
-        (lane, tenant): (&str, &str),
-        key: &str,
-        interval_ms: f64,
-        burst_ms: i64,
-    ) -> Result<Option<i64>, DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "WITH slot AS (
-                    INSERT INTO postie_tenant_slots AS s (lane, tenant, tat)
-                    VALUES ($1, $2, clock_timestamp() + $3::float8 * interval '1 millisecond')
-                    ON CONFLICT (lane, tenant) DO UPDATE
-                       SET tat = greatest(s.tat, clock_timestamp())
-                                 + $3::float8 * interval '1 millisecond'
-                    RETURNING tat - $3::float8 * interval '1 millisecond' AS at),
-                 later AS (
-                    SELECT at FROM slot
-                     WHERE at > clock_timestamp() + $5::bigint * interval '1 millisecond'),
-                 moved AS (
-                    UPDATE postie_inbox SET due_at = (SELECT at FROM later), arrived_at = NULL,
-                           updated_at = now()
-                     WHERE key = $4 AND status = 'scheduled' AND EXISTS (SELECT 1 FROM later)
-                    RETURNING 1)
-                 SELECT (extract(epoch FROM at) * 1000)::bigint FROM later",
-            )
-            .await?;
-        let row = client
-            .query_opt(&stmt, &[&lane, &tenant, &interval_ms, &key, &burst_ms])
-            .await?;
-        Ok(row.map(|row| row.get(0)))
-    }
-
     /// The `limit` tenants whose slots run furthest ahead (for `postie status`).
     pub async fn busiest_tenants(&self, limit: i64) -> Result<Vec<TenantBacklog>, DbError> {
         let client = self.pool.get().await?;

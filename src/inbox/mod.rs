@@ -10,10 +10,7 @@ use tokio_postgres::NoTls;
 
 mod batch;
 mod breakers;
-mod claim;
-mod claim_many;
 pub mod clock;
-mod complete;
 mod dial;
 mod error;
 mod events;
@@ -21,6 +18,7 @@ mod feedback;
 mod header_key;
 mod inspect;
 mod lanes;
+mod machine;
 mod migrate;
 mod prune;
 mod queries;
@@ -28,12 +26,10 @@ mod rate;
 mod reconcile;
 mod replay;
 mod reputation;
-mod status;
 mod suppression;
 mod tls;
 
 pub use breakers::Breaker;
-pub use claim::{Claim, Completion, Scheduled};
 pub(crate) use dial::Dialer;
 pub(crate) use error::DbError;
 pub use events::{record_event, RECORD_EVENT};
@@ -41,12 +37,13 @@ pub(crate) use events::{Event, OutboxError};
 pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded, Unmatched};
 pub(crate) use inspect::{MinuteSends, MAINTENANCE_LOCK};
 pub use lanes::{LaneSends, TenantBacklog};
+pub(crate) use machine::{Cancelled, Status};
+pub use machine::{Claim, Completion, Scheduled};
 pub(crate) use prune::PrunePlan;
-pub(crate) use queries::{Cancelled, PendingFilter, Throttle};
+pub(crate) use queries::{PendingFilter, Throttle};
 pub(crate) use reconcile::{LaneRows, Overdue};
 pub(crate) use replay::TokenSeen;
 pub use reputation::TypeRates;
-pub(crate) use status::Status;
 pub use suppression::{
     normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
 };
@@ -60,10 +57,10 @@ pub struct Inbox {
     pool: Pool,
     /// How to open a connection outside the pool (the maintenance lock holder).
     direct: Dialer,
-    /// Claims are run in batches (`claim_many.rs`).
-    claimer: claim_many::Claimer,
-    /// Completions are recorded in batches (`complete.rs`).
-    completer: complete::Completer,
+    /// Claims are run in batches (`machine/claim.rs`).
+    claimer: machine::Claimer,
+    /// Completions are recorded in batches (`machine/complete.rs`).
+    completer: machine::Completer,
     /// The suppressed addresses' filter, started by the first check
     /// (`suppression/filter.rs`); its refresh ends once every clone is dropped.
     suppression_filter: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<suppression::Filter>>>,
@@ -101,8 +98,8 @@ impl Inbox {
         Ok(Self {
             pool,
             direct,
-            claimer: claim_many::Claimer::new(settings.statement_timeout),
-            completer: complete::Completer::new(settings.statement_timeout),
+            claimer: machine::Claimer::new(settings.statement_timeout),
+            completer: machine::Completer::new(settings.statement_timeout),
             suppression_filter: Default::default(),
             tally: Default::default(),
             events: true,

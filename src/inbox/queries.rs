@@ -1,17 +1,9 @@
-//! Cancels, the per-type throttle, and what `postie status` and `postie pending` read.
+//! The per-type throttle, and what `postie status` and `postie pending` read.
 
 use std::time::Duration;
 
+use super::machine::status_of;
 use super::{DbError, Inbox, Status};
-
-/// What `postie cancel` found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cancelled {
-    /// The key's status before the cancel ([`Status::New`] if unknown: a tombstone now).
-    pub prior_status: Status,
-    /// The highest revision the cancel covers.
-    pub covers: i32,
-}
 
 /// The throttle's verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,75 +55,6 @@ pub(crate) struct InboxCounts {
 }
 
 impl Inbox {
-    /// Cancels `key` up to `revision` (None: the newest seen); a tombstone if unknown.
-    /// A cancel that ends a job (a key unknown so far, a scheduled or retrying row)
-    /// writes its `cancelled` event in the same statement (`events.enabled`); one of
-    /// a job already ended, sent or being sent writes none.
-    pub async fn cancel(&self, key: &str, revision: Option<i32>) -> Result<Cancelled, DbError> {
-        let client = self.pool.get().await?;
-        // `before` is the statement's snapshot: the row as it was before the cancel
-        // (none for a new key), for the type and Message-ID it knew.
-        let stmt = client
-            .prepare_cached(
-                "WITH c AS (SELECT prior_status, covers FROM postie_cancel($1, $2)),
-                 events AS (
-                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
-                    SELECT $1, 'cancelled', before.type, before.message_id,
-                           coalesce(before.attempts, 0)
-                      FROM c LEFT JOIN postie_inbox before ON before.key = $1
-                     WHERE $3::bool AND c.prior_status IN ('new', 'scheduled', 'retrying'))
-                 SELECT prior_status, covers FROM c",
-            )
-            .await?;
-        let row = client
-            .query_one(&stmt, &[&key, &revision, &self.events])
-            .await?;
-        Ok(Cancelled {
-            prior_status: status_of(row.get(0))?,
-            covers: row.get(1),
-        })
-    }
-
-    /// Ends as `cancelled` the row of `key` whose claim answered `cancelled` for
-    /// `revision`, when a cancel came while the job was being sent (the row keeps
-    /// `sending`) and either the send then failed (`retrying`) or its sender is gone
-    /// (`sending` under an expired lease: a crash; the fence moves, so a late
-    /// completion of that sender is refused). Nothing else would end or prune such a
-    /// row (issue 34, the model's finding 2). Its `cancelled` event in the same
-    /// statement. A row in any other status is left alone (a cancel that ended it
-    /// wrote its event). A sender that crashed after its relay's 250 did send: the
-    /// documented window, here recorded `cancelled`.
-    pub(crate) async fn finish_cancelled(
-        &self,
-        key: &str,
-        revision: i32,
-        kind: Option<&str>,
-    ) -> Result<bool, DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "WITH done AS (
-                    UPDATE postie_inbox
-                       SET status = 'cancelled', body = NULL, updated_at = now(),
-                           type = coalesce($4::text, type), owner = NULL, lease_until = NULL,
-                           fence = fence + (status = 'sending')::int
-                     WHERE key = $1 AND cancelled_through >= $2
-                       AND (status = 'retrying'
-                            OR status = 'sending' AND lease_until <= clock_timestamp())
-                 RETURNING key, type, message_id, attempts),
-                 events AS (
-                    INSERT INTO postie_events (key, outcome, type, message_id, attempts)
-                    SELECT key, 'cancelled', type, message_id, attempts FROM done
-                     WHERE $3::bool)
-                 SELECT key FROM done",
-            )
-            .await?;
-        let ended = client
-            .execute(&stmt, &[&key, &revision, &self.events, &kind])
-            .await?;
-        Ok(ended == 1)
-    }
-
     /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
     /// atomic statement (the row lock of `ON CONFLICT DO UPDATE` serialises
     /// instances): the update happens only if the window has room.
@@ -278,9 +201,4 @@ impl Inbox {
         }
         Ok(counts)
     }
-}
-
-/// Reads a `status` column value.
-fn status_of(text: &str) -> Result<Status, DbError> {
-    Status::parse(text).ok_or_else(|| DbError::refused(format!("unknown inbox status {text:?}")))
 }

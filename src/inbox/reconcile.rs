@@ -124,26 +124,4 @@ impl Inbox {
         client.execute(&stmt, &[&keys]).await?;
         Ok(())
     }
-
-    /// Ends the scheduled row of `key` as `status` (`dead` or `cancelled`), its body
-    /// dropped, when its job (at `revision`) ended without a claim; a row scheduled at
-    /// a newer revision is left alone. True if a row was ended.
-    pub(crate) async fn finish_unclaimed(
-        &self,
-        key: &str,
-        revision: i32,
-        status: super::Status,
-    ) -> Result<bool, DbError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "UPDATE postie_inbox SET status = $3, body = NULL, updated_at = now()
-                  WHERE key = $1 AND status = 'scheduled' AND revision <= $2",
-            )
-            .await?;
-        let ended = client
-            .execute(&stmt, &[&key, &revision, &status.as_str()])
-            .await?;
-        Ok(ended > 0)
-    }
 }

@@ -155,7 +155,7 @@ pub enum Completion {
     Dead,
 }
 
-/// `COMPLETE` / `COMPLETE_MANY`: `UPDATE … WHERE key = $1 AND fence = $2`, the lease
+/// `COMPLETE` (a batch, or one row): `UPDATE … WHERE key = c.key AND fence = c.fence`, the lease
 /// released. A `rescheduled` row that was not sent ends `scheduled` for the newer
 /// revision, its body kept (sql/0017). True if a row was recorded.
 pub fn complete(row: &mut Option<Row>, fence: u8, completion: Completion) -> bool {

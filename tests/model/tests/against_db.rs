@@ -259,12 +259,18 @@ impl Pair {
 }
 
 /// A statement postie keeps crate-private, as its source spells it: the string
-/// literal around the text the model mirrors.
+/// literal of the `const` the model mirrors (`src/inbox/machine/`), or the literal
+/// around the mirrored text (a statement written where it is prepared).
 fn statement(what: &str) -> String {
     let m = MIRRORED.iter().find(|m| m.what == what).expect("mirrored");
     let path = format!("{}/../../{}", env!("CARGO_MANIFEST_DIR"), m.file);
     let source = std::fs::read_to_string(path).unwrap();
     let text = m.text(&source).unwrap();
+    if let Some(quote) = text.find('"') {
+        let open = quote + 1;
+        let close = open + text[open..].find('"').expect("its end");
+        return text[open..close].to_string();
+    }
     let at = source.find(text).unwrap();
     let open = source[..at].rfind('"').unwrap() + 1;
     let close = at + source[at..].find('"').unwrap();

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use super::super::DbError;
+
 /// Where a key stands. `sending`, `retrying` and `scheduled` are in flight; the rest
 /// are finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -90,4 +92,9 @@ mod tests {
             [Status::Scheduled, Status::Sending, Status::Retrying]
         );
     }
+}
+
+/// Reads a `status` column value.
+pub(in crate::inbox) fn status_of(text: &str) -> Result<Status, DbError> {
+    Status::parse(text).ok_or_else(|| DbError::refused(format!("unknown inbox status {text:?}")))
 }

@@ -1,5 +1,8 @@
-//! Claims in batches (`batch.rs`): every worker's [`Inbox::claim`] joins a queue, and
-//! one task runs whatever has queued as one statement, then the next batch.
+//! `postie_claim`: into `sending` (the SQL function in `sql/schema.sql`, as of
+//! `sql/0017_reschedule_while_sending.sql`; its three steps: ① insert a new key, ② one
+//! conditional UPDATE of a claimable row, ③ the rest under the row lock). Claims run
+//! in batches (`batch.rs`): every worker's [`Inbox::claim`] joins a queue, and one task
+//! runs whatever has queued as one statement (`CLAIM`), then the next batch.
 //!
 //! Why: the claim was the last statement each email paid a round trip and a commit
 //! for alone (completions are batched in `complete.rs`). The batch calls
@@ -15,11 +18,11 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio_postgres::Row;
 
-use super::batch::{Batcher, Running, Statement};
-use super::{Claim, DbError, Inbox};
+use super::super::batch::{Batcher, Running, Statement};
+use super::super::{DbError, Inbox};
 
 /// One claim waiting for its batch.
-pub(super) struct Asking {
+pub(in crate::inbox) struct Asking {
     key: String,
     owner: String,
     lease_ms: i64,
@@ -27,22 +30,42 @@ pub(super) struct Asking {
 }
 
 /// The claims' statement.
-pub(super) struct Claiming;
+pub(in crate::inbox) struct Claiming;
 
 /// The claims' batching task.
-pub(super) type Claimer = Batcher<Claiming>;
-
-/// One claim: `postie_claim` (`sql/schema.sql`).
-const CLAIM: &str =
-    "SELECT outcome, fence, prior_status, wait_ms FROM postie_claim($1, $2, $3, $4)";
+pub(in crate::inbox) type Claimer = Batcher<Claiming>;
 
 /// `postie_claim` for each row, in the rows' order (the batch sorts them by key), in
-/// one transaction; the answers in the same order.
-const CLAIM_MANY: &str = "SELECT r.outcome, r.fence, r.prior_status, r.wait_ms
+/// one transaction; the answers in the same order. A claim alone is a batch of one.
+const CLAIM: &str = "SELECT r.outcome, r.fence, r.prior_status, r.wait_ms
   FROM unnest($1::text[], $2::text[], $3::bigint[], $4::int[]) WITH ORDINALITY
        AS c(key, owner, lease_ms, revision, n)
  CROSS JOIN LATERAL postie_claim(c.key, c.owner, c.lease_ms, c.revision) AS r
  ORDER BY c.n";
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This instance owns the key under `fence`.
+    Claimed {
+        /// Fencing token: completions must present it.
+        fence: i64,
+        /// True if an expired `sending` lease was taken over: the previous owner may
+        /// have sent the email (the one known duplicate window).
+        takeover: bool,
+    },
+    /// Already sent: a duplicate to suppress.
+    AlreadySent,
+    /// Another instance holds a live lease for `remaining`.
+    Busy {
+        /// Time left on the other claim.
+        remaining: Duration,
+    },
+    /// A cancel covers this revision.
+    Cancelled,
+    /// A newer revision of the key has been seen.
+    Stale,
+}
 
 impl Statement for Claiming {
     type Row = Asking;
@@ -85,20 +108,13 @@ impl Inbox {
 }
 
 async fn claim_one(pool: &Pool, asking: &Asking) -> Result<Claim, DbError> {
-    let client = pool.get().await?;
-    let stmt = client.prepare_cached(CLAIM).await?;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
-        &asking.key,
-        &asking.owner,
-        &asking.lease_ms,
-        &asking.revision,
-    ];
-    answer(&client.query_one(&stmt, &params).await?)
+    let mut answers = claim_many(pool, std::slice::from_ref(asking)).await?;
+    Ok(answers.remove(0))
 }
 
 async fn claim_many(pool: &Pool, rows: &[Asking]) -> Result<Vec<Claim>, DbError> {
     let client = pool.get().await?;
-    let stmt = client.prepare_cached(CLAIM_MANY).await?;
+    let stmt = client.prepare_cached(CLAIM).await?;
     let keys: Vec<&str> = rows.iter().map(|a| a.key.as_str()).collect();
     let owners: Vec<&str> = rows.iter().map(|a| a.owner.as_str()).collect();
     let leases: Vec<i64> = rows.iter().map(|a| a.lease_ms).collect();
