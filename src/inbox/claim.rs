@@ -6,7 +6,9 @@
 //! The states of a row and the statement behind each transition are drawn in
 //! ARCHITECTURE.md, "The inbox's state machine"; the current SQL of `postie_claim`
 //! and of every table is in `sql/schema.sql`. Into `sending`: [`Inbox::claim`]; out
-//! of it: [`Inbox::complete`] with a [`Completion`].
+//! of it: [`Inbox::complete`] with a [`Completion`], whose fenced `COMPLETE` is
+//! here (a send also records its `provider` and `provider_message_id`). Also here: the
+//! relay's scheduled records.
 
 use std::time::Duration;
 

@@ -6,7 +6,11 @@
 //! statement (the claim is the first), and most of postie's CPU per email was system
 //! calls and wake-ups. The batch is the same fenced `UPDATE` as one completion, joined
 //! with `unnest` of its rows, so each row keeps its meaning: recorded only while its
-//! fence holds.
+//! fence holds. A row that ends in a terminal status gets its delivery event inserted
+//! by the same statement (`events.rs`).
+//!
+//! `Inbox::complete_to` records a send with the recipients its email went to, kept as
+//! the row's `recipients` for the feedback's matching (`feedback.rs`).
 
 use std::collections::HashSet;
 

@@ -3,6 +3,10 @@
 //! (`sql/0020_tenants.sql`): a GCRA row per lane and tenant with a cap. A job takes its tenant's next slot; one whose slot is
 //! further ahead than the burst is deferred to it (`work::worker::limits`), so a
 //! tenant's backlog is spread over time at its cap instead of filling the lane.
+//!
+//! `tenant_slot` also moves a deferred job's scheduled row to its slot. Also here:
+//! each lane's sends and lateness, the busiest tenants (for `postie status`), and
+//! the tenants' spent rows pruned.
 
 use super::prune::PrunePlan;
 use super::{DbError, Inbox};

@@ -1,4 +1,8 @@
 //! Cancels, the per-type throttle, and what `postie status` and `postie pending` read.
+//!
+//! A cancel writes its `cancelled` event in the same statement; `finish_cancelled`
+//! ends a job that was cancelled while it was being sent. `pending_page` is the
+//! console's page of pending jobs, filtered by type and key prefix.
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Ladder mode's reconciler queries: scheduled jobs overdue by more than a grace
 //! period that no worker has received (no arrival mark, no claim), with the bodies
-//! the relay kept for them; the arrival marks themselves; and the end of a scheduled
-//! row whose job ended without a claim.
+//! the relay kept for them, and the frontier, each per lane (`LaneRows`); the arrival
+//! marks themselves; and the end of a scheduled row whose job ended without a claim.
 
 use std::time::Duration;
 
