@@ -8,7 +8,7 @@
 //! ([`crate::contract`]), so adding a transport touches this folder and the URL
 //! parsing in [`crate::config`], nothing more.
 //!
-//! The [`Transport`] trait borrows an `Email` (the envelope and the RFC 5322 text,
+//! The `Transport` trait borrows an `Email` (the envelope and the RFC 5322 text,
 //! formatted once in `Mailer::build_for`) and answers the provider's id. The
 //! [`Mailer`] holds its routes, its `smtp.pool_size` connection slots and the send
 //! deadline; a send carries a `Clearance`: no body once the claim is lost, and marked
