@@ -1,5 +1,11 @@
 //! Addresses of the services postie talks to: is a host this machine, and how to
 //! show a connection URL without its password. A leaf: it imports nothing of postie's.
+//!
+//! An address is shown without its secrets in every form it takes: a URL with any
+//! number of hosts or a bad port, a libpq `key=value` string, or a comma-separated
+//! list of them, each read on its own. It is read by hand, so that no parser's
+//! refusal can print it. The passwords an address carries are also taken out, so
+//! that every log line and the last error line can be scrubbed of them.
 
 use std::net::IpAddr;
 use std::ops::Range;

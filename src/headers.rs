@@ -4,6 +4,10 @@
 //!
 //! `seal.rs`: postie's own headers sealed on every copy it publishes, and dropped
 //! from a delivery at intake unless their seal holds (a producer's `postie-*`).
+//!
+//! Among them `postie-provider`, the route a job is pinned to after an uncertain
+//! send. `without_broker_death` copies a republished copy's table only if the broker
+//! left a death header in it.
 
 mod seal;
 

@@ -2,19 +2,25 @@
 //! sent over SMTP exactly once. `ARCHITECTURE.md` at the repository root is the map;
 //! in one line each, the path of a job:
 //!
+//! - [`outbox`]: the producers' transactional outbox, in their own databases.
 //! - [`contract`]: the producers' contract: one message in, one validated job out.
-//! - [`broker`]: RabbitMQ: connections, confirmed publishes, topology, the ladder, acks.
+//! - [`topology`]: the broker objects' names and the ladder's arithmetic, no I/O.
+//! - [`broker`]: RabbitMQ: connections, confirmed publishes, declaration, probe, acks.
 //! - [`consume`]: `postie serve`: the session supervisor and the consume loops.
 //! - [`work`]: the unit of work (claim → send → record), its outcomes and retry policy.
 //! - [`inbox`]: the PostgreSQL inbox: claims, completions, migrations.
 //! - [`mail`]: the transport seam: building the email and handing it over.
+//! - [`feedback`]: bounces and complaints after the send: webhooks and reports.
 //! - [`dlq`]: dead letters for operators: list and replay.
 //! - [`ops`]: health, circuit breaker, metrics, the HTTP endpoint, logs and traces.
 //! - [`console`]: the operator console, a small web UI over what the CLI reaches.
 //! - [`cli`]: the command line.
 //!
-//! And the leaves everything may use: [`config`] (settings), [`headers`] (message
-//! headers), [`endpoint`] (loopback check and URL redaction).
+//! And the leaves everything may use:
+//!
+//! - [`config`]: settings, loaded in layers and checked once.
+//! - [`headers`]: message headers, and the seal on postie's own.
+//! - [`endpoint`]: loopback check, URL redaction, passwords to scrub.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 

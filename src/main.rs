@@ -1,4 +1,12 @@
 //! The `postie` binary: parses arguments, loads settings, sets up logging, runs a command.
+//!
+//! First it fixes glibc's allocator thresholds (a large block mapped on its own and
+//! returned when freed: peak memory follows the bodies held). Then it only loads
+//! settings and logging, starts the runtime (`worker.threads`; one thread is tokio's
+//! current-thread runtime) and runs the command as a task on its workers, never on
+//! the main thread, which is outside the worker pool. It scrubs the configured
+//! passwords from the last error line, and returns a command's own exit status
+//! (`cli::Exit`).
 
 use std::process::ExitCode;
 

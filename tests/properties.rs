@@ -8,6 +8,9 @@
 //! allocator, per thread) within a bound proportional to the input. Besides, what each
 //! promises: a due time never beyond `max` (plus the stamped due time's day), no
 //! unsealed `postie-*` header through the seal, no password in a redacted address.
+//!
+//! The counting allocator is this test binary's own: the library forbids `unsafe`, so
+//! the few internals it calls are `pub` for it (each says so in its doc).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

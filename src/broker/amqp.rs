@@ -1,5 +1,11 @@
 //! RabbitMQ connections and confirmed publishes (a returned or nacked publish is a
 //! failure, never a silent drop).
+//!
+//! `connect` is the one way to connect: it tries every parsed address of `amqp.url`
+//! in turn, from a random start and past the last one used. `PublishError::refusal`
+//! is the broker's 406 for a message itself (over its `max_message_size`).
+//! `copy_properties` gives a republished copy the delivery's properties, its headers
+//! not copied.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

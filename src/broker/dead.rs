@@ -18,7 +18,8 @@
 //! A queue's arguments cannot change once declared: a `<p>.dead` declared by an older
 //! postie refuses the new declaration with 406. Start-up keeps it as it is
 //! ([`Topology::declare_on`]) and warns; `postie status` reports it ([`dead_limit`])
-//! and, with `amqp.management_url`, whether a policy gives it a limit. postie does not
+//! and, with `amqp.management_url`, whether a policy gives it a limit; the fix's
+//! `rabbitmqctl` policy command is `policy_command`. postie does not
 //! set a policy itself: a policy replaces whichever one applied to the queue before,
 //! and creating one takes the management API and the `policymaker` tag.
 

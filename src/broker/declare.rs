@@ -1,5 +1,6 @@
-//! Declaring and deleting the topology [`Topology`] names, and what the broker's
-//! refusals mean.
+//! Declaring and deleting the topology [`Topology`] names (`<p>.events` among
+//! them), and what the broker's refusals mean, in words. Also `queue_depths`: passive
+//! declares, for `postie status` and the console.
 
 use lapin::options::{
     ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,

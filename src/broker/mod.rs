@@ -1,6 +1,12 @@
-//! Everything RabbitMQ: connections and confirmed publishes, the topology (names,
-//! declaration, the delay-mode probe), ladder mode's TTL cascade, and coalesced acks.
-//! Nothing here knows what a job means; [`crate::consume`] drives it.
+//! Everything RabbitMQ: connections and confirmed publishes, the topology's
+//! declaration (its names and the ladder's arithmetic are `topology`'s), the
+//! delay-mode probe, and coalesced acks. Nothing here knows what a job means;
+//! [`crate::consume`] drives it.
+//!
+//! - `amqp.rs`: `connect`, the one way to connect; confirmed publishes.
+//! - `declare.rs`: the topology's objects declared and deleted; `queue_depths`.
+//! - `probe.rs`: `delay.mode = auto`. `acks.rs`: coalesced acks.
+//! - `dead.rs`: `<p>.dead` against looks. `management.rs`: the management HTTP API.
 
 pub mod acks;
 pub mod amqp;

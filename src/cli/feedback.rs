@@ -4,7 +4,7 @@
 //!
 //! Anyone can mail a bounce mailbox, so a report suppresses an address only when it
 //! names an email postie sent to that address; otherwise it is recorded and the
-//! command says so and exits with [`UNMATCHED`] (`feedback.trust_unmatched = ["dsn"]`
+//! command says so and exits with [`UNMATCHED`] (3; `feedback.trust_unmatched = ["dsn"]`
 //! or `["arf"]` trusts such reports, explicitly).
 
 use clap::Subcommand;

@@ -1,6 +1,6 @@
 //! The `postie` command line: one file per command, each with its clap arguments
 //! and the code that runs it. `main.rs` only loads settings and logging and calls
-//! [`run`].
+//! [`run`]. [`Exit`] is a command's own exit status, which `main.rs` returns.
 
 mod cancel;
 mod console;

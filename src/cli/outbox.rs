@@ -1,5 +1,6 @@
 //! `postie outbox install`: the transactional outbox in a producer's database
-//! (`outbox::install`); and the outbox sources' lag for `postie status`.
+//! (`outbox::install`); and the outbox sources' lag for `postie status` (per source,
+//! the rows waiting and the oldest one's age).
 
 use std::time::Duration;
 

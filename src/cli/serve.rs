@@ -1,4 +1,9 @@
 //! `postie serve`: consume until SIGTERM or Ctrl-C, then drain.
+//!
+//! Under `worker.key_namespace = "user_id"` it first checks that postie's RabbitMQ
+//! user may re-publish producers' `user_id` (`broker::may_impersonate`). With
+//! `console.listen` set it starts the console beside `consume::serve`, with settings
+//! loaded again from the same file and environment.
 
 use tokio_util::sync::CancellationToken;
 

@@ -3,6 +3,33 @@
 //!
 //! Connection URLs may carry passwords, so they are kept as [`SecretString`] and only
 //! ever shown through [`redact_url`](crate::endpoint::redact_url).
+//!
+//! - `validate.rs`: every setting checked once, section by section, returning what
+//!   it parsed (`Parsed`: `amqp.url`'s addresses, the transports' `ProviderPlan`s,
+//!   `database.url`'s `DbPlan`), which the rest of postie uses instead of the strings.
+//! - `amqp.rs` `amqp.url`; `database.rs` `database.url` and its `sslmode`; `smtp.rs`
+//!   `smtp.url`; `provider.rs` a provider API's URL (`ses://`, `sendgrid://`,
+//!   `postmark://`, `mailgun://`: region, key from the URL or the environment,
+//!   `endpoint=`); `transport.rs` `transport.url` / `transport.providers`, each a
+//!   `ProviderPlan` (name, parsed URL, its own rate from `name=`, `rate_limit=`,
+//!   `rate_burst=`); `rate.rs` `smtp.rate_limit` (`14/s`, `600/m`).
+//! - `suppression.rs` the suppression list's settings; `feedback.rs` the feedback
+//!   webhooks' (`feedback.listen`, body and time bounds, each provider's key or
+//!   credentials, SNS's allow-list, its required topics and `Timestamp` window,
+//!   Mailgun's token cap, `feedback.trust_unmatched`: the sources whose unmatched
+//!   notices still suppress); `events.rs` the delivery events' (`events.*`).
+//! - `outbox.rs` the outbox relay's: `outbox.sources` (each URL's `name=` taken out,
+//!   parsed as `database.url` is, under its TLS rules), `outbox.batch_size`,
+//!   `poll_interval`, `listen`.
+//! - `lanes.rs` the lanes (`topology.lanes`: weight, optional cap, optional tenant
+//!   cap; `topology.default_lane`) and what makes a lane name; `memory.rs` each lane's
+//!   prefetch from `worker.inflight_bytes` ÷ `max_body_bytes`; `throttle.rs` a job
+//!   type's throttle (`worker.throttles`).
+//! - `console.rs` the console's (`console.*`: its pages' bounds, `session_ttl`,
+//!   `max_sessions`, `sign_in_clients`).
+//! - `sections.rs` and `observe.rs` document every field (`observe.rs`: `http.*`,
+//!   with every HTTP listener's bounds `max_connections`, `header_timeout`,
+//!   `request_timeout`; `log.*`, `otel.*`); `de.rs` reads durations.
 
 use std::path::Path;
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Who may see the console and who may act: credentials from the environment, the
 //! role each one grants, the session a sign-in opens, and the CSRF token every
-//! action carries.
+//! action carries. A request's principal is its session, else its token (throttled).
 //!
 //! - A credential is a token: `POSTIE_CONSOLE_TOKEN` (the `operator`: sees and acts)
 //!   and `POSTIE_CONSOLE_READ_TOKEN` (the `viewer`: sees, gets 403 on actions), each

@@ -1,6 +1,7 @@
 //! One job by key: its inbox row, its unpublished events, its dead letter; Cancel
 //! (`Inbox::cancel`, as `postie cancel`) and Reschedule (its kept body published again
-//! to `<p>.delayed` under the next revision, as a producer reschedules).
+//! to `<p>.delayed` under the next revision, as a producer reschedules: the relay
+//! records it, and the old copy is stale).
 
 use std::sync::Arc;
 

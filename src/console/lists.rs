@@ -1,7 +1,8 @@
 //! The lists and their actions: pending jobs (cancel one, or all matching after a
 //! confirm step with their count), and dead letters (grouped by reason; replay one, a
 //! group or all matching a filter, after a confirm step with their count, through
-//! `dlq::replay`).
+//! `dlq::replay`). Pending jobs come a page at a time by `Inbox::pending_page`, a page
+//! number from 0 to 100,000; one `Confirm` step serves both lists.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -17,8 +17,13 @@
 //! Every page is a GET that reads fine without JavaScript; htmx (vendored:
 //! `assets/htmx.min.js`, htmx 2.0.11, 0BSD licence, from the npm package `htmx.org`)
 //! only refreshes the overview's live part. Every action is a POST with a CSRF token,
-//! refused to a read-only principal, and logged with the principal's name. Served by
-//! `ops::http::serve` under `http.*`'s connection cap and deadlines.
+//! refused to a read-only principal, bounded by `console.max_batch`, confirmed with
+//! its count first when it touches many, and logged with the principal's name. Served
+//! by `ops::http::serve` under `http.*`'s connection cap and deadlines.
+//!
+//! This file holds the routes: `POST /login` opens a session and sets its cookie
+//! (`Secure` when a proxy says the browser spoke HTTPS), `POST /logout` ends it and
+//! clears the cookie.
 
 mod action;
 mod auth;

@@ -1,5 +1,7 @@
-//! The overview (inbox rows by status, queue depths, the maintenance leader, the last
-//! hour's sends and lateness as inline SVG) with its live part.
+//! The overview (inbox rows by status, each transport's sends and rate limit, each
+//! instance's breakers from `postie_breakers`, queue depths by `broker::queue_depths`,
+//! the maintenance leader, the last hour's sends and lateness as inline SVG) with its
+//! live part.
 
 use std::sync::Arc;
 

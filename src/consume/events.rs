@@ -1,5 +1,6 @@
 //! Delivery events (issue 30): the outbox (`postie_events`, `inbox::events`)
-//! published to the topic exchange `<p>.events` on the session's confirm channel.
+//! published to the topic exchange `<p>.events` on the session's confirm channel;
+//! here too each event's routing key (`email.<outcome>.<type>`) and JSON body.
 //!
 //! Every instance runs this loop in its session, not the maintenance leader alone:
 //! each pass takes the oldest events no other instance is publishing (`FOR UPDATE

@@ -6,6 +6,8 @@
 //! a [`Disposition`](crate::work::Disposition), carried out in one place
 //! (`send.rs`): "publish (confirmed) then ack", "ack", or "leave unacked".
 //!
+//! - this file: start-up, which builds the `work::Context` once; `Service`, the
+//!   context plus the worker and ladder mode's batch writers.
 //! - `session.rs`: the supervisor (connect, declare, run the roles, reconnect).
 //! - `stream.rs`: one consumer on one queue, with bounded concurrency and draining.
 //! - `send.rs`: the send role's handler, and dispositions carried out.
@@ -13,7 +15,8 @@
 //! - `relay.rs`: the relay role (ladder mode); `scheduler.rs` batches its pending records.
 //! - `arrivals.rs`: ladder mode's marks on send deliveries that wait unclaimed.
 //! - `pollers.rs`: queue depths and the pending gauge for `/metrics`.
-//! - `maintenance.rs`: pruning and the pollers, on one instance (advisory lock).
+//! - `maintenance.rs`: pruning, the reconciler (`reconcile.rs`) and the pollers, on
+//!   one instance (advisory lock on a dedicated connection).
 //! - `events.rs`: the delivery events' outbox published to `<p>.events`, on every
 //!   instance (`FOR UPDATE SKIP LOCKED`), on the session's confirm channel.
 //! - `outbox.rs`: the producers' transactional outboxes (`outbox.sources`) relayed

@@ -2,7 +2,8 @@
 //! transport. A job the relay recorded as scheduled that is overdue by more than
 //! `delay.reconcile_grace` and that no worker has received (RabbitMQ 3.10–4.x can
 //! strand expired messages in a lost node's at-least-once dead-letter process) is
-//! published again, straight to the send path, stamped with its due time. Never early:
+//! published again, straight to the send path, stamped with its due time (its
+//! `postie-due-at` sealed). Never early:
 //! only overdue jobs are re-published, and the worker still checks the due time. The
 //! inbox claim keeps the later arrival of the original from sending twice.
 //!
@@ -14,8 +15,11 @@
 //!   consumed in the order jobs fell due, so a job due a grace before one that workers
 //!   already hold would have reached them had it been in the queue.
 //!
-//! While the queue has ready messages but no worker holds a waiting job, the queue is
-//! flowing and the grace alone decides. A pass lets the marks of deliveries in flight
+//! Each lane is judged on its own (its send queue, its frontier). While the queue has
+//! ready messages but no worker holds a waiting job, the queue is flowing and the
+//! grace alone decides; but a lane with a tenant cap and ready messages yet no
+//! frontier loses none (its jobs are passed over fast, their excess deferred unmarked,
+//! so they may be in its queue). A pass lets the marks of deliveries in flight
 //! settle, judges again, and re-publishes only rows that are still scheduled and
 //! unmarked. Each re-publish is counted in the row (`reconciled`) and in
 //! `postie_reconciled_total`. A job that ended without a claim (dead-lettered as

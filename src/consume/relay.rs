@@ -1,5 +1,7 @@
 //! Ladder mode's intake relay: reads a job's `x-delay` once, fixes its due time, and
-//! routes it into the TTL cascade (or straight to work when due). The decision is
+//! routes it into the TTL cascade, or, when it is due now, straight to its lane's
+//! send queue, its lane recorded with it. `Service::scheduled_key` is the key a job
+//! is scheduled under. The decision is
 //! published with a confirm before the intake delivery is acked, so a relay killed
 //! mid-stream loses nothing: unacked jobs go back to `<p>.intake`, and the stamped
 //! due time keeps a re-relayed job from drifting later.

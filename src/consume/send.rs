@@ -1,7 +1,8 @@
 //! The send role's handler, and the one place a [`Disposition`] is carried out:
 //! publish a copy (confirmed, its `postie-*` headers sealed) and then ack, ack alone,
 //! or leave the delivery unacked; and [`Service::admit`], the door every delivery
-//! passes: a `postie-*` header without postie's seal is dropped.
+//! passes as it is read, in every loop: a `postie-*` header without postie's seal is
+//! dropped and counted.
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! The session supervisor: connect (any broker address), declare, run every role's
 //! consume loop on one connection until it is lost or a stop is asked for, then
-//! reconnect with backoff. A consume loop per lane's send queue, the relay's in
+//! reconnect with backoff. A consume loop (`stream::Feed`) per lane's send queue, the relay's in
 //! ladder mode, and one per `topology.drain_prefixes` queue.
 
 use std::time::Duration;

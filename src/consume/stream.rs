@@ -1,4 +1,5 @@
-//! One consumer on one queue: bounded concurrency, a pause while a dependency is
+//! One consumer on one queue (`relay_loop`, `send_loop`, and the `drain` they share):
+//! bounded concurrency, a pause while a dependency is
 //! down, and on stop a drain (consumer cancelled, in-flight work given the drain
 //! timeout). Deliveries go to the role's handler: the send role's in delivery order
 //! (in ladder mode, one held unclaimed too long is marked as arrived: `arrivals.rs`),

@@ -1,4 +1,8 @@
 //! The job body (version 1) and cancel requests: parsing and validation.
+//!
+//! A body is read in one pass into a borrowed `RawJob`, which also notes a `cancel`
+//! member; only cancels and refused bodies are read again, as a `CancelRequest`, for
+//! their own reasons.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

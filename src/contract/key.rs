@@ -1,4 +1,10 @@
 //! The idempotency key: the business key that makes two publishes of one event collide.
+//!
+//! `key_text` is the one key rule: `key`, else `order_id:type`; a present member is
+//! never passed over, and `null` counts as absent. The job, the peek (and so the DLQ)
+//! use it. Also here: the key's per-user namespace and `key_owner`, with which the
+//! reconciler re-publishes a stored job under its `user_id`; and the Message-ID,
+//! its digest computed once per key.
 
 use std::borrow::Cow;
 use std::cmp::Ordering;

@@ -5,6 +5,11 @@
 //! Parse, don't validate: every field of [`EmailJob`] can only hold a value that is
 //! safe to put into an email, so later stages never re-check. The types here are
 //! postie's own: nothing of the mail transport leaks into the job model.
+//!
+//! - `job.rs`: the body (v1) and cancel requests; `rules.rs`: `ParseRules` (size,
+//!   default sender, key space); `peek.rs`: a body's key (and lane) without a parse;
+//!   `key.rs`: the one key rule, the idempotency key, the Message-ID.
+//! - `address.rs`: mailboxes; `delay.rs`: `x-delay` and the due time.
 
 mod address;
 mod delay;

@@ -1,5 +1,9 @@
 //! Reading a body's key without validating it: the relay's scheduled record, the send
 //! path's arrival marks, the DLQ's table.
+//!
+//! `peek_key` / `peek_key_text` read the key through a borrowed struct and build
+//! nothing else; `peek_job` reads the key and the lane the relay needs, in the same
+//! pass.
 
 use std::borrow::Cow;
 

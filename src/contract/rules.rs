@@ -1,4 +1,8 @@
 //! What the contract allows around a body: its size, the default sender, the key space.
+//!
+//! The size is checked before any parse. `ParseRules::namespaced` puts every key in
+//! its producer's key space under `worker.key_namespace`; the worker, the relay's
+//! scheduled record and the DLQ's reading all use it.
 
 use super::{invalid, IdempotencyKey, InvalidJob};
 use crate::config::{KeyNamespace, Settings};

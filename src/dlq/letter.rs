@@ -1,5 +1,6 @@
 //! One dead letter as an operator sees it: its key, kind, attempts, time and reason,
-//! read from postie's headers or the broker's `x-death`; the table `postie dlq list`
+//! read from postie's headers or the broker's `x-death` (its key by
+//! `contract::peek_key_text`, the contract's key rule); the table `postie dlq list`
 //! prints; the headers a replayed copy keeps.
 
 use std::fmt::Write as _;

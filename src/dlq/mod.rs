@@ -4,7 +4,8 @@
 //! - [`list`] reads dead letters without consuming them: a consumer takes them
 //!   (manual ack) and never acks; the look ends by cancelling the consumer and
 //!   handing every letter back with one `basic.nack` (requeue), in the order they
-//!   came, before its channel closes ([`give_back`]).
+//!   came, before its channel closes ([`give_back`]). `inspect` also reads one
+//!   letter's body and headers, for the console.
 //! - [`replay`] republishes the dead letters that match a filter straight to
 //!   `<p>.send` (through `<p>.work`, mandatory, publisher confirm) without postie's
 //!   dead-letter headers and retry counter, so each starts a fresh retry cycle; a

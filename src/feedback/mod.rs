@@ -2,7 +2,8 @@
 //! was accepted, recorded by [`Inbox::record_feedback`] (the job's row, the
 //! suppression list). Two ways in:
 //!
-//! - the webhooks, `/feedback/<provider>` on `feedback.listen` (off by default): SES
+//! - the webhooks, `/feedback/<provider>` on `feedback.listen` (off by default; axum,
+//!   served by `ops::http::serve`): SES
 //!   through SNS (`sns.rs`), SendGrid, Postmark and Mailgun (`providers.rs`), each
 //!   authenticated as its provider documents (`verify.rs`); every request's body
 //!   bounded by `feedback.max_body_bytes` and the whole request by
@@ -17,6 +18,8 @@
 //! Either way a notice suppresses an address only when it names an email postie sent
 //! to that address (`Inbox::record_feedback`), unless `feedback.trust_unmatched`
 //! names its source (issue 45).
+//!
+//! `fuzz.rs` (test only) feeds the property tests of every reader.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,5 +1,7 @@
 //! SendGrid's, Postmark's and Mailgun's webhooks: each request authenticated as its
-//! provider documents, then read into [`Feedback`]s (events of other kinds skipped).
+//! provider documents, then read into [`Feedback`]s (events of other kinds skipped):
+//! SendGrid's ECDSA-signed events, Postmark's basic auth, Mailgun's HMAC and its
+//! token, which `Hooks::once` remembers through `Inbox::remember_token`.
 
 use axum::http::HeaderMap;
 use base64::Engine;

@@ -2,12 +2,13 @@
 //! (`feedback.sns.topic_arns`, required while the endpoint is served): SNS signs
 //! every topic's notifications with the same certificate, so a valid signature says
 //! only that SNS sent it, not for whom. Each message's topic and signed `Timestamp`
-//! (within `feedback.sns.max_age` of now) are checked before anything is fetched;
+//! (within `feedback.sns.max_age` of now) and the canonical string are checked before
+//! anything is fetched (`check`: what needs no certificate);
 //! its signature (SignatureVersion 1: SHA1withRSA, 2: SHA256withRSA, over the
 //! canonical string SNS documents) with the certificate from
 //! `feedback.sns.certificate_file`, else the one at `SigningCertURL` (`fetch.rs`:
-//! allowed hosts, SNS's subject, bounded and kept). A subscription is confirmed by
-//! fetching its `SubscribeURL`, on an allowed host; a notification's `Message` is
+//! allowed hosts, SNS's subject, bounded and kept). A subscription is confirmed, for
+//! those topics only, by fetching its `SubscribeURL`, on an allowed host; a notification's `Message` is
 //! read as SES's bounce or complaint.
 
 use base64::Engine;

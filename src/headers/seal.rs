@@ -12,8 +12,9 @@
 //! `<p>.work`, a queue by the default exchange), and every copy postie publishes is
 //! sealed again ([`Seal::seal`]). Each header has a seal of its own, so that a copy
 //! that loses one (a dead letter has no `postie-attempt`; a replay drops the
-//! `postie-dead-*`) keeps the others. A producer may set only [`PRODUCER_HEADERS`];
-//! anything else named `postie-*` is postie's.
+//! `postie-dead-*`) keeps the others. A producer may set only [`PRODUCER_HEADERS`]
+//! (`postie-published-at`); anything else named `postie-*` is postie's: a producer's
+//! header steers nothing.
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use ring::hmac;

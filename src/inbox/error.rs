@@ -7,7 +7,8 @@
 //! class says the statement's *data* was wrong. An unknown error holds the job
 //! instead of dead-lettering it, because a dead letter of a job that could have
 //! been sent is a broken promise, and a hold of a truly bad job is only a delay that
-//! the operator sees (readiness false, one log line naming the cause).
+//! the operator sees (readiness false, one log line naming the cause, which
+//! `DbError::cause` puts in words).
 
 /// PostgreSQL could not be reached, or refused a statement.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! What the operator console (`console`) reads from the inbox beyond the CLI's
-//! queries: one job's row and its delivery events, the sends of the last hour per
-//! minute, and the maintenance leader.
+//! queries: one job's row, its kept body and its delivery events, the sends of the
+//! last hour per minute, and the maintenance leader (the holder of
+//! `MAINTENANCE_LOCK`, read from `pg_locks`).
 
 use super::{DbError, Inbox};
 

@@ -1,8 +1,8 @@
-//! Lanes in the inbox (issue 33): each lane's sends for `postie status` (from the lane
-//! the relay records, `sql/0019_lanes.sql`), and tenants' slots inside a lane
-//! (`sql/0020_tenants.sql`): a GCRA row per lane and tenant with a cap. A job takes its tenant's next slot; one whose slot is
-//! further ahead than the burst is deferred to it (`work::worker::limits`), so a
-//! tenant's backlog is spread over time at its cap instead of filling the lane.
+//! Lanes in the inbox (issue 33): each lane's sends and lateness for `postie status`
+//! (from the lane the relay records, `sql/0019_lanes.sql`); the busiest tenants'
+//! slots (`sql/0020_tenants.sql`: a GCRA row per lane and tenant with a cap, taken by
+//! `machine/defer.rs`, which defers a job over its tenant's cap to its slot), and
+//! their spent rows pruned.
 
 use super::prune::PrunePlan;
 use super::{DbError, Inbox};

@@ -6,6 +6,8 @@
 //! existed). Before applying anything, and at start-up without migrating
 //! ([`Inbox::check_schema`]), postie refuses a database that holds a migration it does
 //! not know (migrated by a newer postie) or one whose file changed after it was applied.
+//! [`Inbox::unapplied_migrations`] lists the migrations not yet applied, which
+//! `postie status` names instead of a missing table's error.
 //!
 //! There is no 0006: no file of that number was ever committed (`git log --all --
 //! sql/`). 0004, 0005 and 0007 were written at the same time for issues 14, 13 and 15

@@ -1,8 +1,25 @@
 //! The PostgreSQL inbox: one row per idempotency key, claimed before any email
 //! leaves and completed (fenced) before the delivery is acked.
 //!
-//! Every call is a single statement in its own implicit transaction, so a claim is
+//! Every call is one statement (a batch of claims: one transaction), so a claim is
 //! committed before the send starts and a completion is committed before the ack.
+//!
+//! This file holds the pool. The rest, by what it is for:
+//!
+//! - the state machine: `machine/`, every statement that writes a row's `status`, one
+//!   file per transition (`Claim`, `Completion`, `Scheduled`, `Status`); `batch.rs`
+//!   (`Batcher`: one statement for many callers' rows: the claims and completions);
+//!   `queries.rs` (throttle, status, pending); `reconcile.rs` (ladder mode's
+//!   reconciler); `prune.rs` (retention).
+//! - around it: `error.rs` (an error's meaning: the job's fault or an outage),
+//!   `clock.rs` (the fleet's clock), `rate.rs` (the fleet's send rate), `lanes.rs`
+//!   (lanes and tenants), `events.rs` (the delivery events' outbox), `migrate.rs`
+//!   (the migrations), `header_key.rs` (the fleet's header key).
+//! - feedback: `suppression.rs` (the suppression list; `suppression/filter.rs`,
+//!   `suppression/bulk.rs`), `reputation.rs` (bounce and complaint rates),
+//!   `feedback.rs` (`Inbox::record_feedback`), `replay.rs` (Mailgun's tokens).
+//! - for the console: `breakers.rs`, `inspect.rs`.
+//! - connections: `dial.rs` (`Dialer`, a connection outside the pool), `tls.rs`.
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use secrecy::{ExposeSecret, SecretString};

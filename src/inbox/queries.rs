@@ -1,4 +1,6 @@
 //! The per-type throttle, and what `postie status` and `postie pending` read.
+//! `pending_page` is the console's page of pending jobs, filtered by type and key
+//! prefix.
 
 use std::time::Duration;
 

@@ -1,5 +1,6 @@
 //! The fleet-wide send-rate limit's one row (`sql/0005_rate_limit.sql`): a GCRA
 //! whose theoretical arrival time (`tat`) instances move forward a slice at a time.
+//! Also the sends per provider that `postie status` shows.
 
 use std::time::Duration;
 

@@ -1,7 +1,8 @@
 //! Ladder mode's reconciler queries: scheduled jobs overdue by more than a grace
 //! period that no worker has received (no arrival mark, no claim), with the bodies
-//! the relay kept for them; the arrival marks themselves; and the end of a scheduled
-//! row whose job ended without a claim.
+//! the relay kept for them, and the frontier, each per lane (`LaneRows`); the arrival
+//! marks themselves. (The end of a scheduled row whose job ended without a claim is a
+//! transition: `machine/finish_unclaimed.rs`.)
 
 use std::time::Duration;
 

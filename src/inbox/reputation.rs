@@ -7,7 +7,8 @@
 //! flush that fails is kept for the next. Bounces and complaints are `postie_feedback`'s rows:
 //! the relay's refusals at send time ([`Inbox::record_send_bounce`]) and what the
 //! providers and reports say later. An instance that dies (kill -9) takes at most
-//! [`FLUSH`] of its sends out of the rates.
+//! [`FLUSH`] of its sends out of the rates. The rates are read over the last hour and
+//! the last day; the tally's and the feedback's old rows are pruned here too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};

@@ -7,7 +7,8 @@
 //! policy or reputation, such as Gmail's "low reputation" 5.7.1 refusing real users;
 //! 5.2.2 a full mailbox; 5.3.4 size; 5.5.x postie's own syntax). A 5xx without an
 //! enhanced code is a strike: enough of them within a window suppress the address.
-//! A 4xx never counts.
+//! A 4xx never counts. `is_hard_status` reads a DSN's `Status` or a provider's
+//! diagnostic by the same codes.
 
 /// What a refusal of a recipient means for the list.
 #[derive(Debug, Clone, PartialEq, Eq)]

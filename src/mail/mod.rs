@@ -7,6 +7,19 @@
 //! lettre lives here and nowhere else: the job model is postie's own
 //! ([`crate::contract`]), so adding a transport touches this folder and the URL
 //! parsing in [`crate::config`], nothing more.
+//!
+//! The `Transport` trait borrows an `Email` (the envelope and the RFC 5322 text,
+//! formatted once in `Mailer::build_for`) and answers the provider's id. The
+//! [`Mailer`] holds its routes, its `smtp.pool_size` connection slots and the send
+//! deadline; a send carries a `Clearance`: no body once the claim is lost, and marked
+//! uncertain by a transport that failed after handing the email over without an
+//! answer.
+//!
+//! - `route.rs`: failover between the routes. `message.rs`: job → RFC 5322.
+//! - `smtp.rs`: the SMTP relay, `smtp/transaction.rs` one email's transaction.
+//! - `api/`: providers' HTTP APIs (`ses.rs`, `sendgrid.rs`, `postmark.rs`,
+//!   `mailgun.rs`; `request.rs`), each with its reply reading and unit tests.
+//! - `bounce.rs`: which refusal is a hard bounce. `file.rs`: `.eml` files.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

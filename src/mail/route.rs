@@ -11,7 +11,8 @@
 //! SMTP relay's hang counts too, as it always has ([`Transport::opens_breaker`]). After `smtp.breaker_threshold` in
 //! a row the breaker opens, traffic moves to the next route, and the worker probes
 //! the route until it answers ([`Routes::recovered`]); then it takes traffic back.
-//! With one route this is the breaker postie always had.
+//! With one route this is the breaker postie always had. `Routes::judge` counts a
+//! send's result on its route; the metrics are per provider.
 //!
 //! [`Clearance::uncertain`]: super::Clearance::uncertain
 //! [`Transport::opens_breaker`]: super::Transport::opens_breaker

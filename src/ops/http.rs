@@ -7,6 +7,13 @@
 //! webhooks, the console), holding every client to [`Limits`]: a cap on connections
 //! served at once, a deadline for a request's headers (and an idle kept-alive
 //! connection), for its body, and for its answer to be taken.
+//!
+//! Under `http.*`: at most `max_connections` at once, the next waiting in the
+//! kernel's queue; headers and an idle kept-alive connection within
+//! `header_timeout` (hyper's timer); the body read before any handler, within
+//! `request_timeout` and the listener's size bound (408, 413); an answer not taken
+//! within `request_timeout` drops the connection. Each request carries its client's
+//! `ConnectInfo`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

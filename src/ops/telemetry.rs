@@ -2,6 +2,10 @@
 //! to stderr, written by a thread of their own (see [`init`]). Traces: OpenTelemetry
 //! over OTLP/HTTP when `otel.endpoint` is set; each delivery's span continues the
 //! producer's trace from the job's `traceparent`.
+//!
+//! Each log line is scrubbed of the configured passwords (`endpoint::scrub`) on its
+//! way out. `ExpectedRefusals` is the flag `broker::probe` holds while it expects
+//! the broker's refusals, which keeps lapin's log lines about them out of the log.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;

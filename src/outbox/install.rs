@@ -2,9 +2,19 @@
 //! `postie.outbox_version` (apart from postie's own migrations), each script once,
 //! under an advisory lock and in one transaction, so that installs run side by side
 //! (several deploys at once) apply each script once and a failed one leaves nothing.
-//! A database installed by a newer postie is refused. The grants are given on every
-//! run (GRANT is idempotent), so a second run can add a role, and the job size limit
-//! (`postie.outbox_settings`, from `worker.max_body_bytes`) is written on every run.
+//! A database installed by a newer postie is refused.
+//!
+//! The grants are given on every run (GRANT is idempotent; `--app-role`,
+//! `--relay-role`), so a second run can add a role, and the job size limit
+//! (`postie.outbox_settings`, from `worker.max_body_bytes` or `--max-body-bytes`) is
+//! written on every run.
+//!
+//! The scripts, embedded from `sql/outbox/` (versioned apart from `sql/`'s
+//! migrations): `0001_outbox.sql` (`postie.outbox`, `postie.enqueue` with its
+//! refusals, clock stamp and NOTIFY), `0002_take.sql` (`postie.take`, the relay's
+//! batch), `0003_refusals.sql` (enqueue's size limit and finite due time,
+//! `postie.outbox_settings`; `take` answering NULL for a time it cannot compute;
+//! `postie.outbox_rejected` and `postie.reject`).
 //!
 //! What it installs into must be its own: a `postie` schema, or an `outbox_version`,
 //! that another role owns (or that is not a plain table, or has a trigger) is refused

@@ -4,11 +4,13 @@
 //! - `install.rs`: `postie outbox install`: the schema `postie`, its table
 //!   `postie.outbox` and the function `postie.enqueue` (`sql/outbox/`), versioned in
 //!   `postie.outbox_version` apart from postie's own migrations, and the grants.
-//! - this file: a source (one producer's database, by its `name=`), a batch taken
-//!   `FOR UPDATE SKIP LOCKED` and deleted only after its publish succeeded, in one
-//!   transaction, the rows its publish refused for good moved to
-//!   `postie.outbox_rejected` (`postie.reject`) in the same transaction, and the lag
-//!   `postie status` shows.
+//! - this file: a source (`Source`: one producer's database, by its `name=`, with its
+//!   `Dialer` and its LISTEN connection); a batch (`relay_batch`: `postie.take`,
+//!   `FOR UPDATE SKIP LOCKED`, handed to the caller's publish), deleted only after
+//!   its publish succeeded, in one transaction, the rows its publish refused for good
+//!   moved to `postie.outbox_rejected` (`postie.reject`) in the same transaction,
+//!   committed only if it succeeded; `version`; and the lag `postie status` shows,
+//!   with the rows set aside.
 //!
 //! The relay that publishes the batches runs in `postie serve`'s session
 //! (`consume::outbox`), on the session's confirm channel.

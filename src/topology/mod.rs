@@ -13,6 +13,16 @@
 //!
 //! outcomes (postie_events) ─▶ <p>.events (topic: email.<outcome>.<type>) ─▶ producers' queues
 //! ```
+//!
+//! Data and arithmetic without I/O (`broker::declare` declares them), so that the
+//! unit of work can name a target without touching the broker. Here: `Topology`,
+//! every name spelled once in `Topology::new` and lent as `&str`; `DelayLayout`; the
+//! queues' arguments (`<p>.dead`'s with `DEAD_DELIVERY_LIMIT`). `lanes.rs`: `Lane`
+//! and `LaneId`, each lane's send queue, intake, routing keys (`Lane::keys`: the
+//! default lane's alias `email.<default>` too), weight and caps; the default lane
+//! first; `Topology::lane_named`, and `Topology::lane_column`, a lane as the inbox
+//! records it. `ladder.rs`: the TTL cascade, a delay spelled in binary as a route
+//! through the levels.
 
 use std::time::Duration;
 

@@ -1,12 +1,15 @@
 //! The unit of work: claim → send → record, one delivery at a time.
 //!
 //! - [`context`]: the [`Context`] an instance shares (settings, topology, owner,
-//!   inbox, mailer, health, hard stop), built once at start-up.
+//!   broker addresses, inbox, mailer, health and its metrics, the header `Seal`,
+//!   hard stop), built once at start-up.
 //! - [`worker`]: the state machine, one delivery's body and headers in, one
 //!   [`Outcome`] out; it never touches the broker.
 //! - [`policy`]: the [`RetryPolicy`], what each failure becomes.
-//! - [`limiter`]: the send rate (fleet limit in PostgreSQL, adaptive cap), waited
-//!   for before the claim.
+//! - [`limiter`]: the send rate (fleet limit in PostgreSQL, adaptive cap, a cold
+//!   instance's warm-up), one limiter per route, waited for before the claim.
+//! - `lanes.rs`: `FairShare`, the lanes' weighted shares of the send rate (start-time
+//!   fair queueing in front of the limiter, work-conserving).
 //! - [`outcome`]: the [`Outcome`]s, and for each its log line, counter and
 //!   [`Disposition`] (what the consume loop does with the delivery).
 

@@ -15,10 +15,13 @@
 //! answers again.
 //!
 //! One delivery goes through three steps: [`Worker::admit`] (parse, cancel, due time,
-//! wait out the ladder's last sub-unit rest), then turns ([`Worker::take_turn`]: the
-//! send rate, a connection slot, the claim) until one ends in an outcome, each claimed
-//! turn making one [`Worker::attempt`] (throttle, lease, send, record). The rest lives
-//! beside it: `db.rs`, `follow.rs`, `send.rs`, `lease.rs`, `limits.rs`, `throttle.rs`.
+//! wait out the ladder's last sub-unit rest; a job of another lane than its queue's
+//! is `Outcome::Moved` to its lane), then turns ([`Worker::take_turn`]: the route (the
+//! job's pin, else the first up) and that route's send rate, a connection slot, the
+//! claim) until one ends in an outcome, each claimed turn making one
+//! [`Worker::attempt`] (throttle, lease, send, record; an uncertain send pins the job
+//! to its route, `Pin`). The rest lives beside it: `db.rs`, `follow.rs`, `send.rs`,
+//! `lease.rs`, `limits.rs`, `throttle.rs`, `due.rs`, `route.rs`, `suppress.rs`.
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};

@@ -9,6 +9,8 @@
 //! under a PostgreSQL advisory lock, into a database of another name that is renamed
 //! when complete: a process never copies a half-migrated template. A test whose postie
 //! must migrate an empty database itself asks for one (`TestEnv::unmigrated`).
+//!
+//! `Db` is a PostgreSQL-only environment, for tests that need no broker.
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! Client for the `postie-provider-server` process (tests/provider-server): build it,
 //! start it, name the `smtp.url` of each provider's API on it, read what it accepted,
 //! inject faults (on sends, or with `"probe": true` on the account endpoints postie's
-//! circuit-breaker probe asks), set its quota and take its API down. Like the SMTP sink ([`super::sink`]), it is a
+//! circuit-breaker probe asks), set its quota and take its API down (connections refused for a while). Like the SMTP sink ([`super::sink`]), it is a
 //! workspace crate of its own that the tests build once per test process.
 
 use std::io::BufRead;

@@ -16,6 +16,11 @@
 //! | credentials refused (401; SES 403) | [`SendError::Unreachable`] | as a relay that refuses AUTH: postie's set-up, not the job's; pauses instead of dead-lettering every job |
 //! | timeout, a broken connection or a reply longer than [`MAX_REPLY_BYTES`] after the request was sent | [`SendError::Transient`], the clearance marked uncertain | retried on this provider only, never failed over: it may have been accepted (at least once, as with SMTP's lost final reply); the breaker does not count it |
 //! | any other 4xx (invalid address, account suspended, message rejected) | [`SendError::Permanent`] | dead letter, the provider's own message as the reason |
+//!
+//! The client is built on `ops::https`'s connector, and a reply is read up to
+//! [`MAX_REPLY_BYTES`] (64 KiB). The breaker's probe asks the provider's account
+//! endpoint. `web_client` is the same HTTPS client for the feedback endpoint's SNS
+//! fetches. SendGrid's and Postmark's JSON fields come from `message::Fields`.
 
 use std::time::Duration;
 

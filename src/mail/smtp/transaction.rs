@@ -6,7 +6,8 @@
 //! of postie's CPU per email paid for: system calls and wake-ups, one per command and
 //! reply. A relay without PIPELINING gets one command at a time, as before.
 //!
-//! A relay that advertises CHUNKING (RFC 3030) as well gets an email for one recipient
+//! A relay that advertises CHUNKING (RFC 3030) as well, when `smtp.chunking` allows
+//! it, gets an email for one recipient
 //! in a single write: MAIL FROM, RCPT TO, `BDAT <size> LAST` and the body, with the
 //! three replies read in order; one round trip an email. The body then goes before
 //! the relay has answered the envelope, which is safe only with one recipient: a

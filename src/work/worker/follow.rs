@@ -1,6 +1,7 @@
 //! What a failure leads to: the [`RetryPolicy`](crate::work::RetryPolicy)'s
 //! [`Next`] carried out under the claim (recorded, given back, waited out) and the
-//! delivery's outcome named, or another try asked for.
+//! delivery's outcome named, or another try asked for. Also what a send error is to
+//! the policy, and a claim a cancel covers ended `cancelled` with its event.
 
 use std::time::Duration;
 

@@ -1,6 +1,11 @@
 //! The limits a job waits for before its claim, besides a connection slot: its
 //! lane's own cap and its lane's share among the lanes (`work::lanes`), then its
 //! route's send rate (`work::limiter`).
+//!
+//! Here: the routes' limiters; the lanes' caps; a job's tenant turn (its tenant's slot
+//! under the lane's tenant cap; over it, `Outcome::TenantDeferred` to the slot); and
+//! its lane turn (its cap, then its `FairShare` passage, held until its send-rate
+//! turn and slot).
 
 use lapin::types::FieldTable;
 

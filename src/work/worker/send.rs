@@ -1,4 +1,9 @@
 //! The send itself, the circuit breaker's prober, and the record of a send.
+//!
+//! A send's result is counted on its route's breaker. A route whose breaker opens
+//! gets a prober of its own, which also writes the breaker's state for the console
+//! (`Inbox::record_breaker`); when no route is left closed, the transport circuit
+//! opens (`ops::health`). A send is recorded with the provider and its id.
 
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
 //! The suppression list at send time (issue 30): a claimed job's recipients checked
 //! against it before the send, and a relay's refusal of a recipient read for hard
-//! bounces (`mail::bounce`) that put the address on it.
+//! bounces (`mail::bounce`) that put the address on it. Suppressed recipients are
+//! left out of the send; a job left with none is recorded `suppressed`.
 
 use super::{Stop, Worker};
 use crate::contract::{Address, EmailJob};

@@ -1,6 +1,8 @@
 //! The inbox row of one key and the statements that move it, each a Rust mirror of
 //! the SQL it names (`sql/schema.sql`, `src/inbox/*.rs`). Time is the model's clock
-//! (`clock_timestamp()`), in steps.
+//! (`clock_timestamp()`), in steps. Mirrored: `postie_claim` and its batch
+//! `CLAIM_MANY`, `postie_cancel`, `COMPLETE`, renew, `schedule_many`,
+//! `finish_cancelled`.
 
 /// `postie_inbox.status` (`throttled` and `suppressed` are claimable and terminal like
 /// `dead`, and reached only by the throttle and the suppression list, which the model
