@@ -182,13 +182,17 @@ CREATE TABLE postie_breakers (
     PRIMARY KEY (owner, provider)
 );
 
--- The fleet-wide send-rate limit: one GCRA row per topology prefix (0005).
+-- Every GCRA row (0005; 0023): the fleet's send rate per topology prefix, each
+-- transport's, and each tenant's slot in its lane ('tenant:<lane>:<tenant>'); moved
+-- only by postie_gcra_take.
 CREATE TABLE postie_rate_limit (
     name text PRIMARY KEY,
     tat  timestamptz NOT NULL
 );
 
--- Each tenant's next slot inside a lane with a tenant cap (0020): a GCRA row.
+-- Each tenant's next slot inside a lane with a tenant cap (0020): no longer written
+-- since 0023 (postie_rate_limit holds them), kept for a rolling upgrade's older
+-- instances, pruned by retention.
 CREATE TABLE postie_tenant_slots (
     lane    text        NOT NULL,
     tenant  text        NOT NULL,
@@ -318,5 +322,24 @@ BEGIN
            status = CASE WHEN i.status IN ('sent', 'sending') THEN i.status ELSE 'cancelled' END
      WHERE i.key = p_key;
     RETURN QUERY SELECT r.status, through;
+END
+$$;
+
+-- The one rate engine (0023): takes the next slot of GCRA row p_name for p_span_ms,
+-- on one clock (clock_timestamp(), read once): the slot's start and how far ahead of
+-- now it is.
+CREATE FUNCTION postie_gcra_take(p_name text, p_span_ms float8,
+                                 OUT slot timestamptz, OUT ahead_ms float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now  timestamptz := clock_timestamp();
+    v_span interval    := p_span_ms * interval '1 millisecond';
+BEGIN
+    -- The slot starts at the theoretical arrival time, or now if that has passed;
+    -- taking it moves the time on by the span.
+    INSERT INTO postie_rate_limit AS r (name, tat) VALUES (p_name, v_now + v_span)
+    ON CONFLICT (name) DO UPDATE SET tat = greatest(r.tat, v_now) + v_span
+    RETURNING r.tat - v_span INTO slot;
+    ahead_ms := extract(epoch FROM slot - v_now) * 1000;
 END
 $$;

@@ -327,6 +327,18 @@ async fn overtaking(bulk: usize) {
     // The lanes are visible in the metrics.
     assert_eq!(tx_sent, Some(500.0));
     assert!(bulk_sent.is_some_and(|n| n >= 100.0), "{bulk_sent:?}");
+    // And in `postie status`, from the one count of sends: each lane's sends of the
+    // last 60 s (the burst of 300 has just been sent).
+    let status = w.env.postie(&["status"]).unwrap_or_else(|e| e);
+    let lane_sent = |lane: &str| -> i64 {
+        let line = status.lines().find(|l| l.trim_start().starts_with(lane));
+        let words: Vec<&str> = line.map_or(vec![], |l| l.split_whitespace().collect());
+        let at = words.iter().position(|w| *w == "sent");
+        at.and_then(|i| words.get(i + 1)?.parse().ok())
+            .unwrap_or_else(|| panic!("no sent count for lane {lane} in {status}"))
+    };
+    assert!(lane_sent("transactional") >= 300, "{status}");
+    assert!(lane_sent("bulk") >= 1, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -553,6 +565,14 @@ async fn tenants(name: &str, instances: usize, kill: bool, a: usize, flowing: Du
         "tenant a sent {a_meanwhile} in {seconds:.1} s"
     );
     assert!(status.contains("busiest tenants"), "{status}");
+    // Tenant a's slot, from the rate engine's row `tenant:bulk:a`, read back apart.
+    let tenants = status.split("busiest tenants").nth(1).unwrap_or("");
+    assert!(
+        tenants
+            .lines()
+            .any(|l| l.split_whitespace().take(2).eq(["bulk", "a"])),
+        "{status}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,7 @@
 
 use crate::broker;
 use crate::config::{SendRate, Settings};
-use crate::inbox::Inbox;
+use crate::inbox::{Inbox, RecentSends};
 
 /// Arguments of `postie status`.
 #[derive(clap::Args)]
@@ -30,9 +30,10 @@ pub(super) async fn run(settings: &Settings, args: &StatusArgs) -> anyhow::Resul
     }
     out!("  duplicates suppressed: {}", counts.duplicates);
     out!("  leases taken over:     {}", counts.takeovers);
-    transports(settings, &inbox).await?;
+    let recent = inbox.recent_sends().await?;
+    transports(settings, &recent)?;
     rates(settings, &inbox).await?;
-    lanes(settings, &inbox).await?;
+    lanes(settings, &inbox, &recent).await?;
     super::outbox::status(settings).await?;
 
     let topology = broker::resolve_topology(settings).await?;
@@ -71,13 +72,13 @@ pub(super) async fn run(settings: &Settings, args: &StatusArgs) -> anyhow::Resul
 
 /// With lanes configured: each lane's sends and lateness over the last minute (its
 /// queues' depths are among the queues below), and the tenants furthest ahead.
-async fn lanes(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
+async fn lanes(settings: &Settings, inbox: &Inbox, recent: &RecentSends) -> anyhow::Result<()> {
     let topology = &settings.topology;
     if topology.lanes.is_empty() {
         return Ok(());
     }
     out!("lanes (last minute, rows the relay recorded: sent, lateness p50 and p99):");
-    let sends = inbox.lane_sends().await?;
+    let sends = recent.by_lane();
     for (name, lane) in topology.lane_list() {
         let row = sends.iter().find(|s| {
             s.lane.as_deref() == Some(name.as_str())
@@ -157,10 +158,10 @@ async fn rates(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
 
 /// The fleet's send rate, then each transport in order of preference with its sends
 /// over the last minute and hour and its limit.
-async fn transports(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
+fn transports(settings: &Settings, recent: &RecentSends) -> anyhow::Result<()> {
     let plans = settings.provider_plans()?;
     let limit = |rate: Option<SendRate>| rate.map_or("none".to_string(), |r| r.to_string());
-    let last_minute = inbox.sent_last_minute().await?;
+    let last_minute = recent.last_minute();
     out!(
         "send rate: {last_minute} sent in the last 60 s ({:.1}/s); limit {}",
         last_minute as f64 / 60.0,
@@ -169,7 +170,7 @@ async fn transports(settings: &Settings, inbox: &Inbox) -> anyhow::Result<()> {
             _ => "per transport".into(),
         }
     );
-    let sends = inbox.sent_by_provider().await?;
+    let sends = recent.by_provider();
     out!("transports, in order of preference (sent in the last 60 s, last hour; limit):");
     for plan in &plans {
         let sent = sends

@@ -11,7 +11,7 @@ use maud::{html, Markup};
 
 use super::auth::Principal;
 use super::{page, Answer, Console};
-use crate::inbox::MinuteSends;
+use crate::inbox::{MinuteSends, RecentSends};
 
 /// `GET /`: the frame around the live part, which htmx refreshes every 5 s.
 pub(super) async fn overview(who: Principal, State(console): State<Arc<Console>>) -> Answer {
@@ -33,9 +33,10 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
     let inbox = &console.inbox;
     let counts = inbox.counts().await?;
     let leader = inbox.maintenance_leader().await?;
-    let sends = inbox.sends_last_hour().await?;
+    let recent = inbox.recent_sends().await?;
+    let sends = recent.per_minute();
     let depths = queue_depths(console).await;
-    let transports = transports(console).await?;
+    let transports = transports(console, &recent)?;
     let breakers = breakers(console).await?;
     Ok(html! {
         div #live hx-get="/overview/live" hx-trigger="every 5s" hx-swap="outerHTML" {
@@ -71,9 +72,9 @@ async fn live_part(console: &Console) -> anyhow::Result<Markup> {
 
 /// Each transport in order of preference with its sends over the last minute and
 /// hour (from the inbox) and its rate limit; then any other provider that sent.
-async fn transports(console: &Console) -> anyhow::Result<Markup> {
+fn transports(console: &Console, recent: &RecentSends) -> anyhow::Result<Markup> {
     let plans = console.settings.provider_plans()?;
-    let sends = console.inbox.sent_by_provider().await?;
+    let sends = recent.by_provider();
     let sent = |name: Option<&str>| sends.iter().find(|s| s.provider.as_deref() == name);
     let others = sends.iter().filter(|s| {
         !plans

@@ -66,17 +66,6 @@ pub(crate) struct EventRow {
     pub(crate) reason: Option<String>,
 }
 
-/// Sends of one minute of the last hour.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct MinuteSends {
-    /// Minutes before now (0: this minute).
-    pub(crate) ago: i64,
-    /// Emails sent in that minute.
-    pub(crate) sent: i64,
-    /// Mean lateness of those with a due time: sent minus due, seconds.
-    pub(crate) lateness_s: Option<f64>,
-}
-
 /// The PostgreSQL session that holds the maintenance lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Leader {
@@ -158,32 +147,6 @@ impl Inbox {
                 occurred_at: r.get(1),
                 attempts: r.get(2),
                 reason: r.get(3),
-            })
-            .collect())
-    }
-
-    /// Emails sent in each minute of the last hour that had any, oldest first, with
-    /// their mean lateness.
-    pub(crate) async fn sends_last_hour(&self) -> Result<Vec<MinuteSends>, DbError> {
-        let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                "SELECT (extract(epoch FROM date_trunc('minute', now()) - date_trunc('minute', sent_at))
-                         / 60)::bigint AS ago,
-                        count(*),
-                        avg(extract(epoch FROM sent_at - due_at))::float8
-                   FROM postie_inbox
-                  WHERE status = 'sent' AND sent_at > date_trunc('minute', now()) - interval '59 minutes'
-                  GROUP BY 1 ORDER BY 1 DESC",
-                &[],
-            )
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|r| MinuteSends {
-                ago: r.get(0),
-                sent: r.get(1),
-                lateness_s: r.get(2),
             })
             .collect())
     }

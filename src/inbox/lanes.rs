@@ -5,6 +5,7 @@
 //! their spent rows pruned.
 
 use super::prune::PrunePlan;
+use super::rate::TENANT_ROWS;
 use super::{DbError, Inbox};
 
 /// A tenant's slots taken ahead of now: its deferred backlog, in time.
@@ -18,55 +19,18 @@ pub struct TenantBacklog {
     pub ahead_seconds: f64,
 }
 
-/// One lane's sends over the last minute (rows the relay recorded: ladder mode).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LaneSends {
-    /// The lane (`None`: the default lane).
-    pub lane: Option<String>,
-    /// Emails sent in the last minute.
-    pub sent: i64,
-    /// Their lateness (sent minus due), median and 99th percentile, in seconds.
-    pub lateness_p50: f64,
-    /// See `lateness_p50`.
-    pub lateness_p99: f64,
-}
-
 impl Inbox {
-    /// Each lane's sends over the last minute, busiest first.
-    pub async fn lane_sends(&self) -> Result<Vec<LaneSends>, DbError> {
-        let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                "SELECT lane, count(*),
-                        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM sent_at - due_at)),
-                        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM sent_at - due_at))
-                   FROM postie_inbox
-                  WHERE status = 'sent' AND updated_at > now() - interval '60 seconds'
-                    AND sent_at > now() - interval '60 seconds' AND due_at IS NOT NULL
-                  GROUP BY lane ORDER BY count(*) DESC",
-                &[],
-            )
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|row| LaneSends {
-                lane: row.get(0),
-                sent: row.get(1),
-                lateness_p50: row.get(2),
-                lateness_p99: row.get(3),
-            })
-            .collect())
-    }
-
     /// The `limit` tenants whose slots run furthest ahead (for `postie status`).
     pub async fn busiest_tenants(&self, limit: i64) -> Result<Vec<TenantBacklog>, DbError> {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                "SELECT lane, tenant, extract(epoch FROM tat - clock_timestamp())::float8
-                   FROM postie_tenant_slots WHERE tat > clock_timestamp()
+                "SELECT split_part(name, ':', 2) AS lane,
+                        substr(name, length(split_part(name, ':', 2)) + 9),
+                        extract(epoch FROM tat - clock_timestamp())::float8
+                   FROM postie_rate_limit WHERE name LIKE $2 AND tat > clock_timestamp()
                   ORDER BY tat DESC LIMIT $1",
-                &[&limit],
+                &[&limit, &TENANT_ROWS],
             )
             .await?;
         Ok(rows
@@ -79,7 +43,9 @@ impl Inbox {
             .collect())
     }
 
-    /// Deletes slots that passed over an hour ago (a batch at a time); how many.
+    /// Deletes tenants' slots that passed over an hour ago (a batch at a time), from
+    /// the rate engine's rows and from the table the previous version wrote
+    /// (`postie_tenant_slots`, sql/0023); how many.
     pub(super) async fn prune_tenant_slots(
         &self,
         plan: &PrunePlan,
@@ -87,23 +53,35 @@ impl Inbox {
     ) -> Result<u64, DbError> {
         let client = self.pool.get().await?;
         let spent = "tat < now() - interval '1 hour'";
-        if plan.dry_run {
-            let sql = format!("SELECT count(*) FROM postie_tenant_slots WHERE {spent}");
-            *statements += 1;
-            return Ok(client.query_one(&sql, &[]).await?.get::<_, i64>(0) as u64);
-        }
-        let sql = format!(
-            "DELETE FROM postie_tenant_slots WHERE (lane, tenant) IN
-               (SELECT lane, tenant FROM postie_tenant_slots WHERE {spent} LIMIT $1)"
-        );
+        let tables = [
+            (
+                "postie_rate_limit",
+                "name",
+                format!("name LIKE '{TENANT_ROWS}' AND"),
+            ),
+            ("postie_tenant_slots", "lane, tenant", String::new()),
+        ];
         let mut total = 0;
-        loop {
-            let n = client.execute(&sql, &[&plan.batch]).await?;
-            *statements += 1;
-            total += n;
-            if (n as i64) < plan.batch {
-                return Ok(total);
+        for (table, key, only) in tables {
+            if plan.dry_run {
+                let sql = format!("SELECT count(*) FROM {table} WHERE {only} {spent}");
+                *statements += 1;
+                total += client.query_one(&sql, &[]).await?.get::<_, i64>(0) as u64;
+                continue;
+            }
+            let sql = format!(
+                "DELETE FROM {table} WHERE ({key}) IN
+                   (SELECT {key} FROM {table} WHERE {only} {spent} LIMIT $1)"
+            );
+            loop {
+                let n = client.execute(&sql, &[&plan.batch]).await?;
+                *statements += 1;
+                total += n;
+                if (n as i64) < plan.batch {
+                    break;
+                }
             }
         }
+        Ok(total)
     }
 }

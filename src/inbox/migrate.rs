@@ -59,6 +59,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (20, "0020_tenants"),
     (21, "0021_feedback_trust"),
     (22, "0022_header_key"),
+    (23, "0023_one_rate_engine"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

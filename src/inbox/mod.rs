@@ -12,8 +12,10 @@
 //!   `queries.rs` (throttle, status, pending); `reconcile.rs` (ladder mode's
 //!   reconciler); `prune.rs` (retention).
 //! - around it: `error.rs` (an error's meaning: the job's fault or an outage),
-//!   `clock.rs` (the fleet's clock), `rate.rs` (the fleet's send rate), `lanes.rs`
-//!   (lanes and tenants), `events.rs` (the delivery events' outbox), `migrate.rs`
+//!   `clock.rs` (the fleet's clock), `rate.rs` (the one rate engine: every GCRA row,
+//!   `postie_gcra_take`), `sends.rs` (the one count of recent sends, for `postie
+//!   status` and the console), `lanes.rs` (the busiest tenants' slots), `events.rs`
+//!   (the delivery events' outbox), `migrate.rs`
 //!   (the migrations), `header_key.rs` (the fleet's header key).
 //! - feedback: `suppression.rs` (the suppression list; `suppression/filter.rs`,
 //!   `suppression/bulk.rs`), `reputation.rs` (bounce and complaint rates),
@@ -43,6 +45,7 @@ mod rate;
 mod reconcile;
 mod replay;
 mod reputation;
+mod sends;
 mod suppression;
 mod tls;
 
@@ -52,8 +55,8 @@ pub(crate) use error::DbError;
 pub use events::{record_event, RECORD_EVENT};
 pub(crate) use events::{Event, OutboxError};
 pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded, Unmatched};
-pub(crate) use inspect::{MinuteSends, MAINTENANCE_LOCK};
-pub use lanes::{LaneSends, TenantBacklog};
+pub(crate) use inspect::MAINTENANCE_LOCK;
+pub use lanes::TenantBacklog;
 pub(crate) use machine::{Cancelled, Status};
 pub use machine::{Claim, Completion, Scheduled};
 pub(crate) use prune::PrunePlan;
@@ -61,6 +64,7 @@ pub(crate) use queries::{PendingFilter, Throttle};
 pub(crate) use reconcile::{LaneRows, Overdue};
 pub(crate) use replay::TokenSeen;
 pub use reputation::TypeRates;
+pub(crate) use sends::{MinuteSends, RecentSends};
 pub use suppression::{
     normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
 };

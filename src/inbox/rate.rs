@@ -1,10 +1,42 @@
-//! The fleet-wide send-rate limit's one row (`sql/0005_rate_limit.sql`): a GCRA
-//! whose theoretical arrival time (`tat`) instances move forward a slice at a time.
+//! The one rate engine's storage: every GCRA row (the fleet's send rate, each
+//! transport's, each tenant's slot in its lane) is a row of `postie_rate_limit`
+//! moved by one SQL function, `postie_gcra_take` (`sql/0023_one_rate_engine.sql`), on
+//! one clock (`clock_timestamp()`, read once per call): a slot of `span` starts at
+//! the row's theoretical arrival time (`tat`), or now if that has passed, and moves
+//! `tat` on by `span`. The fleet's and the transports' limiters lease a slice of
+//! tokens at a time (`work::limiter`); a tenant takes one job's slot (`machine/defer.rs`,
+//! `tenant_row_sql`).
 //! Also the sends per provider that `postie status` shows.
 
 use std::time::Duration;
 
 use super::{DbError, Inbox};
+
+/// A slot of the one rate engine: how far ahead of now it starts, in ms.
+const TAKE: &str = "SELECT ahead_ms FROM postie_gcra_take($1, $2)";
+
+/// The GCRA row of `tenant`'s slots in `lane`, in SQL (`$1` the lane, `$2` the
+/// tenant; a lane's name has no `:`): `tenant:<lane>:<tenant>`.
+macro_rules! tenant_row_sql {
+    () => {
+        "'tenant:' || $1 || ':' || $2"
+    };
+}
+pub(super) use tenant_row_sql;
+
+/// The rows [`tenant_row_sql`] names, as a `LIKE` pattern.
+pub(super) const TENANT_ROWS: &str = "tenant:%";
+
+/// How long to wait for a slot that starts `ahead_ms` from now when the limit allows
+/// a burst of `tolerance` ahead of the steady pace: zero within the burst.
+fn wait_for(ahead_ms: f64, tolerance: Duration) -> Duration {
+    let wait = ahead_ms / 1000.0 - tolerance.as_secs_f64();
+    if wait.is_finite() && wait > 0.0 {
+        Duration::from_secs_f64(wait)
+    } else {
+        Duration::ZERO
+    }
+}
 
 impl Inbox {
     /// Reserves `tokens` sends under limit `name` at `per_second`, allowing a burst
@@ -20,74 +52,27 @@ impl Inbox {
         tolerance: Duration,
     ) -> Result<Duration, DbError> {
         let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "INSERT INTO postie_rate_limit AS r (name, tat)
-                 VALUES ($1, now() + make_interval(secs => $2::float8))
-                 ON CONFLICT (name) DO UPDATE
-                    SET tat = greatest(r.tat, now()) + make_interval(secs => $2::float8)
-                 RETURNING greatest(0, extract(epoch FROM
-                    r.tat - make_interval(secs => $2::float8) - now())::float8 - $3::float8)",
-            )
-            .await?;
-        let span = f64::from(tokens) / per_second;
-        let wait: f64 = client
-            .query_one(&stmt, &[&name, &span, &tolerance.as_secs_f64()])
-            .await?
-            .get(0);
-        Ok(Duration::from_secs_f64(wait.max(0.0)))
-    }
-
-    /// Emails recorded sent in the last minute, fleet-wide (for `postie status`).
-    pub(crate) async fn sent_last_minute(&self) -> Result<i64, DbError> {
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                "SELECT count(*) FROM postie_inbox
-                  WHERE status = 'sent' AND sent_at > now() - interval '60 seconds'",
-                &[],
-            )
-            .await?;
-        Ok(row.get(0))
-    }
-
-    /// Emails recorded sent per transport (the `provider` column; `None` for rows
-    /// an older postie sent): in the last minute and in the last hour, fleet-wide.
-    pub(crate) async fn sent_by_provider(&self) -> Result<Vec<ProviderSends>, DbError> {
-        let client = self.pool.get().await?;
-        // updated_at bounds the scan to the finished-rows index; a sent row's
-        // updated_at is its sent_at.
-        let rows = client
-            .query(
-                "SELECT provider,
-                        count(*) FILTER (WHERE sent_at > now() - interval '60 seconds'),
-                        count(*)
-                   FROM postie_inbox
-                  WHERE status = 'sent' AND updated_at > now() - interval '1 hour'
-                    AND sent_at > now() - interval '1 hour'
-                  GROUP BY provider ORDER BY provider",
-                &[],
-            )
-            .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(ProviderSends {
-                    provider: row.try_get(0)?,
-                    last_minute: row.try_get(1)?,
-                    last_hour: row.try_get(2)?,
-                })
-            })
-            .collect()
+        let stmt = client.prepare_cached(TAKE).await?;
+        let span_ms = f64::from(tokens) / per_second * 1000.0;
+        let ahead_ms: f64 = client.query_one(&stmt, &[&name, &span_ms]).await?.get(0);
+        Ok(wait_for(ahead_ms, tolerance))
     }
 }
 
-/// One transport's recent sends ([`Inbox::sent_by_provider`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ProviderSends {
-    /// The transport's name, `None` for rows sent before postie recorded it.
-    pub(crate) provider: Option<String>,
-    /// Sent in the last 60 s.
-    pub(crate) last_minute: i64,
-    /// Sent in the last hour.
-    pub(crate) last_hour: i64,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engines_slot_ahead_of_the_burst_is_the_wait() {
+        let burst = Duration::from_millis(200);
+        assert_eq!(wait_for(500.0, burst), Duration::from_millis(300));
+        assert_eq!(wait_for(150.0, burst), Duration::ZERO, "within the burst");
+        assert_eq!(
+            wait_for(-40.0, Duration::ZERO),
+            Duration::ZERO,
+            "a slot already passed"
+        );
+        assert_eq!(wait_for(f64::NAN, burst), Duration::ZERO);
+    }
 }

@@ -80,6 +80,44 @@ impl FleetRate {
     }
 }
 
+/// The tokens of the slice an instance leased last, pure (the clock is passed in):
+/// each token's turn one step after the last one's.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Slice {
+    /// Tokens left.
+    left: u32,
+    /// The next token's turn.
+    next: Option<Instant>,
+}
+
+impl Slice {
+    /// The next token's turn, if the slice holds one still good at `now`: leftovers
+    /// stay good a little after their turn ([`grace`]), not longer, so that an idle
+    /// instance does not save tokens up, nor bunch them. `None`: lease a new slice.
+    pub(crate) fn take(&mut self, now: Instant, step: Duration) -> Option<Instant> {
+        let next = self
+            .next
+            .filter(|next| self.left > 0 && now <= *next + grace(step))?;
+        self.left -= 1;
+        self.next = Some(next + step);
+        Some(next)
+    }
+
+    /// A new slice of `tokens` whose first turn is `start`: that first token taken,
+    /// its turn returned.
+    pub(crate) fn lease(&mut self, start: Instant, tokens: u32, step: Duration) -> Instant {
+        self.left = tokens.saturating_sub(1);
+        self.next = Some(start + step);
+        start
+    }
+}
+
+/// How long a leftover token stays good after its turn: one step, at least 20 ms (a
+/// job may come late, at 2,000/s by more than a step).
+pub(crate) fn grace(step: Duration) -> Duration {
+    step.max(Duration::from_millis(20))
+}
+
 /// The adaptive cap (AIMD), pure: fed throttles and successes, asked for the cap.
 #[derive(Debug, Default)]
 pub(crate) struct Aimd {
@@ -178,8 +216,8 @@ struct Fleet {
     inbox: Inbox,
     name: String,
     rate: FleetRate,
-    /// Tokens left from the last slice, and when the next one may be used.
-    left: tokio::sync::Mutex<(u32, Instant)>,
+    /// The tokens left of the slice this instance leased last.
+    left: tokio::sync::Mutex<Slice>,
     payback: Mutex<Payback>,
 }
 
@@ -260,7 +298,7 @@ impl Limiter {
             inbox,
             name: name.to_string(),
             rate: FleetRate::new(rate.per_second(), burst),
-            left: tokio::sync::Mutex::new((0, Instant::now())),
+            left: tokio::sync::Mutex::new(Slice::default()),
             payback: Mutex::new(Payback::default()),
         });
         if primary {
@@ -320,25 +358,18 @@ impl Limiter {
         let step = Duration::from_secs_f64(1.0 / rate.per_second);
         let mut slice = fleet.left.lock().await;
         let turn = loop {
-            let (left, next) = *slice;
-            // Leftovers of a slice stay good a little after their turn (one step, at
-            // least 20 ms: a job may come late, at 2,000/s by more than a step), not
-            // longer: an idle instance does not save tokens up, nor bunch them.
-            let grace = step.max(Duration::from_millis(20));
-            let turn = if left > 0 && Instant::now() <= next + grace {
-                *slice = (left - 1, next + step);
-                next
-            } else {
-                let wait = fleet
-                    .inbox
-                    .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
-                    .await?;
-                let metrics = &self.inner.metrics.rate;
-                metrics.leases.inc();
-                metrics.tokens.inc_by(u64::from(rate.slice));
-                let start = Instant::now() + wait;
-                *slice = (rate.slice - 1, start + step);
-                start
+            let turn = match slice.take(Instant::now(), step) {
+                Some(turn) => turn,
+                None => {
+                    let wait = fleet
+                        .inbox
+                        .lease_tokens(&fleet.name, rate.slice, rate.per_second, rate.tolerance)
+                        .await?;
+                    let metrics = &self.inner.metrics.rate;
+                    metrics.leases.inc();
+                    metrics.tokens.inc_by(u64::from(rate.slice));
+                    slice.lease(Instant::now() + wait, rate.slice, step)
+                }
             };
             tokio::time::sleep_until(turn.into()).await;
             if !fleet.payback().owe() {
@@ -479,5 +510,35 @@ mod tests {
             a.on_throttle(ms(3_000 + i * 1_000));
         }
         assert_eq!(a.cap(), Some(FLOOR));
+    }
+
+    #[test]
+    fn a_slice_spreads_its_tokens_one_step_apart_and_expires_leftovers() {
+        let t0 = Instant::now();
+        let step = Duration::from_millis(100);
+        let ms = Duration::from_millis;
+        let mut slice = Slice::default();
+        assert_eq!(slice.take(t0, step), None, "nothing leased yet");
+        // A slice of 3 whose turn starts 50 ms from now: the first token's turn is
+        // the start, the next two one step apart, whenever they are asked for.
+        assert_eq!(slice.lease(t0 + ms(50), 3, step), t0 + ms(50));
+        assert_eq!(slice.take(t0 + ms(60), step), Some(t0 + ms(150)));
+        assert_eq!(slice.take(t0 + ms(61), step), Some(t0 + ms(250)));
+        assert_eq!(slice.take(t0 + ms(62), step), None, "used up");
+        // Leftovers are good until a grace after their turn, then gone.
+        let mut slice = Slice::default();
+        slice.lease(t0, 5, step);
+        assert_eq!(slice.take(t0 + ms(200), step), Some(t0 + ms(100)));
+        assert_eq!(
+            slice.take(t0 + ms(301), step),
+            None,
+            "a turn at 200 ms, good to 300 ms"
+        );
+        // At 2,000/s a step is half a millisecond; the grace is still 20 ms.
+        let fast = Duration::from_micros(500);
+        assert_eq!(grace(fast), ms(20));
+        let mut slice = Slice::default();
+        slice.lease(t0, 2, fast);
+        assert_eq!(slice.take(t0 + ms(20), fast), Some(t0 + fast));
     }
 }

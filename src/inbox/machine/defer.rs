@@ -5,24 +5,22 @@
 
 use super::super::{DbError, Inbox};
 
-/// `defer`: the tenant's GCRA slot (`postie_tenant_slots`), and, if it is more than
-/// the burst (`$5`) ahead, the job's scheduled row moved to it.
-const DEFER: &str = "WITH slot AS (
-    INSERT INTO postie_tenant_slots AS s (lane, tenant, tat)
-    VALUES ($1, $2, clock_timestamp() + $3::float8 * interval '1 millisecond')
-    ON CONFLICT (lane, tenant) DO UPDATE
-       SET tat = greatest(s.tat, clock_timestamp())
-                 + $3::float8 * interval '1 millisecond'
-    RETURNING tat - $3::float8 * interval '1 millisecond' AS at),
- later AS (
-    SELECT at FROM slot
-     WHERE at > clock_timestamp() + $5::bigint * interval '1 millisecond'),
+/// `defer`: the tenant's next slot from the one rate engine (`postie_gcra_take` on
+/// its row, `inbox::rate`), and, if it is more than the burst (`$5`, ms) ahead, the
+/// job's scheduled row moved to it.
+const DEFER: &str = concat!(
+    "WITH slot AS (
+    SELECT slot AS at, ahead_ms FROM postie_gcra_take(",
+    super::super::rate::tenant_row_sql!(),
+    ", $3::float8)),
+ later AS (SELECT at FROM slot WHERE ahead_ms > $5::bigint),
  moved AS (
     UPDATE postie_inbox SET due_at = (SELECT at FROM later), arrived_at = NULL,
            updated_at = now()
      WHERE key = $4 AND status = 'scheduled' AND EXISTS (SELECT 1 FROM later)
     RETURNING 1)
- SELECT (extract(epoch FROM at) * 1000)::bigint FROM later";
+ SELECT (extract(epoch FROM at) * 1000)::bigint FROM later"
+);
 
 impl Inbox {
     /// Takes `tenant`'s next slot in `lane` for job `key` under a cap of one job per

@@ -76,6 +76,11 @@ impl fmt::Display for Status {
     }
 }
 
+/// Reads a `status` column value.
+pub(in crate::inbox) fn status_of(text: &str) -> Result<Status, DbError> {
+    Status::parse(text).ok_or_else(|| DbError::refused(format!("unknown inbox status {text:?}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,9 +97,4 @@ mod tests {
             [Status::Scheduled, Status::Sending, Status::Retrying]
         );
     }
-}
-
-/// Reads a `status` column value.
-pub(in crate::inbox) fn status_of(text: &str) -> Result<Status, DbError> {
-    Status::parse(text).ok_or_else(|| DbError::refused(format!("unknown inbox status {text:?}")))
 }
