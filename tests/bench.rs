@@ -69,7 +69,7 @@ impl Defaults {
             db_pool: s.database.pool_size,
             transport_pool: s.transport.pool_size,
             relay_concurrency: s.delay.relay_concurrency,
-            relay_prefetch: s.delay.relay_prefetch,
+            relay_prefetch: s.relay_prefetch(),
         }
     }
 }

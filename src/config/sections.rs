@@ -281,7 +281,11 @@ pub struct DelaySettings {
     /// Ladder mode: intake deliveries one instance holds unacked (at least
     /// `relay_concurrency`). The relay takes them earliest due first, so in a burst the
     /// jobs due soon are relayed first; each waiting one costs its body's memory.
-    pub relay_prefetch: u16,
+    /// Unset: what the byte budget (`worker.inflight_bytes`) leaves after the send
+    /// loops, at most 10,000: 128 with the defaults
+    /// ([`Settings::relay_prefetch`](super::Settings::relay_prefetch)). A value set is
+    /// cut to what the budget leaves too.
+    pub relay_prefetch: Option<u16>,
     /// Ladder mode: record each scheduled job in the inbox, for `postie pending`
     /// and the pending gauge (one upsert per job).
     pub track_pending: bool,
@@ -303,7 +307,7 @@ impl Default for DelaySettings {
             resolution: Duration::from_millis(100),
             max: Duration::from_secs(366 * 86_400),
             relay_concurrency: 64,
-            relay_prefetch: 10_000,
+            relay_prefetch: None,
             track_pending: true,
             reconcile: true,
             reconcile_grace: Duration::from_secs(10),
