@@ -21,6 +21,8 @@ mod database;
 mod de;
 mod events;
 mod feedback;
+#[cfg(test)]
+mod keys;
 mod lanes;
 mod memory;
 mod observe;
