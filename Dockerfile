@@ -68,6 +68,6 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
   CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${POSTIE__HTTP__LISTEN##*:} && printf 'GET /healthz HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&3 && read -r -t 4 status <&3 && [[ $status == HTTP/1.[01]\\ 200* ]]"]
 
 # SIGTERM (Docker's default stop signal) makes `serve` drain in-flight jobs: give it
-# a stop timeout above smtp.timeout (docker stop -t / stop_grace_period).
+# a stop timeout above transport.timeout (docker stop -t / stop_grace_period).
 ENTRYPOINT ["postie"]
 CMD ["serve"]

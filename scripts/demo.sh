@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export POSTIE__DATABASE__URL=${POSTIE__DATABASE__URL:-postgres://postgres@127.0.0.1:5432/postie_demo}
-export POSTIE__SMTP__URL=${POSTIE__SMTP__URL:-file://$PWD/target/demo-mail}
-export POSTIE__SMTP__DEFAULT_FROM=${POSTIE__SMTP__DEFAULT_FROM:-"Demo Shop <noreply@shop.example>"}
+export POSTIE__TRANSPORT__URL=${POSTIE__TRANSPORT__URL:-file://$PWD/target/demo-mail}
+export POSTIE__TRANSPORT__DEFAULT_FROM=${POSTIE__TRANSPORT__DEFAULT_FROM:-"Demo Shop <noreply@shop.example>"}
 export POSTIE__TOPOLOGY__PREFIX=${POSTIE__TOPOLOGY__PREFIX:-postie-demo}
 export POSTIE__HTTP__LISTEN=${POSTIE__HTTP__LISTEN:-}
 

@@ -36,6 +36,11 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         };
+    // Settings load before logging: what they had to say (old key names) is said now,
+    // once, whatever the command.
+    for warning in settings.warnings() {
+        tracing::warn!("{warning}");
+    }
     // One thread: a runtime on this thread alone, where a task woken by another task
     // is polled without a wake-up across threads (no futex, no eventfd).
     let mut runtime = match settings.worker.threads {

@@ -55,7 +55,7 @@ struct Defaults {
     concurrency: usize,
     prefetch: u16,
     db_pool: usize,
-    smtp_pool: u32,
+    transport_pool: u32,
     relay_concurrency: u16,
     relay_prefetch: u16,
 }
@@ -67,9 +67,9 @@ impl Defaults {
             concurrency: s.worker.concurrency,
             prefetch: s.amqp.prefetch,
             db_pool: s.database.pool_size,
-            smtp_pool: s.smtp.pool_size,
+            transport_pool: s.transport.pool_size,
             relay_concurrency: s.delay.relay_concurrency,
-            relay_prefetch: s.delay.relay_prefetch,
+            relay_prefetch: s.relay_prefetch(),
         }
     }
 }
@@ -441,7 +441,7 @@ async fn database_leg(n: usize, concurrency: usize) -> Measured {
 async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
     let env = TestEnv::new("benchsmtp").await;
     let settings = Arc::new(env.settings());
-    let mailer = Mailer::new(&settings.smtp.transport().unwrap(), &settings.smtp).unwrap();
+    let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
     let before = CpuSnapshot::take();
     run_concurrently(n, concurrency, move |i| {
         let (mailer, settings) = (mailer.clone(), settings.clone());
@@ -488,7 +488,7 @@ async fn expect_reply(reader: &mut BufReader<OwnedReadHalf>, code: &str) {
 async fn sink_leg(n: usize, concurrency: usize) -> Measured {
     let env = TestEnv::new("benchsink").await;
     let settings = env.settings();
-    let mailer = Mailer::new(&settings.smtp.transport().unwrap(), &settings.smtp).unwrap();
+    let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
     let body = job("sink-0", "bench@example.com").to_string();
     let email = mailer
         .build(&parse_job(body.as_bytes(), &settings))
@@ -854,12 +854,12 @@ fn markdown(r: &Report) -> String {
     let _ = writeln!(
         w,
         "postie defaults: worker.concurrency = {}, amqp.prefetch = {}, database.pool_size = {}, \
-         smtp.pool_size = {}, delay.relay_concurrency = {}, delay.relay_prefetch = {}. Durable: persistent messages, quorum \
+         transport.pool_size = {}, delay.relay_concurrency = {}, delay.relay_prefetch = {}. Durable: persistent messages, quorum \
          queues. {}. {} cores ({}), CLK_TCK = {}.",
         d.concurrency,
         d.prefetch,
         d.db_pool,
-        d.smtp_pool,
+        d.transport_pool,
         d.relay_concurrency,
         d.relay_prefetch,
         r.versions,
@@ -1129,7 +1129,7 @@ fn json(r: &Report) -> serde_json::Value {
         "n": r.n,
         "defaults": {
             "worker.concurrency": d.concurrency, "amqp.prefetch": d.prefetch,
-            "database.pool_size": d.db_pool, "smtp.pool_size": d.smtp_pool,
+            "database.pool_size": d.db_pool, "transport.pool_size": d.transport_pool,
             "delay.relay_concurrency": d.relay_concurrency,
             "delay.relay_prefetch": d.relay_prefetch,
         },

@@ -235,7 +235,7 @@ async fn run_transport(
         Server::Provider(server) => server.url(transport),
     };
     let mut extra = extra_postie_env();
-    extra.push(("POSTIE__SMTP__URL".into(), url));
+    extra.push(("POSTIE__TRANSPORT__URL".into(), url));
     extra.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let extra: Vec<(&str, &str)> = extra
         .iter()

@@ -256,6 +256,11 @@ fn k8s_deployment_probes_security_and_shutdown() {
     let env = m.container_env();
     let settings = postie::config::Settings::load_from(None, Some(env.clone()))
         .unwrap_or_else(|e| panic!("the ConfigMap and Secret are not valid postie settings: {e}"));
+    assert!(
+        settings.warnings().is_empty(),
+        "the manifests use old key names: {:?}",
+        settings.warnings()
+    );
     let listen = settings
         .http
         .listen
@@ -770,8 +775,13 @@ fn compose_gives_postie_valid_settings() {
         })
         .collect();
     assert!(!env.is_empty());
-    if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
-        panic!("deploy/docker-compose.yml gives postie invalid settings: {e}");
+    match postie::config::Settings::load_from(None, Some(env)) {
+        Ok(settings) => assert!(
+            settings.warnings().is_empty(),
+            "old key names: {:?}",
+            settings.warnings()
+        ),
+        Err(e) => panic!("deploy/docker-compose.yml gives postie invalid settings: {e}"),
     }
 }
 
@@ -811,8 +821,13 @@ fn compose_cluster_profile_gives_postie_every_node() {
     for i in 1..=3 {
         assert!(url.contains(&format!("@rabbitmq-{i}:5672/")), "{url}");
     }
-    if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
-        panic!("the cluster profile gives postie invalid settings: {e}");
+    match postie::config::Settings::load_from(None, Some(env)) {
+        Ok(settings) => assert!(
+            settings.warnings().is_empty(),
+            "old key names: {:?}",
+            settings.warnings()
+        ),
+        Err(e) => panic!("the cluster profile gives postie invalid settings: {e}"),
     }
 }
 
@@ -873,8 +888,13 @@ fn k8s_rabbitmq_cluster_example_names_every_pod() {
         .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
         .chain([("POSTIE__DELAY__MODE".to_string(), "ladder".to_string())])
         .collect();
-    if let Err(e) = postie::config::Settings::load_from(None, Some(env)) {
-        panic!("rabbitmq-cluster/postie-secrets.yaml gives invalid settings: {e}");
+    match postie::config::Settings::load_from(None, Some(env)) {
+        Ok(settings) => assert!(
+            settings.warnings().is_empty(),
+            "old key names: {:?}",
+            settings.warnings()
+        ),
+        Err(e) => panic!("rabbitmq-cluster/postie-secrets.yaml gives invalid settings: {e}"),
     }
     if Command::new("kubectl")
         .args(["version", "--client"])

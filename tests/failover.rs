@@ -155,6 +155,8 @@ async fn the_primary_refusing_mid_run(n: usize, down_s: u64) {
         named(secondary.url("postmark"), "secondary"),
     ];
     let mut settings = env.settings();
+    // The list instead of the harness's one transport.
+    settings.transport.url = None;
     settings.transport.providers = providers.to_vec();
     let port = free_port();
     settings.http.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
@@ -267,6 +269,7 @@ async fn the_primary_refusing_mid_run(n: usize, down_s: u64) {
 
     // `postie status` lists both, in order, with what each sent.
     let mut vars = env.env_vars();
+    vars.retain(|(k, _)| k != "POSTIE__TRANSPORT__URL");
     let list: Vec<&str> = providers
         .iter()
         .map(secrecy::ExposeSecret::expose_secret)
@@ -333,6 +336,7 @@ async fn a_send_that_hangs_after_its_request_is_retried_on_the_same_provider_onl
     let primary = ProviderServer::start().await;
     let secondary = ProviderServer::start().await;
     let mut settings = env.settings();
+    settings.transport.url = None;
     settings.transport.providers = vec![
         named(primary.url("sendgrid"), "primary"),
         named(secondary.url("postmark"), "secondary"),
@@ -417,6 +421,7 @@ async fn each_provider_keeps_its_own_rate_limit() {
     let primary = ProviderServer::start().await;
     let secondary = ProviderServer::start().await;
     let mut settings = env.settings();
+    settings.transport.url = None;
     settings.transport.providers = vec![
         named(
             format!("{}&rate_limit=10/s", primary.url("sendgrid")),

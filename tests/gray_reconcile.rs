@@ -72,7 +72,7 @@ fn delayed(delay_ms: i64) -> lapin::BasicProperties {
 /// Settings for a rate-limited instance with the backlog's grace and prefetch.
 fn settings(env: &TestEnv, backlog: Backlog) -> postie::config::Settings {
     let mut settings = env.settings();
-    settings.smtp.rate_limit = Some(SendRate::parse(RATE).unwrap());
+    settings.transport.rate_limit = Some(SendRate::parse(RATE).unwrap());
     settings.delay.reconcile_grace = backlog.grace;
     if let Some(prefetch) = backlog.prefetch {
         settings.amqp.prefetch = prefetch;

@@ -11,7 +11,7 @@
 //! - a claim lost mid-send (its fence moved): the send stops before DATA.
 //!
 //! Sizes: the fast tier hangs the relay for 8 s and holds RCPT or DATA for 8 s (the
-//! test settings' `smtp.timeout` is 2 s, `worker.lease` 5 s, a send's deadline 4 s: an
+//! test settings' `transport.timeout` is 2 s, `worker.lease` 5 s, a send's deadline 4 s: an
 //! 8 s hang or hold outlasts each), and loses a claim under an 18 s lease. The `slow_`
 //! twins (the slow tier) run the sizes the docs quote: the RCPT hang for 25 s (issue
 //! 26's scenario), the greeting and body hangs for 10 s, holds of 12 s, the lost claim
@@ -149,7 +149,7 @@ async fn a_relay_hung_at(stage: &str, jobs: usize, hang: Duration) {
     drop(postie);
 }
 
-/// The fast tier's hang: longer than the test settings' `smtp.timeout` (2 s, so every
+/// The fast tier's hang: longer than the test settings' `transport.timeout` (2 s, so every
 /// hung step times out, several times over), a send's deadline (4 s) and
 /// `worker.lease` (5 s, so no claim may be held across it). The assertions do not
 /// depend on the hang's length: a hang charged as an attempt shows in
@@ -205,7 +205,7 @@ async fn gs_sigterm_during_a_hang_exits_within_the_drain_timeout() {
         .await;
     // Steps may take 30 s: only the drain timeout can end these sends in time.
     let mut postie = env.spawn_process(&[
-        ("POSTIE__SMTP__TIMEOUT", "30s"),
+        ("POSTIE__TRANSPORT__TIMEOUT", "30s"),
         ("POSTIE__WORKER__LEASE", "60s"),
         ("POSTIE__WORKER__DRAIN_TIMEOUT", "3s"),
     ]);
@@ -258,7 +258,7 @@ async fn gs_sigterm_during_a_hang_exits_within_the_drain_timeout() {
 async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str, hold: Duration) {
     const KEYS: usize = 4;
     let env = TestEnv::new(name).await;
-    // Test settings: lease 5 s, smtp.timeout 2 s; the relay holds for longer than the
+    // Test settings: lease 5 s, transport.timeout 2 s; the relay holds for longer than the
     // lease (8 s in the fast tier, 12 s in the slow one).
     assert!(
         hold > Duration::from_secs(5),
@@ -282,7 +282,7 @@ async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str, hold: D
     let takeovers = env.takeovers().await;
     eprintln!(
         "FIGURES gs hold {stage}: {KEYS} keys published twice, 2 instances, relay holding \
-         {stage} {}s (lease 5s, smtp.timeout 2s): emails per key {per_key:?}, {takeovers} \
+         {stage} {}s (lease 5s, transport.timeout 2s): emails per key {per_key:?}, {takeovers} \
          takeovers, all sent after {:.1}s",
         hold.as_secs(),
         took.as_secs_f64()
@@ -295,7 +295,7 @@ async fn one_email_per_key_when_the_relay_holds(stage: &str, name: &str, hold: D
     assert!(env.take_dead_letters().await.is_empty());
 }
 
-/// The fast tier's hold: longer than the lease (5 s) and `smtp.timeout` (2 s).
+/// The fast tier's hold: longer than the lease (5 s) and `transport.timeout` (2 s).
 const FAST_HOLD: Duration = Duration::from_secs(8);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,7 +341,7 @@ async fn a_send_whose_claim_is_lost_stops_before_data(
     let timeout = format!("{}ms", smtp_timeout.as_millis());
     let lease_text = format!("{}ms", lease.as_millis());
     let postie = env.spawn_process(&[
-        ("POSTIE__SMTP__TIMEOUT", timeout.as_str()),
+        ("POSTIE__TRANSPORT__TIMEOUT", timeout.as_str()),
         ("POSTIE__WORKER__LEASE", lease_text.as_str()),
     ]);
     let key = "gs-fence-lost";
@@ -387,7 +387,7 @@ async fn a_send_whose_claim_is_lost_stops_before_data(
     let resent = claimed.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
     eprintln!(
-        "FIGURES gs fence: lease {}ms (renewed every {}ms), smtp.timeout {}ms, RCPT held \
+        "FIGURES gs fence: lease {}ms (renewed every {}ms), transport.timeout {}ms, RCPT held \
          {}ms: the lost claim noticed {:.1}s after the claim was seen, the email sent once \
          {:.1}s after it",
         lease.as_millis(),
@@ -401,7 +401,7 @@ async fn a_send_whose_claim_is_lost_stops_before_data(
     assert!(env.take_dead_letters().await.is_empty());
 }
 
-/// Lease 18 s (renewed every 6 s); RCPT held 8 s, inside smtp.timeout (9 s): the
+/// Lease 18 s (renewed every 6 s); RCPT held 8 s, inside transport.timeout (9 s): the
 /// renewal comes 2 s before RCPT is answered, as in the slow twin (with the tests of
 /// a tier side by side, the renewal's answer took up to 0.6 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -415,7 +415,7 @@ async fn gs_a_send_whose_claim_is_lost_stops_before_data() {
     .await;
 }
 
-/// Lease 30 s (renewed every 10 s); RCPT held 12 s, inside smtp.timeout (15 s).
+/// Lease 30 s (renewed every 10 s); RCPT held 12 s, inside transport.timeout (15 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_gs_a_send_whose_claim_is_lost_stops_before_data() {
     a_send_whose_claim_is_lost_stops_before_data(
@@ -473,7 +473,7 @@ async fn gs_a_relay_without_pipelining_gets_one_command_at_a_time() {
     let env = TestEnv::new("gsnopipe").await;
     let plain = support::SmtpSink::start_with(&["--no-pipelining"]).await;
     let url = plain.smtp_url();
-    let postie = env.spawn_process(&[("POSTIE__SMTP__URL", url.as_str())]);
+    let postie = env.spawn_process(&[("POSTIE__TRANSPORT__URL", url.as_str())]);
     let keys: Vec<String> = (0..20).map(|i| format!("gs-nopipe-{i}")).collect();
     for key in &keys {
         env.publish(&job(key, "p@example.com")).await;

@@ -679,7 +679,7 @@ async fn every_hostile_input_is_dead_lettered_with_its_reason_and_good_jobs_are_
     }
     let env = TestEnv::new("hostile").await;
     let settings = env.settings();
-    let domain = settings.smtp.message_id_domain.clone();
+    let domain = settings.transport.message_id_domain.clone();
     let (corpus, faults, files) = load_corpus(&domain);
     assert!(files >= 30, "the corpus has only {files} case files");
     let corpus = select(corpus);

@@ -113,6 +113,7 @@ async fn a_forged_provider_pin_is_ignored_at_every_door() {
         second.smtp_url()
     );
     let mut vars: std::collections::HashMap<String, String> = env.env_vars().into_iter().collect();
+    vars.remove("POSTIE__TRANSPORT__URL");
     vars.insert("POSTIE__TRANSPORT__PROVIDERS".into(), providers);
     let settings = postie::config::Settings::load_from(None, Some(vars)).expect("valid settings");
     let serving = env.serve(settings);

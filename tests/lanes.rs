@@ -94,7 +94,7 @@ async fn world_with(
             let listen = format!("127.0.0.1:{port}");
             let extra = [
                 ("POSTIE__HTTP__LISTEN", listen.as_str()),
-                ("POSTIE__SMTP__RATE_LIMIT", RATE),
+                ("POSTIE__TRANSPORT__RATE_LIMIT", RATE),
             ];
             (env.spawn_process(&extra), port)
         })

@@ -237,7 +237,7 @@ async fn smtp_relay_down(outage: Duration) {
         outage > retrying + Duration::from_secs(1),
         "an outage of {outage:?} is not past every retry step ({retrying:?})"
     );
-    settings.smtp.url = format!("smtp://{}", relay.addr()).into();
+    settings.transport.url = Some(format!("smtp://{}", relay.addr()).into());
     let port = free_port();
     settings.http.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
     let serving = env.serve(settings);
@@ -514,4 +514,65 @@ fn urlencode(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// The keys that moved from `smtp.*` to `transport.*` still read under their old
+/// names (and `POSTIE__SMTP__…` variables), each with one warning line once logging
+/// is up; a key set under both names stops start-up with one line. `postie console
+/// --new-token` loads the settings as every command does, and needs no service.
+#[test]
+fn old_smtp_key_names_warn_once_each_and_both_names_stop_start_up() {
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let old = env(&[
+        ("POSTIE__SMTP__TIMEOUT", "7s"),
+        ("POSTIE__SMTP__DEFAULT_FROM", "Shop <noreply@shop.example>"),
+        ("POSTIE__SMTP__CHUNKING", "false"),
+    ]);
+    let run = support::run_postie(&["console", "--new-token"], &old);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert_eq!(run.stdout.lines().count(), 1, "the token: {}", run.stdout);
+    let warnings: Vec<&str> = run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("is the old name of"))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{}", run.stderr);
+    for key in ["timeout", "default_from"] {
+        let said = format!("smtp.{key} is the old name of transport.{key}");
+        assert_eq!(
+            warnings.iter().filter(|l| l.contains(&said)).count(),
+            1,
+            "{}",
+            run.stderr
+        );
+        assert!(
+            warnings.iter().any(|l| l.contains("WARN")),
+            "{}",
+            run.stderr
+        );
+    }
+    let new = env(&[
+        ("POSTIE__TRANSPORT__TIMEOUT", "7s"),
+        ("POSTIE__SMTP__CHUNKING", "false"),
+    ]);
+    let run = support::run_postie(&["console", "--new-token"], &new);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(!run.stderr.contains("old name"), "{}", run.stderr);
+    let both = env(&[
+        ("POSTIE__SMTP__TIMEOUT", "7s"),
+        ("POSTIE__TRANSPORT__TIMEOUT", "7s"),
+    ]);
+    let run = support::run_postie(&["console", "--new-token"], &both);
+    assert_eq!(run.code, Some(2), "{}", run.stderr);
+    assert_eq!(
+        run.stderr.trim_end(),
+        "postie: configuration error: smtp.timeout and transport.timeout are both set, and \
+         they are one key (smtp.timeout is its old name): keep transport.timeout alone"
+    );
+    assert!(run.stdout.is_empty(), "{}", run.stdout);
 }

@@ -57,7 +57,7 @@ async fn world(name: &str, provider: &str) -> (TestEnv, ProviderServer, postie::
     let env = TestEnv::new(name).await;
     let server = ProviderServer::start().await;
     let mut settings = env.settings();
-    settings.smtp.url = SecretString::from(server.url(provider));
+    settings.transport.url = Some(SecretString::from(server.url(provider)));
     (env, server, settings)
 }
 
@@ -339,7 +339,7 @@ async fn server_errors_hangs_and_slow_replies_are_retried_or_waited_for_and_sent
         assert_eq!(
             attempts("k-slow").await,
             1,
-            "{provider}: a slow reply within smtp.timeout"
+            "{provider}: a slow reply within transport.timeout"
         );
         let stats = server.stats().await;
         assert_eq!(
@@ -385,7 +385,7 @@ async fn an_endless_reply_is_read_only_up_to_its_bound_and_the_send_retried() {
         "{error}"
     );
     // What the server could push: the bound, the sockets' buffers and a chunk or two,
-    // never what a whole `smtp.timeout` of reading would take.
+    // never what a whole `transport.timeout` of reading would take.
     assert!(written < 16 << 20, "{written} bytes were written");
     eventually("the retry sent", WAIT, || async move {
         (rows(envr, "status = 'sent'").await == 1).then_some(())
@@ -405,7 +405,8 @@ async fn refused_credentials_dead_letter_nothing_and_keys_never_reach_the_log() 
         let env = TestEnv::new(&format!("keys-{provider}")).await;
         // A wrong key first: nothing may be dead-lettered for postie's own set-up.
         let wrong = server.url_with_keys(provider, false);
-        let mut postie = env.spawn_process(&[("POSTIE__SMTP__URL", &wrong), ("RUST_LOG", "debug")]);
+        let mut postie =
+            env.spawn_process(&[("POSTIE__TRANSPORT__URL", &wrong), ("RUST_LOG", "debug")]);
         env.publish(&job(&format!("{provider}-wrong"), "a@example.com"))
             .await;
         let before = server.stats().await.auth_failed;
@@ -430,7 +431,10 @@ async fn refused_credentials_dead_letter_nothing_and_keys_never_reach_the_log() 
         // URL's password can hide a leak): sent, and the debug log names the id.
         let (url, vars) = server.url_and_env(provider);
         let mut extra: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        extra.extend([("POSTIE__SMTP__URL", url.as_str()), ("RUST_LOG", "debug")]);
+        extra.extend([
+            ("POSTIE__TRANSPORT__URL", url.as_str()),
+            ("RUST_LOG", "debug"),
+        ]);
         let mut postie = env.spawn_process(&extra);
         env.wait_for_status(&format!("{provider}-wrong"), "sent", WAIT)
             .await;

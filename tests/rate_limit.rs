@@ -15,7 +15,7 @@
 //! `.config/nextest.toml`), so that another test's start-up is not their jitter on a
 //! 2-core machine.
 //!
-//! Also here, the other limit a provider sets: `smtp.pool_size` caps the connections.
+//! Also here, the other limit a provider sets: `transport.pool_size` caps the connections.
 
 mod support;
 
@@ -53,7 +53,7 @@ async fn start(name: &str, jobs: usize, limit: Option<&str>) -> Run {
             let listen = format!("127.0.0.1:{port}");
             let mut extra = vec![("POSTIE__HTTP__LISTEN", listen.as_str())];
             if let Some(limit) = limit {
-                extra.push(("POSTIE__SMTP__RATE_LIMIT", limit));
+                extra.push(("POSTIE__TRANSPORT__RATE_LIMIT", limit));
             }
             (env.spawn_process(&extra), port)
         })
@@ -352,7 +352,7 @@ async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
     use std::sync::Arc;
     let env = TestEnv::new("rl-unit").await;
     let mut settings = env.settings();
-    settings.smtp.rate_limit = Some(postie::config::SendRate::parse(rate).unwrap());
+    settings.transport.rate_limit = Some(postie::config::SendRate::parse(rate).unwrap());
     let inbox = Inbox::connect(&settings.database).await.unwrap();
     inbox.migrate().await.unwrap();
     let taken = Arc::new(AtomicUsize::new(0));
@@ -361,8 +361,8 @@ async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
     let mut tasks = Vec::new();
     for m in &metrics {
         let limiter = Limiter::new(
-            settings.smtp.rate_limit,
-            settings.smtp.rate_burst,
+            settings.transport.rate_limit,
+            settings.transport.rate_burst,
             inbox.clone(),
             "unit",
             m.clone(),
@@ -405,7 +405,7 @@ async fn three_limiters_share_one_rate_through_postgresql() {
     assert!(leases as usize <= n / 200 + 4, "{leases} statements");
 }
 
-/// `smtp.pool_size` is the most connections an instance opens to the relay, whatever
+/// `transport.pool_size` is the most connections an instance opens to the relay, whatever
 /// `worker.concurrency` (providers cap concurrent connections). lettre's pool caps
 /// only its idle connections: without postie's own cap, 16 sends at once to a slow
 /// relay opened 16 connections here, and every send beyond the idle cap opened and
@@ -419,7 +419,7 @@ async fn smtp_pool_size_caps_the_connections_to_the_relay() {
         .set_faults(serde_json::json!([{"stage": "data_end", "action": {"delay_ms": 150}}]))
         .await;
     let mut settings = env.settings();
-    settings.smtp.pool_size = 2;
+    settings.transport.pool_size = 2;
     settings.worker.concurrency = 16;
     let serving = env.serve(settings);
     let bodies: Vec<_> = (0..SENDS)
@@ -436,7 +436,7 @@ async fn smtp_pool_size_caps_the_connections_to_the_relay() {
     assert_eq!(stats.accepted as usize, SENDS);
     assert!(
         (1..=2).contains(&stats.connections),
-        "{} connections for smtp.pool_size = 2",
+        "{} connections for transport.pool_size = 2",
         stats.connections
     );
 }

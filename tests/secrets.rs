@@ -308,7 +308,7 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
         ("RUST_LOG", "debug,lapin=debug"),
         ("POSTIE__AMQP__URL", amqp_url.as_str()),
         ("POSTIE__DATABASE__URL", database_url.as_str()),
-        ("POSTIE__SMTP__URL", smtp_url.as_str()),
+        ("POSTIE__TRANSPORT__URL", smtp_url.as_str()),
     ];
     let mut process = env.spawn_process(&noisy);
     let mut cli_env = env.env_vars();
@@ -432,7 +432,7 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
     );
     let bad_smtp = with(
         &cli_env,
-        "POSTIE__SMTP__URL",
+        "POSTIE__TRANSPORT__URL",
         &format!("smtp://{smtp_user}:{smtp_password}@relay.example.com?tls=sometimes"),
     );
     let (code, bad_smtp) = run_postie(&["serve"], &bad_smtp);
@@ -463,7 +463,7 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
         ("status", &status),
         ("publish with a wrong broker password", &refused_broker),
         ("status without a database", &refused_database),
-        ("serve with a bad smtp.url", &bad_smtp),
+        ("serve with a bad transport.url", &bad_smtp),
     ] {
         for secret in secrets {
             if let Some(at) = text.find(secret.as_str()) {
@@ -593,14 +593,14 @@ async fn ge_every_address_form_is_redacted_by_every_command() {
         Form {
             what: "an SMTP URL with a port out of range",
             vars: vec![(
-                "POSTIE__SMTP__URL",
+                "POSTIE__TRANSPORT__URL",
                 format!("smtp://u:Smtp-{marker}@127.0.0.1:99999"),
             )],
         },
         Form {
             what: "an SMTP URL with a raw slash in the password",
             vars: vec![(
-                "POSTIE__SMTP__URL",
+                "POSTIE__TRANSPORT__URL",
                 format!("smtp://u:Sl/{marker}@127.0.0.1:2525"),
             )],
         },

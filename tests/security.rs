@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use postie::config::{DatabaseSettings, SmtpSettings};
+use postie::config::{DatabaseSettings, Settings};
 use postie::inbox::Inbox;
 use postie::mail::{Clearance, Email, Mailer, SendError};
 use secrecy::SecretString;
@@ -258,13 +258,12 @@ fn message(to: &str) -> lettre::Message {
 
 /// Sends one email to `to` through a mailer built for `url`.
 async fn send_to(url: &str, to: &str) -> Result<(), SendError> {
-    let settings = SmtpSettings {
-        url: SecretString::from(url.to_string()),
-        timeout: Duration::from_secs(5),
-        ..Default::default()
-    };
+    let mut settings = Settings::default();
+    settings.transport.url = Some(SecretString::from(url.to_string()));
+    settings.transport.timeout = Duration::from_secs(5);
     let mailer = settings
-        .transport()
+        .transport
+        .one_transport()
         .map_err(anyhow::Error::from)
         .and_then(|transport| Mailer::new(&transport, &settings))
         .unwrap_or_else(|e| panic!("{url}: {e}"));

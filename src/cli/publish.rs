@@ -27,7 +27,7 @@ pub struct PublishArgs {
     /// Notification type.
     #[arg(long = "type")]
     pub kind: Option<String>,
-    /// Sender (default: smtp.default_from).
+    /// Sender (default: transport.default_from).
     #[arg(long)]
     pub from: Option<String>,
     /// Recipient; repeat for more.

@@ -5,9 +5,14 @@
 //! the bytes an instance holds are bounded by sizing each lane's prefetch: every
 //! delivery is counted at the largest body postie accepts. The send lane gets
 //! `amqp.prefetch` if the budget allows it; the relay (ladder mode) gets the rest, up
-//! to `delay.relay_prefetch`.
+//! to `delay.relay_prefetch` when it is set.
 
 use super::{ConfigError, Settings};
+
+/// The relay's prefetch when `delay.relay_prefetch` is unset and the budget leaves
+/// more: the cap the setting's old default (10,000) set, kept so that a budget of
+/// small bodies holds no more unacked intake deliveries than before.
+const RELAY_PREFETCH_CAP: u16 = 10_000;
 
 /// Each lane's effective prefetch, as the budget allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +50,11 @@ impl Settings {
         };
         let send = u64::from(self.amqp.prefetch).min(slots.saturating_sub(relay_min) / lanes);
         let relay = if ladder {
-            let wanted = self.delay.relay_prefetch.max(self.delay.relay_concurrency);
+            let wanted = self
+                .delay
+                .relay_prefetch
+                .unwrap_or(RELAY_PREFETCH_CAP)
+                .max(self.delay.relay_concurrency);
             u64::from(wanted).min((slots - send * lanes) / lanes)
         } else {
             0
@@ -54,6 +63,13 @@ impl Settings {
             send: send as u16,
             relay: relay as u16,
         }
+    }
+
+    /// The relay's prefetch in ladder mode, on each lane: `delay.relay_prefetch` (unset:
+    /// 10,000) cut to what `worker.inflight_bytes` leaves after the send
+    /// loops. 128 with the defaults.
+    pub fn relay_prefetch(&self) -> u16 {
+        self.prefetch(true).relay
     }
 
     /// Refuses a budget too small for one delivery per concurrent handler (on both
@@ -93,7 +109,7 @@ mod tests {
         s.worker.max_body_bytes = 1024;
         s.worker.inflight_bytes = 1024 * 1024;
         // Plenty: the send lane's prefetch, and the relay's up to its own cap.
-        s.delay.relay_prefetch = 500;
+        s.delay.relay_prefetch = Some(500);
         assert_eq!(
             s.prefetch(true),
             Prefetch {
@@ -136,5 +152,43 @@ mod tests {
         );
         s.delay.mode = crate::config::DelayMode::Plugin;
         assert!(s.check_budget().is_ok());
+    }
+
+    #[test]
+    fn relay_prefetch_defaults_to_what_the_budget_leaves() {
+        let s = Settings::default();
+        assert_eq!(s.delay.relay_prefetch, None);
+        // 128 MiB ÷ 512 KiB = 256 bodies, 128 of them the send loop's.
+        let slots = s.worker.inflight_bytes / s.worker.max_body_bytes as u64;
+        let send = u64::from(s.amqp.prefetch);
+        assert_eq!(u64::from(s.relay_prefetch()), slots - send);
+        assert_eq!(s.relay_prefetch(), 128);
+        // Two lanes share it.
+        let mut two = Settings::default();
+        two.topology.lanes = [("default", 1), ("bulk", 1)]
+            .into_iter()
+            .map(|(name, weight)| {
+                let lane = crate::config::LaneSettings {
+                    weight,
+                    rate_limit: None,
+                    tenant_rate_limit: None,
+                };
+                (name.to_string(), lane)
+            })
+            .collect();
+        assert_eq!(two.relay_prefetch(), 64);
+        // Smaller bodies widen it: 64 KiB leaves 1,920.
+        let mut small = Settings::default();
+        small.worker.max_body_bytes = 64 * 1024;
+        assert_eq!(small.relay_prefetch(), 1_920);
+        // An explicit value is honoured below the budget and cut above it, as before.
+        small.delay.relay_prefetch = Some(300);
+        assert_eq!(small.relay_prefetch(), 300);
+        small.delay.relay_prefetch = Some(20_000);
+        assert_eq!(small.relay_prefetch(), 1_920);
+        // Unset with room to spare: at most the old default's 10,000.
+        small.worker.max_body_bytes = 1024;
+        small.delay.relay_prefetch = None;
+        assert_eq!(small.relay_prefetch(), RELAY_PREFETCH_CAP);
     }
 }

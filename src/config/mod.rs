@@ -48,6 +48,8 @@ mod database;
 mod de;
 mod events;
 mod feedback;
+#[cfg(test)]
+mod keys;
 mod lanes;
 mod memory;
 mod observe;
@@ -94,10 +96,11 @@ pub struct Settings {
     pub amqp: AmqpSettings,
     /// PostgreSQL.
     pub database: DatabaseSettings,
-    /// SMTP (or the `.eml` file transport) and the settings every transport shares.
-    pub smtp: SmtpSettings,
-    /// Where emails go: `transport.url` (else `smtp.url`) or `transport.providers`.
+    /// Where emails go (`transport.url` or `transport.providers`) and what every
+    /// transport shares.
     pub transport: TransportSettings,
+    /// What only an SMTP relay is told.
+    pub smtp: SmtpSettings,
     /// Exchange and queue names and arguments.
     pub topology: TopologySettings,
     /// The consumer and the unit of work.
@@ -124,6 +127,9 @@ pub struct Settings {
     pub outbox: OutboxSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
+    /// The old `smtp.*` names this configuration used (see [`Settings::warnings`]).
+    #[serde(skip)]
+    old_names: transport::OldNames,
 }
 /// A configuration problem, worded for one line on stderr.
 #[derive(Debug, thiserror::Error)]
@@ -169,22 +175,31 @@ impl Settings {
                 .try_parsing(true)
                 .source(env),
         );
-        let settings: Settings = builder
-            .build()
-            .and_then(|c| c.try_deserialize())
-            .map_err(|e| ConfigError(e.to_string()))?;
-        settings.validate()?;
+        let mut layers = builder.build().map_err(|e| ConfigError(e.to_string()))?;
+        let old_names = transport::move_old_smtp_keys(&mut layers.cache)?;
+        let as_written = |e: ConfigError| old_names.as_written(e);
+        let mut settings: Settings = layers
+            .try_deserialize()
+            .map_err(|e| as_written(ConfigError(e.to_string())))?;
+        settings.validate().map_err(as_written)?;
+        settings.old_names = old_names;
         Ok(settings)
     }
 
+    /// One line per old key name the configuration used (`smtp.timeout` for
+    /// `transport.timeout`), for the log once it is up: settings load before it.
+    pub fn warnings(&self) -> Vec<String> {
+        self.old_names.warnings()
+    }
+
     /// Every password in the connection addresses (`amqp.url`, `database.url`,
-    /// `smtp.url`, `transport.url`, `transport.providers`, `outbox.sources`, `otel.endpoint`), as written and decoded: what the log writer and
+    /// `transport.url`, `transport.providers`, `outbox.sources`, `otel.endpoint`), as
+    /// written and decoded: what the log writer and
     /// the last error line scrub, in case a library quotes an address.
     pub fn passwords(&self) -> Vec<String> {
         let mut found: Vec<String> = [
             Some(&self.amqp.url),
             Some(&self.database.url),
-            Some(&self.smtp.url),
             self.transport.url.as_ref(),
             self.otel.endpoint.as_ref(),
         ]
@@ -286,7 +301,7 @@ mod tests {
             ("POSTIE__TOPOLOGY__RETRY_STEPS", "1s,2m"),
             ("POSTIE__AMQP__PREFETCH", "7"),
             ("POSTIE__HTTP__LISTEN", ""),
-            ("POSTIE__SMTP__URL", "file:///tmp/x"),
+            ("POSTIE__TRANSPORT__URL", "file:///tmp/x"),
             ("POSTIE__WORKER__THREADS", "1"),
         ]);
         let s = Settings::load_from(None, Some(env)).unwrap();
@@ -302,6 +317,7 @@ mod tests {
     #[test]
     fn bad_values_and_unknown_keys_fail_with_the_key_named() {
         for (key, value, expected) in [
+            ("POSTIE__TRANSPORT__TIMEOUT", "soon", "transport.timeout"),
             ("POSTIE__SMTP__TIMEOUT", "soon", "smtp.timeout"),
             ("POSTIE__AMQP__PREFETCH", "lots", "amqp.prefetch"),
             ("POSTIE__AMQP__PREFECH", "5", "prefech"),
@@ -377,11 +393,14 @@ mod tests {
     }
 
     #[test]
-    fn smtp_pool_size_must_be_at_least_one() {
+    fn transport_pool_size_must_be_at_least_one() {
         let mut s = Settings::default();
-        s.smtp.pool_size = 0;
+        s.transport.pool_size = 0;
         let err = s.validate().unwrap_err().to_string();
-        assert!(err.contains("smtp.pool_size must be at least 1"), "{err}");
+        assert!(
+            err.contains("transport.pool_size must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -394,7 +413,7 @@ mod tests {
             "{err}"
         );
         assert!(!err.contains('\n'), "one line: {err}");
-        s.worker.lease = s.smtp.send_deadline();
+        s.worker.lease = s.transport.send_deadline();
         s.validate()
             .expect("a lease as long as the send deadline is enough");
     }
@@ -420,7 +439,7 @@ mod tests {
         assert!(err.contains("verify-ca"), "{err}");
 
         let env = vars(&[(
-            "POSTIE__SMTP__URL",
+            "POSTIE__TRANSPORT__URL",
             "smtp://relay.example.com?tls=sometimes",
         )]);
         let err = Settings::load_from(None, Some(env))

@@ -1,4 +1,4 @@
-//! `smtp.url` naming a provider's HTTP API (`ses://`, `sendgrid://`, `postmark://`,
+//! `transport.url` naming a provider's HTTP API (`ses://`, `sendgrid://`, `postmark://`,
 //! `mailgun://`) taken apart: which provider, where its API is, and its credentials.
 //!
 //! | URL | API | credentials |
@@ -97,7 +97,7 @@ struct Parts<'a> {
 
 impl Parts<'_> {
     fn fail(&self, why: &str) -> ConfigError {
-        ConfigError(format!("smtp.url {} {why}", redact_url(self.raw)))
+        ConfigError(format!("transport.url {} {why}", redact_url(self.raw)))
     }
 
     /// The last non-empty value of query parameter `name`.
@@ -184,7 +184,7 @@ pub(crate) fn api_endpoint(
     raw: &str,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<ApiEndpoint, ConfigError> {
-    let fail = |why: &str| ConfigError(format!("smtp.url {} {why}", redact_url(raw)));
+    let fail = |why: &str| ConfigError(format!("transport.url {} {why}", redact_url(raw)));
     let url = url::Url::parse(raw).map_err(|e| fail(&format!("is not a URL: {e}")))?;
     let parts = Parts {
         raw,

@@ -1,4 +1,4 @@
-//! `smtp.rate_limit`: a send rate written `14/s`, `600/m` or `50000/h`.
+//! `transport.rate_limit`: a send rate written `14/s`, `600/m` or `50000/h`.
 
 use std::fmt;
 
@@ -50,7 +50,7 @@ impl fmt::Display for SendRate {
     }
 }
 
-/// `smtp.rate_limit`: unset or empty = off.
+/// `transport.rate_limit`: unset or empty = off.
 pub(super) fn optional_rate<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SendRate>, D::Error> {
     let text = Option::<String>::deserialize(d)?.unwrap_or_default();
     if text.trim().is_empty() || text.trim().eq_ignore_ascii_case("off") {

@@ -118,39 +118,12 @@ impl DatabaseSettings {
     }
 }
 
-/// SMTP settings.
+/// Settings of the SMTP relay alone. What every transport shares (its URL, the pool,
+/// the timeout, the breaker, the rate, `From` and the Message-ID) is under
+/// [`TransportSettings`](super::TransportSettings) (`transport.*`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SmtpSettings {
-    /// `smtp://host:port` (STARTTLS required, except to this machine; `?tls=none`,
-    /// `?tls=opportunistic` or `?tls=required` to choose), `smtps://host:port`
-    /// (implicit TLS), or `file:///dir` to write `.eml` files. See [`smtp_endpoint`].
-    pub url: SecretString,
-    /// The most SMTP connections (so sends at once) this instance opens to the relay;
-    /// a job waits for a free one before it claims. Kept open between sends. Above
-    /// `worker.concurrency` the rest is never used.
-    pub pool_size: u32,
-    /// Longest wait for the relay on any one SMTP step: connect, the greeting with
-    /// EHLO, STARTTLS, AUTH, MAIL, each RCPT, DATA, the body with its final reply, the
-    /// NOOP check of a pooled connection, QUIT. A step that gets no answer in time is
-    /// the relay unreachable (it counts toward the circuit breaker, never against the
-    /// job). A whole send is bounded by [`SmtpSettings::send_deadline`].
-    #[serde(deserialize_with = "duration")]
-    pub timeout: Duration,
-    /// `From` for jobs that carry none.
-    pub default_from: Option<String>,
-    /// The right-hand side of the Message-ID derived from each job's key.
-    pub message_id_domain: String,
-    /// Consecutive failures to reach the relay that open the circuit breaker
-    /// (consumption pauses until the relay answers).
-    pub breaker_threshold: u32,
-    /// Fleet-wide send rate (`14/s`, `600/m`, `50000/h`), shared through PostgreSQL;
-    /// unset = no limit.
-    #[serde(deserialize_with = "super::rate::optional_rate")]
-    pub rate_limit: Option<super::SendRate>,
-    /// Most emails in any one second under `rate_limit`; default (unset) one second's
-    /// worth, no burst. Above that, an idle fleet may send the difference at once.
-    pub rate_burst: Option<u32>,
     /// A 421/451/454 reply whose text contains one of these (case-insensitive) is a
     /// throttle: the job keeps its attempt count and the instance slows down.
     pub throttle_patterns: Vec<String>,
@@ -161,28 +134,9 @@ pub struct SmtpSettings {
     pub chunking: bool,
 }
 
-impl SmtpSettings {
-    /// The most one send may take, from taking a connection to the relay's final
-    /// reply: `2 × smtp.timeout`. Each step is bounded by `smtp.timeout` on its own;
-    /// a healthy relay answers each in milliseconds, so the whole send gets room for
-    /// one step that almost times out plus the rest. A claim must have this much lease
-    /// left when its send starts, so `worker.lease` may not be shorter.
-    pub(crate) fn send_deadline(&self) -> Duration {
-        self.timeout * 2
-    }
-}
-
 impl Default for SmtpSettings {
     fn default() -> Self {
         Self {
-            url: SecretString::from("smtp://127.0.0.1:1025"),
-            pool_size: 64,
-            timeout: Duration::from_secs(20),
-            default_from: None,
-            message_id_domain: "postie.local".into(),
-            breaker_threshold: 5,
-            rate_limit: None,
-            rate_burst: None,
             throttle_patterns: ["throttl", "rate", "too many", "try again later"]
                 .map(String::from)
                 .to_vec(),
@@ -245,7 +199,7 @@ pub struct WorkerSettings {
     /// instances on one small host may each take fewer (README, "Scaling").
     pub threads: Option<usize>,
     /// How long a claim is exclusive. Another instance takes a job over only after
-    /// the lease has expired, so it must be well above `smtp.timeout`.
+    /// the lease has expired, so it must be well above `transport.timeout`.
     #[serde(deserialize_with = "duration")]
     pub lease: Duration,
     /// Largest accepted message body, in bytes. A larger one is dead-lettered by its
@@ -327,7 +281,11 @@ pub struct DelaySettings {
     /// Ladder mode: intake deliveries one instance holds unacked (at least
     /// `relay_concurrency`). The relay takes them earliest due first, so in a burst the
     /// jobs due soon are relayed first; each waiting one costs its body's memory.
-    pub relay_prefetch: u16,
+    /// Unset: what the byte budget (`worker.inflight_bytes`) leaves after the send
+    /// loops, at most 10,000: 128 with the defaults
+    /// ([`Settings::relay_prefetch`](super::Settings::relay_prefetch)). A value set is
+    /// cut to what the budget leaves too.
+    pub relay_prefetch: Option<u16>,
     /// Ladder mode: record each scheduled job in the inbox, for `postie pending`
     /// and the pending gauge (one upsert per job).
     pub track_pending: bool,
@@ -349,7 +307,7 @@ impl Default for DelaySettings {
             resolution: Duration::from_millis(100),
             max: Duration::from_secs(366 * 86_400),
             relay_concurrency: 64,
-            relay_prefetch: 10_000,
+            relay_prefetch: None,
             track_pending: true,
             reconcile: true,
             reconcile_grace: Duration::from_secs(10),

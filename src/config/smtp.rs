@@ -1,4 +1,4 @@
-//! `smtp.url` taken apart: host, port, credentials, and the TLS decision.
+//! `transport.url` taken apart: host, port, credentials, and the TLS decision.
 
 use secrecy::SecretString;
 
@@ -20,7 +20,7 @@ pub enum SmtpSecurity {
     ImplicitTls,
 }
 
-/// `smtp.url` taken apart. Credentials stay secret; `Debug` shows none.
+/// `transport.url` taken apart. Credentials stay secret; `Debug` shows none.
 #[derive(Debug, Clone)]
 pub struct SmtpEndpoint {
     /// Host name or address (IPv6 without brackets).
@@ -36,7 +36,7 @@ pub struct SmtpEndpoint {
     pub credentials: Option<(String, SecretString)>,
 }
 
-/// Takes `smtp.url` apart and decides on TLS: `None` for `file://`.
+/// Takes `transport.url` apart and decides on TLS: `None` for `file://`.
 ///
 /// `smtp://` without `tls=` means STARTTLS required, except to this machine (see
 /// [`is_loopback_host`]), where local relays such as Mailpit speak plaintext. Plaintext
@@ -45,7 +45,7 @@ pub(crate) fn smtp_endpoint(raw: &str) -> Result<Option<SmtpEndpoint>, ConfigErr
     if raw.starts_with("file://") {
         return Ok(None);
     }
-    let fail = |why: &str| ConfigError(format!("smtp.url {} {why}", redact_url(raw)));
+    let fail = |why: &str| ConfigError(format!("transport.url {} {why}", redact_url(raw)));
     let url = url::Url::parse(raw).map_err(|e| fail(&format!("is not a URL: {e}")))?;
     let host = match url.host() {
         Some(url::Host::Ipv6(ip)) => ip.to_string(),
@@ -96,7 +96,7 @@ mod tests {
     use super::*;
     use secrecy::ExposeSecret;
 
-    /// `smtp.url` → (TLS, port), or the error's words.
+    /// `transport.url` → (TLS, port), or the error's words.
     fn smtp_decision(url: &str) -> Result<(SmtpSecurity, u16), String> {
         smtp_endpoint(url)
             .map(|e| e.map(|e| (e.security, e.port)).expect("not file://"))

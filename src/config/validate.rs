@@ -16,7 +16,7 @@ pub(crate) struct Parsed {
     /// `amqp.url`, each address parsed.
     pub(crate) amqp: AmqpAddresses,
     /// Every transport in order of preference (`transport.providers`, else the one
-    /// of `transport.url` or `smtp.url`), each with its TLS rules, name and rate.
+    /// of `transport.url`), each with its TLS rules, name and rate.
     pub(crate) providers: Vec<ProviderPlan>,
     /// `database.url`: the connection settings and the TLS decision.
     pub(crate) database: DbPlan,
@@ -35,7 +35,7 @@ impl std::fmt::Debug for Parsed {
     }
 }
 
-/// The mail transport `smtp.url` names.
+/// The mail transport `transport.url` names.
 #[derive(Debug, Clone)]
 pub enum SmtpTransport {
     /// `file:///dir`: `.eml` files in that folder.
@@ -47,7 +47,7 @@ pub enum SmtpTransport {
 }
 
 impl SmtpTransport {
-    /// Parses `raw` (`smtp.url`) and applies the transport rules ([`smtp_endpoint`],
+    /// Parses `raw` (`transport.url`) and applies the transport rules ([`smtp_endpoint`],
     /// or [`api_endpoint`] for a provider's API, whose credentials may come from the
     /// process environment).
     pub(crate) fn parse(raw: &str) -> Result<Self, ConfigError> {
@@ -217,11 +217,11 @@ impl Settings {
     }
 
     fn check_worker_and_smtp(&self) -> Result<(), ConfigError> {
-        if self.smtp.rate_burst == Some(0) {
-            return fail("smtp.rate_burst must be at least 1".into());
+        if self.transport.rate_burst == Some(0) {
+            return fail("transport.rate_burst must be at least 1".into());
         }
-        if self.smtp.pool_size == 0 {
-            return fail("smtp.pool_size must be at least 1".into());
+        if self.transport.pool_size == 0 {
+            return fail("transport.pool_size must be at least 1".into());
         }
         if self.database.statement_timeout.is_zero() {
             return fail("database.statement_timeout must be above zero".into());
@@ -232,12 +232,12 @@ impl Settings {
         if self.worker.concurrency == 0 || self.amqp.prefetch == 0 {
             return fail("worker.concurrency and amqp.prefetch must be at least 1".into());
         }
-        if self.worker.lease < self.smtp.send_deadline() {
+        if self.worker.lease < self.transport.send_deadline() {
             return fail(format!(
-                "worker.lease ({}) is shorter than a send may take ({}, twice smtp.timeout): \
-                 raise worker.lease or lower smtp.timeout",
+                "worker.lease ({}) is shorter than a send may take ({}, twice transport.timeout): \
+                 raise worker.lease or lower transport.timeout",
                 humantime::format_duration(self.worker.lease),
-                humantime::format_duration(self.smtp.send_deadline())
+                humantime::format_duration(self.transport.send_deadline())
             ));
         }
         Ok(())
@@ -294,12 +294,5 @@ impl super::DatabaseSettings {
             self.allow_plaintext,
             self.ca_file(),
         )
-    }
-}
-
-impl super::SmtpSettings {
-    /// `url` parsed ([`SmtpTransport::parse`]).
-    pub fn transport(&self) -> Result<SmtpTransport, ConfigError> {
-        SmtpTransport::parse(self.url.expose_secret())
     }
 }

@@ -96,7 +96,7 @@ impl Service {
         let exchange = self.cx.topology.events_exchange();
         let metrics = self.cx.metrics();
         let limit = i64::from(self.cx.settings.events.batch);
-        let domain = self.cx.settings.smtp.message_id_domain.as_str();
+        let domain = self.cx.settings.transport.message_id_domain.as_str();
         let published = self
             .cx
             .inbox

@@ -104,7 +104,7 @@ pub async fn serve(settings: Settings, stop: CancellationToken) -> anyhow::Resul
         tracing::warn!("worker.trust_unsealed_headers = true: postie-* headers without this fleet's seal are obeyed, a producer's too; turn it off once the copies of the postie before the upgrade are through");
     }
     let seal = Seal::new(&inbox.header_key().await?, trust_unsealed);
-    let mailer = Mailer::with_routes(&parsed.providers, &settings.smtp, health.metrics())?;
+    let mailer = Mailer::with_routes(&parsed.providers, &settings, health.metrics())?;
     let topology = broker::resolve_topology(&settings).await?;
     let owner = settings.instance_id();
     let amqp = parsed.amqp;

@@ -30,7 +30,7 @@ pub struct EmailJob {
     pub kind: Option<String>,
     /// The user the email concerns, if given.
     pub user_id: Option<String>,
-    /// Sender (from the job, else `smtp.default_from`).
+    /// Sender (from the job, else `transport.default_from`).
     pub from: Address,
     /// Recipients.
     pub to: Vec<Address>,
@@ -343,7 +343,7 @@ impl EmailJob {
 
         let from = match raw.from.as_deref().or(rules.default_from) {
             Some(from) => Address::parse("from", from)?,
-            None => return invalid("no \"from\" and no smtp.default_from configured"),
+            None => return invalid("no \"from\" and no transport.default_from configured"),
         };
         let to = Address::parse_all("to", &raw.to)?;
         let cc = Address::parse_all("cc", &raw.cc)?;

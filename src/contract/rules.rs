@@ -21,11 +21,11 @@ pub struct ParseRules<'a> {
 }
 
 impl<'a> ParseRules<'a> {
-    /// The rules `settings` set: `worker.max_body_bytes` and `smtp.default_from`.
+    /// The rules `settings` set: `worker.max_body_bytes` and `transport.default_from`.
     pub(crate) fn from_settings(settings: &'a Settings) -> Self {
         Self {
             max_body_bytes: settings.worker.max_body_bytes,
-            default_from: settings.smtp.default_from.as_deref(),
+            default_from: settings.transport.default_from.as_deref(),
             key_namespace: settings.worker.key_namespace,
             user_id: None,
         }

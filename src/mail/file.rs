@@ -1,4 +1,4 @@
-//! The `.eml` file transport (`smtp.url = file:///dir`): for demos and local runs.
+//! The `.eml` file transport (`transport.url = file:///dir`): for demos and local runs.
 
 use std::path::PathBuf;
 
@@ -16,7 +16,10 @@ impl EmlFiles {
     pub(super) fn new(dir: &str) -> anyhow::Result<Self> {
         let dir = PathBuf::from(dir);
         std::fs::create_dir_all(&dir).map_err(|e| {
-            anyhow::anyhow!("smtp.url: cannot create directory {}: {e}", dir.display())
+            anyhow::anyhow!(
+                "transport.url: cannot create directory {}: {e}",
+                dir.display()
+            )
         })?;
         Ok(Self(AsyncFileTransport::<Tokio1Executor>::new(dir)))
     }
@@ -47,17 +50,15 @@ impl Transport for EmlFiles {
 #[cfg(test)]
 mod tests {
     use super::super::{Clearance, Mailer};
-    use crate::config::SmtpSettings;
+    use crate::config::Settings;
     use crate::contract::{EmailJob, ParseRules};
 
     #[tokio::test]
     async fn pc_the_eml_file_holds_the_email_formatted_once() {
         let dir = std::env::temp_dir().join(format!("postie-pc-eml-{}", uuid::Uuid::new_v4()));
-        let settings = SmtpSettings {
-            url: format!("file://{}", dir.display()).into(),
-            ..SmtpSettings::default()
-        };
-        let mailer = Mailer::new(&settings.transport().unwrap(), &settings).unwrap();
+        let mut settings = Settings::default();
+        settings.transport.url = Some(format!("file://{}", dir.display()).into());
+        let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
         let rules = ParseRules {
             max_body_bytes: 1 << 16,
             default_from: Some("Shop <noreply@shop.example>"),
@@ -77,7 +78,7 @@ mod tests {
         assert_eq!(files.len(), 1);
         assert_eq!(std::fs::read(&files[0]).unwrap(), email.formatted());
         let text = String::from_utf8_lossy(email.formatted()).into_owned();
-        assert!(text.contains(&job.key.message_id(&settings.message_id_domain)));
+        assert!(text.contains(&job.key.message_id(&settings.transport.message_id_domain)));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

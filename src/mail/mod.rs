@@ -1,6 +1,6 @@
 //! Handing an [`EmailJob`] to a mail transport: the [`Transport`] seam, the
 //! [`Mailer`] that builds the message and sends it through one of its routes
-//! (`transport.providers`, or the one transport of `transport.url` / `smtp.url`;
+//! (`transport.providers`, or the one transport of `transport.url`;
 //! failover between them in [`route`]), and the one classification every
 //! transport's failures fall into ([`SendError`]).
 //!
@@ -41,7 +41,7 @@ pub(crate) use api::{web_client, WebClient};
 pub use route::RouteId;
 pub(crate) use route::{Change, Routes};
 
-use crate::config::{ProviderPlan, SmtpSettings, SmtpTransport};
+use crate::config::{ProviderPlan, Settings, SmtpTransport};
 use crate::contract::EmailJob;
 use crate::ops::metrics::Metrics;
 
@@ -232,14 +232,14 @@ pub struct Sent {
 pub struct Mailer {
     routes: Arc<Routes>,
     message_id_domain: String,
-    /// `smtp.pool_size` turns: at most that many sends at once, so at most that many
+    /// `transport.pool_size` turns: at most that many sends at once, so at most that many
     /// connections to any one relay.
     slots: Arc<Semaphore>,
-    /// The most one send may take ([`SmtpSettings::send_deadline`]).
+    /// The most one send may take ([`TransportSettings::send_deadline`](crate::config::TransportSettings::send_deadline)).
     deadline: Duration,
 }
 
-/// A turn on one of the transport's `smtp.pool_size` connections, which a send needs.
+/// A turn on one of the transport's `transport.pool_size` connections, which a send needs.
 /// The worker takes it before the claim: waiting for a connection never eats into a
 /// lease.
 pub struct Slot {
@@ -251,12 +251,12 @@ impl Mailer {
     /// made yet): `file:///dir` writes `.eml` files, a provider's scheme its API,
     /// anything else is an SMTP relay (see
     /// [`smtp_endpoint`](crate::config::smtp_endpoint) for its TLS rules).
-    pub fn new(transport: &SmtpTransport, settings: &SmtpSettings) -> anyhow::Result<Self> {
+    pub fn new(transport: &SmtpTransport, settings: &Settings) -> anyhow::Result<Self> {
         let plan = ProviderPlan {
             name: transport.kind().to_string(),
             transport: transport.clone(),
-            rate_limit: settings.rate_limit,
-            rate_burst: settings.rate_burst,
+            rate_limit: settings.transport.rate_limit,
+            rate_burst: settings.transport.rate_burst,
         };
         Self::with_routes(&[plan], settings, &Metrics::new())
     }
@@ -265,19 +265,20 @@ impl Mailer {
     /// in `metrics`.
     pub(crate) fn with_routes(
         plans: &[ProviderPlan],
-        settings: &SmtpSettings,
+        settings: &Settings,
         metrics: &Metrics,
     ) -> anyhow::Result<Self> {
+        let shared = &settings.transport;
         let mut routes = Vec::with_capacity(plans.len());
         for plan in plans {
             let transport: Arc<dyn Transport> = match &plan.transport {
                 SmtpTransport::Files(dir) => Arc::new(file::EmlFiles::new(dir)?),
-                SmtpTransport::Relay(endpoint) => {
-                    Arc::new(smtp::SmtpRelay::new(endpoint.clone(), settings)?)
-                }
-                SmtpTransport::Api(endpoint) => {
-                    Arc::new(api::ApiTransport::new(endpoint, settings)?)
-                }
+                SmtpTransport::Relay(endpoint) => Arc::new(smtp::SmtpRelay::new(
+                    endpoint.clone(),
+                    shared,
+                    &settings.smtp,
+                )?),
+                SmtpTransport::Api(endpoint) => Arc::new(api::ApiTransport::new(endpoint, shared)?),
             };
             routes.push(route::RouteSpec {
                 name: plan.name.clone(),
@@ -288,10 +289,10 @@ impl Mailer {
         }
         anyhow::ensure!(!routes.is_empty(), "no transport is configured");
         Ok(Self {
-            routes: Arc::new(Routes::new(routes, settings.breaker_threshold, metrics)),
-            message_id_domain: settings.message_id_domain.clone(),
-            slots: Arc::new(Semaphore::new(settings.pool_size as usize)),
-            deadline: settings.send_deadline(),
+            routes: Arc::new(Routes::new(routes, shared.breaker_threshold, metrics)),
+            message_id_domain: shared.message_id_domain.clone(),
+            slots: Arc::new(Semaphore::new(shared.pool_size as usize)),
+            deadline: shared.send_deadline(),
         })
     }
 
@@ -333,7 +334,7 @@ impl Mailer {
         })
     }
 
-    /// The most one send may take: [`SmtpSettings::send_deadline`]. A claim must have
+    /// The most one send may take: [`TransportSettings::send_deadline`](crate::config::TransportSettings::send_deadline). A claim must have
     /// at least this much lease left when its send starts.
     pub(crate) fn deadline(&self) -> Duration {
         self.deadline
@@ -349,7 +350,7 @@ impl Mailer {
         self.send_through(slot, RouteId(0), email, clearance).await
     }
 
-    /// Sends one email through `route`. `smtp.timeout` bounds every step (the
+    /// Sends one email through `route`. `transport.timeout` bounds every step (the
     /// transport's own timeouts) and [`Mailer::deadline`] the send as a whole: past it
     /// the send is dropped, which is safe because a transport never reuses a
     /// connection whose transaction did not end (so no late reply is ever read as the

@@ -8,7 +8,7 @@
 //! to another, which could make a second copy. Only **definite** failures count
 //! towards a route's breaker: no connection, credentials
 //! refused, and for an API a 5xx answer (the provider said it did not take it); an
-//! SMTP relay's hang counts too, as it always has ([`Transport::opens_breaker`]). After `smtp.breaker_threshold` in
+//! SMTP relay's hang counts too, as it always has ([`Transport::opens_breaker`]). After `transport.breaker_threshold` in
 //! a row the breaker opens, traffic moves to the next route, and the worker probes
 //! the route until it answers ([`Routes::recovered`]); then it takes traffic back.
 //! With one route this is the breaker postie always had. `Routes::judge` counts a

@@ -1,5 +1,5 @@
 //! The SMTP relay transport: postie's own small pool of lettre connections, every step
-//! of the conversation under `smtp.timeout`, TLS as `smtp.url` says, and the
+//! of the conversation under `transport.timeout`, TLS as `transport.url` says, and the
 //! classification of SMTP failures into transient, throttled, unreachable and permanent.
 //!
 //! lettre's pooled transport bounds only the TCP connect: a relay that accepts and then
@@ -11,15 +11,15 @@
 //! answer to the next email's command. That is also what makes a send safe to cancel
 //! from outside ([`super::Mailer::send`]'s deadline, a hard stop).
 //!
-//! The steps, each bounded by `smtp.timeout` unless said otherwise:
+//! The steps, each bounded by `transport.timeout` unless said otherwise:
 //!
 //! | step | when |
 //! |---|---|
 //! | NOOP | a pooled connection idle for [`RECENT`] or longer, before it is reused |
-//! | connect, greeting and EHLO (TLS handshake too for `smtps://`) | a new connection: TCP connect within `smtp.timeout`, the rest within a second `smtp.timeout` |
-//! | STARTTLS (handshake, EHLO again) | a new connection, as `smtp.url` says |
+//! | connect, greeting and EHLO (TLS handshake too for `smtps://`) | a new connection: TCP connect within `transport.timeout`, the rest within a second `transport.timeout` |
+//! | STARTTLS (handshake, EHLO again) | a new connection, as `transport.url` says |
 //! | EHLO once more, to read PIPELINING (lettre keeps only the extensions it knows) | a new connection |
-//! | AUTH | a new connection, when `smtp.url` has a password |
+//! | AUTH | a new connection, when `transport.url` has a password |
 //! | MAIL FROM, each RCPT TO, DATA (one write to a relay with PIPELINING) | every email |
 //! | the body and the final reply | every email |
 //! | or instead: MAIL FROM, RCPT TO, `BDAT <size> LAST` and the body in one write, and the three replies | an email for one recipient, to a relay with PIPELINING and CHUNKING |
@@ -41,7 +41,7 @@ use lettre::transport::smtp::extension::ClientId;
 use secrecy::ExposeSecret;
 
 use super::{Clearance, Email, SendError, Transport};
-use crate::config::{SmtpEndpoint, SmtpSecurity, SmtpSettings};
+use crate::config::{SmtpEndpoint, SmtpSecurity, SmtpSettings, TransportSettings};
 use crate::endpoint::is_loopback_host;
 
 /// How long a connection may idle in the pool. Relays close idle sessions after a few
@@ -56,7 +56,7 @@ mod transaction;
 
 use transaction::{Failed, Session};
 
-/// TLS as `smtp.url` asks for it.
+/// TLS as `transport.url` asks for it.
 enum TlsUse {
     /// Plaintext.
     None,
@@ -82,9 +82,9 @@ pub(super) struct SmtpRelay {
     tls: TlsUse,
     hello: ClientId,
     credentials: Option<Credentials>,
-    /// `smtp.timeout`: the bound of every step.
+    /// `transport.timeout`: the bound of every step.
     step: Duration,
-    /// Connections kept between sends: at most `smtp.pool_size` (the mailer lets no
+    /// Connections kept between sends: at most `transport.pool_size` (the mailer lets no
     /// more sends run at once, so no more are ever open).
     idle: Mutex<Vec<Idle>>,
     max_idle: usize,
@@ -97,11 +97,16 @@ impl SmtpRelay {
     /// Builds the client (no connection yet). `smtp://` to a host other than this
     /// machine requires STARTTLS unless the URL says `tls=none` or
     /// `tls=opportunistic`; certificates are verified against the system's roots.
-    pub(super) fn new(endpoint: SmtpEndpoint, settings: &SmtpSettings) -> anyhow::Result<Self> {
+    pub(super) fn new(
+        endpoint: SmtpEndpoint,
+        shared: &TransportSettings,
+        settings: &SmtpSettings,
+    ) -> anyhow::Result<Self> {
         let host = endpoint.host;
         let params = || {
-            TlsParameters::new(host.clone())
-                .map_err(|e| anyhow::anyhow!("smtp.url: TLS towards {host} is not usable: {e}"))
+            TlsParameters::new(host.clone()).map_err(|e| {
+                anyhow::anyhow!("transport.url: TLS towards {host} is not usable: {e}")
+            })
         };
         let tls = match endpoint.security {
             SmtpSecurity::Plaintext => TlsUse::None,
@@ -124,7 +129,7 @@ impl SmtpRelay {
         };
         if let Some(how) = weak.filter(|_| !is_loopback_host(&host)) {
             tracing::warn!(
-                "smtp.url sends to {host} {how}: emails{} can be read on the way; \
+                "transport.url sends to {host} {how}: emails{} can be read on the way; \
                  drop tls= to require STARTTLS",
                 if endpoint.credentials.is_some() {
                     " and the password"
@@ -146,9 +151,9 @@ impl SmtpRelay {
             tls,
             hello,
             credentials,
-            step: settings.timeout,
+            step: shared.timeout,
             idle: Mutex::new(Vec::new()),
-            max_idle: settings.pool_size as usize,
+            max_idle: shared.pool_size as usize,
             throttles: ThrottleReplies::new(&settings.throttle_patterns),
             chunking: settings.chunking,
         })
@@ -169,7 +174,7 @@ impl SmtpRelay {
         }
     }
 
-    /// A new connection, greeted, encrypted and authenticated as `smtp.url` says.
+    /// A new connection, greeted, encrypted and authenticated as `transport.url` says.
     async fn open(&self) -> Result<Session, SendError> {
         let implicit = match &self.tls {
             TlsUse::Implicit(params) => Some(params.clone()),

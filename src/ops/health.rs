@@ -2,7 +2,7 @@
 //! consuming, does PostgreSQL answer, is the SMTP circuit closed, are we draining.
 //!
 //! The transport circuit is here too: open while every transport's own breaker is
-//! open (`mail::route` keeps one per provider: after `smtp.breaker_threshold`
+//! open (`mail::route` keeps one per provider: after `transport.breaker_threshold`
 //! consecutive failures to reach it, it opens and traffic moves to the next).
 //! While it is open consumption pauses instead of pushing every job through the
 //! retry ladder to the DLQ, and the probers ask the providers until one answers.

@@ -117,7 +117,7 @@ declare! {
     /// The send-rate limit and the adaptive throttle (issue #13).
     pub struct RateMetrics {
         limit: Gauge<f64, AtomicU64>
-            => "rate_limit_per_second", "smtp.rate_limit in emails per second (0: none)";
+            => "rate_limit_per_second", "transport.rate_limit in emails per second (0: none)";
         adaptive: Gauge<f64, AtomicU64>
             => "adaptive_rate_per_second", "This instance's adaptive send-rate cap (0: no cap)";
         throttle_replies: Counter

@@ -1,4 +1,4 @@
-//! The send rate: a fleet-wide limit shared through PostgreSQL (`smtp.rate_limit`)
+//! The send rate: a fleet-wide limit shared through PostgreSQL (`transport.rate_limit`)
 //! and a per-instance adaptive cap (AIMD) driven by the relay's throttle replies.
 //!
 //! A job takes its turn here before its claim, never after: a waiting job holds no
@@ -50,7 +50,7 @@ const SLICE_MAX: u32 = 1_000;
 /// The longest the jobs after an instance's first wait for its send attempt.
 pub(crate) const WARM_UP_MAX: Duration = Duration::from_secs(1);
 
-/// The fleet limit's numbers, from `smtp.rate_limit` and `smtp.rate_burst`.
+/// The fleet limit's numbers, from `transport.rate_limit` and `transport.rate_burst`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct FleetRate {
     /// Emails per second.

@@ -7,7 +7,7 @@
 //! | the transport refused the email for good (SMTP 5xx) | dead-letter now (`permanent`) |
 //! | a transient reply (SMTP 4xx) | retry queue `attempt - 1`, or dead-letter (`retries_exhausted`) once every step is used |
 //! | the relay throttles this sender (421/451/454 matching `smtp.throttle_patterns`) | pause: claim given back, tried again within a second, no attempt counted |
-//! | the relay unreachable or hung (a step past `smtp.timeout`), circuit closed | pause: claim given back (the inbox records the SMTP attempt), tried again within a second, no attempt counted; the failures open the breaker |
+//! | the relay unreachable or hung (a step past `transport.timeout`), circuit closed | pause: claim given back (the inbox records the SMTP attempt), tried again within a second, no attempt counted; the failures open the breaker |
 //! | the relay unreachable and the circuit open | hold: claim given back, delivery held until it answers, no attempt counted |
 //! | another instance holds a live lease | defer to the smallest retry step covering the rest of the lease, no attempt counted |
 //! | PostgreSQL unavailable | hold: wait until it answers, no attempt counted |

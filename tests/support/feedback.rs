@@ -91,13 +91,13 @@ pub fn sns_certificate(scratch: &Scratch) -> (PathBuf, PathBuf) {
     (key, cert)
 }
 
-/// A world with feedback and metrics on free ports; `transport` its `smtp.url`
+/// A world with feedback and metrics on free ports; `transport` its `transport.url`
 /// (None: the SMTP sink). SES's endpoint takes notifications from [`TOPIC`].
 pub async fn world(name: &str, transport: Option<String>) -> (TestEnv, postie::config::Settings) {
     let env = TestEnv::new(name).await;
     let mut settings = env.settings();
     if let Some(url) = transport {
-        settings.smtp.url = SecretString::from(url);
+        settings.transport.url = Some(SecretString::from(url));
     }
     settings.feedback.listen = Some(format!("127.0.0.1:{}", free_port()).parse().unwrap());
     settings.http.listen = Some(format!("127.0.0.1:{}", free_port()).parse().unwrap());

@@ -1,5 +1,5 @@
 //! Client for the `postie-provider-server` process (tests/provider-server): build it,
-//! start it, name the `smtp.url` of each provider's API on it, read what it accepted,
+//! start it, name the `transport.url` of each provider's API on it, read what it accepted,
 //! inject faults (on sends, or with `"probe": true` on the account endpoints postie's
 //! circuit-breaker probe asks), set its quota and take its API down (connections refused for a while). Like the SMTP sink ([`super::sink`]), it is a
 //! workspace crate of its own that the tests build once per test process.
@@ -116,7 +116,7 @@ impl ProviderServer {
         }
     }
 
-    /// `smtp.url` for `provider`'s API on this server, with the accepted credentials.
+    /// `transport.url` for `provider`'s API on this server, with the accepted credentials.
     pub fn url(&self, provider: &str) -> String {
         self.url_with_keys(provider, true)
     }
@@ -153,7 +153,7 @@ impl ProviderServer {
         }
     }
 
-    /// `smtp.url` for `provider` without credentials, and the environment variables
+    /// `transport.url` for `provider` without credentials, and the environment variables
     /// that carry them instead (`SENDGRID_API_KEY`, `AWS_ACCESS_KEY_ID`…).
     pub fn url_and_env(&self, provider: &str) -> (String, Vec<(&'static str, String)>) {
         let endpoint = format!("endpoint=http://{}", self.api);

@@ -1,9 +1,9 @@
 //! Transports over email providers' HTTP APIs: Amazon SES v2, SendGrid v3, Postmark
-//! and Mailgun, chosen by `smtp.url`'s scheme ([`crate::config::ApiEndpoint`]).
+//! and Mailgun, chosen by `transport.url`'s scheme ([`crate::config::ApiEndpoint`]).
 //!
 //! One HTTPS client (hyper's, with hyper-rustls on ring and the system's roots,
-//! HTTP/1.1, at most `smtp.pool_size` idle connections), every request under
-//! `smtp.timeout` from connect to the last byte of the reply. Each provider module builds its
+//! HTTP/1.1, at most `transport.pool_size` idle connections), every request under
+//! `transport.timeout` from connect to the last byte of the reply. Each provider module builds its
 //! request and reads its replies; this module turns what happened into a
 //! [`SendError`], the same classes as SMTP's:
 //!
@@ -33,7 +33,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::{Clearance, Email, SendError, Transport};
-use crate::config::{ApiEndpoint, ApiProvider, SmtpSettings};
+use crate::config::{ApiEndpoint, ApiProvider, TransportSettings};
 use crate::ops::https;
 
 mod mailgun;
@@ -51,7 +51,7 @@ pub(super) use request::HttpRequest;
 pub(crate) const MAX_REPLY_BYTES: usize = 64 * 1024;
 
 /// A provider's reply: status, headers and body (at most [`MAX_REPLY_BYTES`], read
-/// within `smtp.timeout`).
+/// within `transport.timeout`).
 pub(super) struct Reply {
     pub(super) status: StatusCode,
     pub(super) headers: HeaderMap,
@@ -86,7 +86,7 @@ pub(super) fn failure(name: &str, reply: &Reply, throttle: bool, detail: &str) -
     match status {
         429 => SendError::Throttled(text),
         _ if throttle => SendError::Throttled(text),
-        401 => SendError::Unreachable(format!("{text} (check the key in smtp.url)")),
+        401 => SendError::Unreachable(format!("{text} (check the key in transport.url)")),
         408 | 500..=599 => SendError::Transient(text),
         400..=499 => SendError::Permanent(text),
         _ => SendError::Transient(text),
@@ -109,13 +109,16 @@ pub(super) struct ApiTransport {
     client: Client,
     api: Api,
     name: &'static str,
-    /// `smtp.timeout`: the bound of a request, connect to reply.
+    /// `transport.timeout`: the bound of a request, connect to reply.
     step: Duration,
 }
 
 impl ApiTransport {
     /// The client and the provider's request builder; no connection yet.
-    pub(super) fn new(endpoint: &ApiEndpoint, settings: &SmtpSettings) -> anyhow::Result<Self> {
+    pub(super) fn new(
+        endpoint: &ApiEndpoint,
+        settings: &TransportSettings,
+    ) -> anyhow::Result<Self> {
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(settings.pool_size as usize)
             .pool_idle_timeout(Duration::from_secs(60))
@@ -169,7 +172,7 @@ impl ApiTransport {
         }
     }
 
-    /// Sends the request and reads the whole reply, all within `smtp.timeout`. A
+    /// Sends the request and reads the whole reply, all within `transport.timeout`. A
     /// failure after the request may have reached the provider marks `clearance`
     /// uncertain.
     async fn exchange(
@@ -286,7 +289,7 @@ impl Transport for ApiTransport {
 
     /// The provider's account endpoint (SES `GetAccount`, SendGrid's scopes,
     /// Postmark's server, Mailgun's domain) with the configured key, within
-    /// `smtp.timeout`: up only on a 2xx (a refused key or a 5xx is still down) or a
+    /// `transport.timeout`: up only on a 2xx (a refused key or a 5xx is still down) or a
     /// 429 (it answers; it is only busy).
     fn probe(&self) -> BoxFuture<'_, bool> {
         async {

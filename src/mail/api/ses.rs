@@ -51,7 +51,7 @@ impl Ses {
                 .as_ref()
                 .map(|t| t.expose_secret().to_string()),
             None,
-            "smtp.url",
+            "transport.url",
         );
         Ok(Self {
             url: format!("{base}/v2/email/outbound-emails"),
@@ -177,7 +177,7 @@ pub(super) fn read(reply: &Reply) -> Result<Option<String>, SendError> {
     let throttle = kind.contains("TooManyRequests") || kind.contains("Throttl");
     if reply.status.as_u16() == 403 {
         return Err(SendError::Unreachable(format!(
-            "ses answered 403: {detail} (check the credentials and region in smtp.url)"
+            "ses answered 403: {detail} (check the credentials and region in transport.url)"
         )));
     }
     Err(failure("ses", reply, throttle, &detail))

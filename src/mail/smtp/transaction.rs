@@ -146,7 +146,7 @@ impl fmt::Display for DataContent<'_> {
 
 impl SmtpRelay {
     /// MAIL, RCPT, DATA and the body on `session` (or MAIL, RCPT and BDAT where the
-    /// relay and the email allow), each reply under `smtp.timeout`. The body is never
+    /// relay and the email allow), each reply under `transport.timeout`. The body is never
     /// started once `clearance` is withdrawn.
     pub(super) async fn transaction(
         &self,
