@@ -8,11 +8,16 @@
 //!   it parsed (`Parsed`: `amqp.url`'s addresses, the transports' `ProviderPlan`s,
 //!   `database.url`'s `DbPlan`), which the rest of postie uses instead of the strings.
 //! - `amqp.rs` `amqp.url`; `database.rs` `database.url` and its `sslmode`; `smtp.rs`
-//!   `smtp.url`; `provider.rs` a provider API's URL (`ses://`, `sendgrid://`,
+//!   an SMTP `transport.url`; `provider.rs` a provider API's URL (`ses://`, `sendgrid://`,
 //!   `postmark://`, `mailgun://`: region, key from the URL or the environment,
 //!   `endpoint=`); `transport.rs` `transport.url` / `transport.providers`, each a
 //!   `ProviderPlan` (name, parsed URL, its own rate from `name=`, `rate_limit=`,
-//!   `rate_burst=`); `rate.rs` `smtp.rate_limit` (`14/s`, `600/m`).
+//!   `rate_burst=`), and the keys every transport shares (`pool_size`, `timeout`,
+//!   `default_from`, `message_id_domain`, `breaker_threshold`, `rate_limit`,
+//!   `rate_burst`), their old `smtp.*` names read with one warning each; `rate.rs`
+//!   `transport.rate_limit` (`14/s`, `600/m`); `memory.rs` also gives
+//!   `delay.relay_prefetch`'s default (what the byte budget leaves); `keys.rs`
+//!   (tests) lists every key the structs accept, for the README's reference.
 //! - `suppression.rs` the suppression list's settings; `feedback.rs` the feedback
 //!   webhooks' (`feedback.listen`, body and time bounds, each provider's key or
 //!   credentials, SNS's allow-list, its required topics and `Timestamp` window,

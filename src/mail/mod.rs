@@ -10,7 +10,7 @@
 //!
 //! The `Transport` trait borrows an `Email` (the envelope and the RFC 5322 text,
 //! formatted once in `Mailer::build_for`) and answers the provider's id. The
-//! [`Mailer`] holds its routes, its `smtp.pool_size` connection slots and the send
+//! [`Mailer`] holds its routes, its `transport.pool_size` connection slots and the send
 //! deadline; a send carries a `Clearance`: no body once the claim is lost, and marked
 //! uncertain by a transport that failed after handing the email over without an
 //! answer.
