@@ -13,7 +13,7 @@ mod seal;
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-pub use seal::{Admitted, Seal};
+pub use seal::Seal;
 
 /// Header the producer may set (the only `postie-*` one): its own publish time in
 /// Unix milliseconds. It wins over the AMQP `timestamp` property, which only has
@@ -28,7 +28,7 @@ pub(crate) const HEADER_X_DELAY: &str = "x-delay";
 pub const HEADER_ATTEMPT: &str = "postie-attempt";
 /// Header: the transport (`transport.providers`' name) a job must be retried on,
 /// because a send through it ended without an answer and may have been accepted.
-pub const HEADER_PROVIDER: &str = "postie-provider";
+pub(crate) const HEADER_PROVIDER: &str = "postie-provider";
 /// The tenant slot (Unix ms) a job deferred under its tenant's cap was given: it is
 /// not deferred again.
 pub(crate) const HEADER_TENANT_SLOT: &str = "postie-tenant-slot";

@@ -2,25 +2,25 @@
 //! sent over SMTP exactly once. `ARCHITECTURE.md` at the repository root is the map;
 //! in one line each, the path of a job:
 //!
-//! - [`outbox`]: the producers' transactional outbox, in their own databases.
-//! - [`contract`]: the producers' contract: one message in, one validated job out.
-//! - [`topology`]: the broker objects' names and the ladder's arithmetic, no I/O.
-//! - [`broker`]: RabbitMQ: connections, confirmed publishes, declaration, probe, acks.
-//! - [`consume`]: `postie serve`: the session supervisor and the consume loops.
-//! - [`work`]: the unit of work (claim → send → record), its outcomes and retry policy.
-//! - [`inbox`]: the PostgreSQL inbox: claims, completions, migrations.
-//! - [`mail`]: the transport seam: building the email and handing it over.
-//! - [`feedback`]: bounces and complaints after the send: webhooks and reports.
-//! - [`dlq`]: dead letters for operators: list and replay.
-//! - [`ops`]: health, circuit breaker, metrics, the HTTP endpoint, logs and traces.
-//! - [`console`]: the operator console, a small web UI over what the CLI reaches.
+//! - `outbox`: the producers' transactional outbox, in their own databases.
+//! - `contract`: the producers' contract: one message in, one validated job out.
+//! - `topology`: the broker objects' names and the ladder's arithmetic, no I/O.
+//! - `broker`: RabbitMQ: connections, confirmed publishes, declaration, probe, acks.
+//! - `consume`: `postie serve`: the session supervisor and the consume loops.
+//! - `work`: the unit of work (claim → send → record), its outcomes and retry policy.
+//! - `inbox`: the PostgreSQL inbox: claims, completions, migrations.
+//! - `mail`: the transport seam: building the email and handing it over.
+//! - `feedback`: bounces and complaints after the send: webhooks and reports.
+//! - `dlq`: dead letters for operators: list and replay.
+//! - `ops`: health, circuit breaker, metrics, the HTTP endpoint, logs and traces.
+//! - `console`: the operator console, a small web UI over what the CLI reaches.
 //! - [`cli`]: the command line.
 //!
 //! And the leaves everything may use:
 //!
 //! - [`config`]: settings, loaded in layers and checked once.
-//! - [`headers`]: message headers, and the seal on postie's own.
-//! - [`endpoint`]: loopback check, URL redaction, passwords to scrub.
+//! - `headers`: message headers, and the seal on postie's own.
+//! - `endpoint`: loopback check, URL redaction, passwords to scrub.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 
@@ -38,22 +38,27 @@ macro_rules! out {
     }};
 }
 
-pub mod broker;
+mod broker;
 pub mod cli;
 pub mod config;
-pub mod console;
-pub mod consume;
-pub mod contract;
-pub mod dlq;
-pub mod endpoint;
-pub mod feedback;
-pub mod headers;
-pub mod inbox;
-pub mod mail;
-pub mod ops;
-pub mod outbox;
-pub mod topology;
-pub mod work;
+mod console;
+mod consume;
+mod contract;
+mod dlq;
+mod endpoint;
+mod feedback;
+mod headers;
+mod inbox;
+mod mail;
+mod ops;
+mod outbox;
+mod topology;
+mod work;
+
+/// The integration tests' door to the internals (`src/testing.rs`); nothing else may
+/// use it.
+#[doc(hidden)]
+pub mod testing;
 
 /// An error and its causes on one line, for the last words of a failed command.
 pub fn describe_error(error: &anyhow::Error) -> String {

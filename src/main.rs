@@ -28,14 +28,13 @@ fn main() -> ExitCode {
     // Before the runtime: the OTLP exporter runs a blocking client on its own thread.
     // Every password of the settings: scrubbed from each log line and the last word.
     let secrets = settings.passwords();
-    let telemetry =
-        match postie::ops::telemetry::init(&settings.log, &settings.otel, secrets.clone()) {
-            Ok(guard) => guard,
-            Err(e) => {
-                eprintln!("postie: configuration error: {e}");
-                return ExitCode::from(2);
-            }
-        };
+    let telemetry = match cli::init_telemetry(&settings.log, &settings.otel, secrets.clone()) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("postie: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // Settings load before logging: what they had to say (old key names) is said now,
     // once, whatever the command.
     for warning in settings.warnings() {
@@ -70,7 +69,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let message = postie::describe_error(&e);
-            eprintln!("postie: {}", postie::endpoint::scrub(&message, &secrets));
+            eprintln!("postie: {}", cli::scrub(&message, &secrets));
             match e.downcast_ref::<cli::Exit>() {
                 Some(exit) => ExitCode::from(exit.code),
                 None => ExitCode::FAILURE,

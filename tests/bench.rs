@@ -26,12 +26,12 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Channel;
-use postie::broker;
-use postie::broker::{DelayLayout, ROUTING_KEY};
 use postie::config::Settings;
-use postie::contract::{EmailJob, ParseRules};
-use postie::inbox::{Claim, Completion, Inbox};
-use postie::mail::{Clearance, Mailer};
+use postie::testing::broker;
+use postie::testing::broker::{DelayLayout, ROUTING_KEY};
+use postie::testing::contract::{EmailJob, ParseRules};
+use postie::testing::inbox::{Claim, Completion, Inbox};
+use postie::testing::mail::{Clearance, Mailer};
 use support::bench::{
     broker_connection, broker_memory, clock_ticks, cpu_model, cpu_seconds, env_usize, message_id,
     peak_rss_kib, publish_bodies, publish_delayed, round3, try_management_api, CpuSnapshot, CpuUse,

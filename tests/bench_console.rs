@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::console::{self, Credentials};
+use postie::testing::console::{self, Credentials};
 use support::TestEnv;
 use tokio_util::sync::CancellationToken;
 
@@ -23,7 +23,7 @@ async fn bench_console_pages() {
     let env = TestEnv::new("benchconsole").await;
     // The rows the relay writes for scheduled jobs (ladder mode), body kept.
     let inbox = env.settings().database;
-    let inbox = postie::inbox::Inbox::new(&inbox.plan().unwrap(), &inbox).unwrap();
+    let inbox = postie::testing::inbox::Inbox::new(&inbox.plan().unwrap(), &inbox).unwrap();
     inbox.migrate().await.unwrap();
     env.db()
         .await
@@ -65,7 +65,7 @@ async fn bench_console_pages() {
         env.publish_to_queue(
             &dead,
             body.as_bytes(),
-            postie::broker::job_properties().with_headers(headers),
+            postie::testing::broker::job_properties().with_headers(headers),
         )
         .await;
     }

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker::{self, DelayLayout, ROUTING_KEY};
+use postie::testing::broker::{self, DelayLayout, ROUTING_KEY};
 use support::bench::{
     broker_connection, broker_memory, env_usize, message_id, publish_delayed, Lateness,
 };

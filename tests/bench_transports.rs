@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use postie::broker::{self, ROUTING_KEY};
+use postie::testing::broker::{self, ROUTING_KEY};
 use support::bench::{
     broker_connection, cpu_model, cpu_seconds, env_usize, extra_postie_env, publish_bodies, round3,
     CpuSnapshot, CpuUse, Who,

@@ -268,12 +268,12 @@ async fn reschedule_earlier_and_later_by_revision() {
 async fn pending_lists_what_it_counts_while_jobs_are_recorded() {
     let env = TestEnv::new("pendingsnap").await;
     let database = env.settings().database;
-    let inbox = postie::inbox::Inbox::new(&database.plan().unwrap(), &database).unwrap();
+    let inbox = postie::testing::inbox::Inbox::new(&database.plan().unwrap(), &database).unwrap();
     inbox.migrate().await.unwrap();
     let writer = inbox.clone();
     let recording = tokio::spawn(async move {
         for i in 0..300 {
-            let job = postie::inbox::Scheduled {
+            let job = postie::testing::inbox::Scheduled {
                 key: format!("snap-{i}"),
                 revision: 0,
                 due_ms: now_ms() + 600_000,
@@ -367,7 +367,7 @@ async fn pending_agrees_with_what_is_sent() {
 /// dropped: the older revision's retry was claimed and its superseded content sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revision_recorded_while_an_older_one_is_sending_is_kept() {
-    use postie::inbox::{Claim, Completion, Inbox, Scheduled};
+    use postie::testing::inbox::{Claim, Completion, Inbox, Scheduled};
     let env = TestEnv::new("resched-sending").await;
     let settings = env.settings();
     let inbox = Inbox::new(&settings.database.plan().unwrap(), &settings.database).unwrap();

@@ -132,13 +132,13 @@ async fn after_returns(env: &TestEnv, how: Return) -> Option<String> {
     env.publish_to_queue(
         env.topology.send_queue(),
         job(&key, "limit@example.com").to_string().as_bytes(),
-        postie::broker::job_properties(),
+        postie::testing::broker::job_properties(),
     )
     .await;
     let returned = return_repeatedly(env, how, 3 * limit + 10).await;
     let settings = env.settings();
     let letters = eventually("the job is somewhere", WAIT, || async {
-        let letters = postie::dlq::list(&settings, 10).await.ok()?;
+        let letters = postie::testing::dlq::list(&settings, 10).await.ok()?;
         let waiting = env.depth(env.topology.send_queue()).await;
         (letters.len() + waiting as usize == 1).then_some(letters)
     })
@@ -243,7 +243,7 @@ async fn a_fleet_under_a_new_prefix_drains_the_old_send_queue() {
         env.publish_to_queue(
             &old_queue,
             body.to_string().as_bytes(),
-            postie::broker::job_properties(),
+            postie::testing::broker::job_properties(),
         )
         .await;
     }

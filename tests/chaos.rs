@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
-use postie::broker::ROUTING_KEY;
-use postie::contract::IdempotencyKey;
-use postie::headers::HEADER_PUBLISHED_AT;
+use postie::testing::broker;
+use postie::testing::broker::ROUTING_KEY;
+use postie::testing::contract::IdempotencyKey;
+use postie::testing::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 use serde_json::json;
 use support::{amqp_url, job, PostieProcess, TestEnv};

@@ -12,7 +12,7 @@ mod support;
 
 use std::time::Duration;
 
-use postie::inbox::{Claim, Inbox};
+use postie::testing::inbox::{Claim, Inbox};
 use support::Db;
 
 const LEASE: Duration = Duration::from_secs(30);

@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
-use postie::headers::HEADER_PUBLISHED_AT;
+use postie::testing::broker;
+use postie::testing::headers::HEADER_PUBLISHED_AT;
 use support::cluster::Cluster;
 use support::{eventually, free_port, job, message_id, run_postie, PostieProcess, TestEnv};
 
@@ -599,7 +599,7 @@ async fn no_password_of_any_address_shows_in_logs_errors_or_readyz() {
     let sized = |prefix: &str| {
         let mut topology = settings.topology.clone();
         topology.prefix = prefix.to_string();
-        postie::broker::Topology::new(
+        postie::testing::broker::Topology::new(
             &topology,
             &settings.delay,
             postie::config::DelayMode::Ladder,
@@ -706,7 +706,7 @@ async fn broker_sizing_figures() {
     for k in 0..4 {
         let mut settings = env.settings();
         settings.topology.prefix = format!("{}.x{k}", env.prefix);
-        let topology = postie::broker::Topology::new(
+        let topology = postie::testing::broker::Topology::new(
             &settings.topology,
             &settings.delay,
             postie::config::DelayMode::Ladder,

@@ -8,7 +8,7 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use postie::console::{self, Credentials};
+use postie::testing::console::{self, Credentials};
 use reqwest::{Client, StatusCode};
 use serde_json::json;
 use support::{delayed_properties, eventually, free_port, job, run_postie, TestEnv};

@@ -8,7 +8,7 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use postie::console::{self, Credentials};
+use postie::testing::console::{self, Credentials};
 use reqwest::{Client, StatusCode};
 use support::{run_postie, TestEnv};
 use tokio_util::sync::CancellationToken;

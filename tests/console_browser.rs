@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use postie::console::{self, Credentials};
+use postie::testing::console::{self, Credentials};
 use serde_json::json;
 use support::browser::Browser;
 use support::{delayed_properties, eventually, job, TestEnv};

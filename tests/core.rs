@@ -7,7 +7,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use postie::headers::HEADER_ATTEMPT;
+use postie::testing::headers::HEADER_ATTEMPT;
 use serde_json::json;
 use support::{eventually, job, message_id, proxy::Proxy, TestEnv};
 
@@ -222,7 +222,7 @@ async fn bad_input_is_dead_lettered_with_reasons_and_blocks_nothing() {
     for (i, (body, _)) in bad.iter().enumerate() {
         env.publish(&job(&format!("good-{i}"), "ok@example.com"))
             .await;
-        env.publish_raw(body, postie::broker::job_properties())
+        env.publish_raw(body, postie::testing::broker::job_properties())
             .await;
     }
     env.publish(&job("good-last", "ok@example.com")).await;

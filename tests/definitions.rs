@@ -14,9 +14,9 @@ use std::process::Command;
 use base64::Engine;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
-use postie::broker::Ladder;
-use postie::broker::{DelayLayout, Topology, ROUTING_KEY};
 use postie::config::{DelayMode, DelaySettings, TopologySettings};
+use postie::testing::broker::Ladder;
+use postie::testing::broker::{DelayLayout, Topology, ROUTING_KEY};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -148,7 +148,7 @@ fn expected_queue_args(topology: &Topology) -> BTreeMap<String, Value> {
             quorum.clone(),
             (
                 "x-delivery-limit",
-                json!(postie::topology::DEAD_DELIVERY_LIMIT),
+                json!(postie::testing::topology::DEAD_DELIVERY_LIMIT),
             ),
         ]),
     );

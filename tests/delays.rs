@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
-use postie::broker::{probe_plugin, resolve_mode};
 use postie::config::DelayMode;
-use postie::headers::HEADER_PUBLISHED_AT;
+use postie::testing::broker;
+use postie::testing::broker::{probe_plugin, resolve_mode};
+use postie::testing::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 use support::{amqp_url, eventually, job, message_id, sample, TestEnv};
 

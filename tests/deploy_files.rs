@@ -487,7 +487,7 @@ fn k8s_kustomization_builds_where_kubectl_exists() {
 /// Every series name postie's `/metrics` can show: counters with `_total`,
 /// histograms as `_bucket`, `_sum` and `_count`, gauges as they are.
 fn exported_series() -> BTreeSet<String> {
-    use postie::ops::metrics::{
+    use postie::testing::ops::metrics::{
         DeadReason, Dependency, FeedbackKind, LaneLabel, Metrics, ProviderLabel, ProviderName,
         ProviderResult, QueueLabel, RateLabel, RateWindow, RelayRoute, SourceLabel, Step,
     };

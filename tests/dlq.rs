@@ -7,7 +7,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use postie::dlq::{self, DeadLetterSummary, ReplayFilter, ReplayReport};
+use postie::testing::dlq::{self, DeadLetterSummary, ReplayFilter, ReplayReport};
 use serde_json::json;
 use support::{eventually, job, management_url, TestEnv};
 
@@ -45,7 +45,7 @@ async fn list_shows_dead_letters_without_consuming_and_replay_moves_only_matchin
     env.publish(&bad_address).await;
     env.publish_raw(
         b"{\"key\": \"k-broken\", ",
-        postie::broker::job_properties(),
+        postie::testing::broker::job_properties(),
     )
     .await;
     wait_for_dead(&env, 4).await;

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use postie::console::{self, Credentials};
-use postie::dlq::{self, ReplayFilter, ReplayReport};
+use postie::testing::console::{self, Credentials};
+use postie::testing::dlq::{self, ReplayFilter, ReplayReport};
 use reqwest::StatusCode;
 use serde_json::json;
 use support::{eventually, job, TestEnv};

@@ -30,7 +30,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, Que
 use lapin::types::FieldTable;
 use lapin::Connection;
 use postie::config::{ThrottlePolicy, ThrottleRule};
-use postie::ops::metrics::EventOutcome;
+use postie::testing::ops::metrics::EventOutcome;
 use serde_json::{json, Value};
 use support::{delayed_properties, eventually, job, message_id, TestEnv};
 
@@ -60,10 +60,11 @@ impl Tap {
             env.amqp_url.clone(),
         ))
         .unwrap();
-        let conn = postie::broker::connect(&addresses, "events-tap", Duration::from_secs(10))
-            .await
-            .expect("RabbitMQ for tests")
-            .connection;
+        let conn =
+            postie::testing::broker::connect(&addresses, "events-tap", Duration::from_secs(10))
+                .await
+                .expect("RabbitMQ for tests")
+                .connection;
         let channel = conn.create_channel().await.unwrap();
         let queue = channel
             .queue_declare(
@@ -245,10 +246,14 @@ async fn events_one_per_outcome_with_its_fields() {
     // A bounce, written as the feedback ingestion writes it: in its transaction.
     let mut db = env.db().await;
     let tx = db.transaction().await.unwrap();
-    let written =
-        postie::inbox::record_event(&tx, "ev-sent", EventOutcome::Bounced, Some("5.1.1 by DSN"))
-            .await
-            .unwrap();
+    let written = postie::testing::inbox::record_event(
+        &tx,
+        "ev-sent",
+        EventOutcome::Bounced,
+        Some("5.1.1 by DSN"),
+    )
+    .await
+    .unwrap();
     assert!(written);
     tx.commit().await.unwrap();
 
@@ -535,11 +540,11 @@ async fn events_for_a_thousand_jobs_on_three_instances_across_a_kill_9() {
 /// refused batch's fallback, one by one, share the rule; the batch is what runs here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_one_per_key_and_outcome_when_an_outcome_is_recorded_again() {
-    use postie::inbox::{Claim, Completion};
+    use postie::testing::inbox::{Claim, Completion};
     let env = TestEnv::new("events-again").await;
     let settings = env.settings();
     let plan = settings.database.plan().unwrap();
-    let inbox = postie::inbox::Inbox::new(&plan, &settings.database).unwrap();
+    let inbox = postie::testing::inbox::Inbox::new(&plan, &settings.database).unwrap();
     inbox.migrate().await.unwrap();
     let lease = Duration::from_secs(30);
     let claim = |key: &'static str| {
@@ -596,8 +601,8 @@ async fn events_one_per_key_and_outcome_when_an_outcome_is_recorded_again() {
 }
 
 /// Claims and `sent` completions of `n` keys on 16 tasks: pairs per second.
-async fn claim_and_complete(inbox: &postie::inbox::Inbox, round: &str, n: usize) -> f64 {
-    use postie::inbox::{Claim, Completion};
+async fn claim_and_complete(inbox: &postie::testing::inbox::Inbox, round: &str, n: usize) -> f64 {
+    use postie::testing::inbox::{Claim, Completion};
     let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let tasks: Vec<_> = (0..16)
@@ -647,9 +652,9 @@ async fn events_statement_cost() {
     let mut settings = env.settings();
     settings.database.pool_size = 16;
     let plan = settings.database.plan().unwrap();
-    let on = postie::inbox::Inbox::new(&plan, &settings.database).unwrap();
+    let on = postie::testing::inbox::Inbox::new(&plan, &settings.database).unwrap();
     on.migrate().await.unwrap();
-    let off = postie::inbox::Inbox::new(&plan, &settings.database)
+    let off = postie::testing::inbox::Inbox::new(&plan, &settings.database)
         .unwrap()
         .with_events(false);
     let mut results: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -672,8 +677,8 @@ async fn events_statement_cost() {
     // One completion at a time, on and off alternating key by key (so that the
     // machine's load falls on both alike): each completion's round trip.
     let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let on = postie::inbox::Inbox::new(&plan, &settings.database).unwrap();
-    let off = postie::inbox::Inbox::new(&plan, &settings.database)
+    let on = postie::testing::inbox::Inbox::new(&plan, &settings.database).unwrap();
+    let off = postie::testing::inbox::Inbox::new(&plan, &settings.database)
         .unwrap()
         .with_events(false);
     for i in 0..n {
@@ -684,13 +689,13 @@ async fn events_statement_cost() {
         };
         let key = format!("seq-{i}");
         let lease = Duration::from_secs(30);
-        let Ok(postie::inbox::Claim::Claimed { fence, .. }) =
+        let Ok(postie::testing::inbox::Claim::Claimed { fence, .. }) =
             inbox.claim(&key, "b", lease, 0).await
         else {
             panic!("{key} was not claimable");
         };
         let id = message_id(&key);
-        let sent = postie::inbox::Completion::Sent {
+        let sent = postie::testing::inbox::Completion::Sent {
             message_id: &id,
             due_ms: 0,
             provider: "smtp",

@@ -48,7 +48,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use postie::contract::IdempotencyKey;
+use postie::testing::contract::IdempotencyKey;
 use support::{admin_sql_in, amqp_url, eventually, pg_admin, pg_base, TestEnv};
 
 /// `x-delay` of every example job.

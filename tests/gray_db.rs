@@ -134,7 +134,7 @@ async fn gd_a_read_only_database_holds_jobs_and_dead_letters_none() {
 
 /// A channel of the test's own on the test's broker.
 async fn test_channel(env: &TestEnv) -> (lapin::Connection, lapin::Channel) {
-    let conn = postie::broker::connect(
+    let conn = postie::testing::broker::connect(
         &postie::config::AmqpAddresses::parse(&secrecy::SecretString::from(env.amqp_url.clone()))
             .unwrap(),
         "postie-test-gd",

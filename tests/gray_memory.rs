@@ -13,7 +13,7 @@ mod support;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
+use postie::testing::broker;
 use support::{eventually, job, TestEnv};
 
 const MIB: u64 = 1024 * 1024;

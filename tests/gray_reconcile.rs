@@ -28,8 +28,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
 use postie::config::SendRate;
+use postie::testing::broker;
 use support::{amqp_url, eventually, job, TestEnv};
 
 /// The send rate of the backlog tests, in emails per second.

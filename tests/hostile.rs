@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
-use postie::contract::IdempotencyKey;
-use postie::headers::HEADER_DEAD_KIND;
+use postie::testing::contract::IdempotencyKey;
+use postie::testing::headers::HEADER_DEAD_KIND;
 use serde::Deserialize;
 use support::sink::SinkMessage;
 use support::{job, DeadLetter, TestEnv};
@@ -416,7 +416,7 @@ fn good_case(name: String, message_id_domain: &str) -> Case {
     );
     Case {
         body: job(&name, GOOD_RCPT).to_string().into_bytes(),
-        properties: postie::broker::job_properties().with_headers(headers),
+        properties: postie::testing::broker::job_properties().with_headers(headers),
         expect: Expected::Sent,
         reason: String::new(),
         kinds: Vec::new(),

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use postie::broker;
+use postie::testing::broker;
 use serde_json::json;
 use support::sink::SmtpSink;
 use support::{eventually, job, message_id, TestEnv};

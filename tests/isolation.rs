@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker::{self, PublishError, ROUTING_KEY};
+use postie::testing::broker::{self, PublishError, ROUTING_KEY};
 use secrecy::SecretString;
 use support::{amqp_url, eventually, job, TestEnv};
 
@@ -150,7 +150,7 @@ impl Producer {
 
 /// The Message-ID postie gives `key` in the namespace of `user`.
 fn namespaced_message_id(user: &str, key: &str) -> String {
-    let key = postie::contract::IdempotencyKey::parse(key)
+    let key = postie::testing::contract::IdempotencyKey::parse(key)
         .unwrap()
         .in_namespace(user);
     key.message_id("postie.local")

@@ -83,7 +83,12 @@ async fn world_with(
     );
     // Published as a newsletter sender should: into the bulk lane's own intake.
     let bodies: Vec<_> = (0..bulk_jobs)
-        .map(|i| (bulk(&format!("bulk-{i}")), postie::broker::job_properties()))
+        .map(|i| {
+            (
+                bulk(&format!("bulk-{i}")),
+                postie::testing::broker::job_properties(),
+            )
+        })
         .collect();
     for chunk in bodies.chunks(2_000) {
         env.publish_many_routed("email.bulk", chunk).await;
@@ -127,7 +132,12 @@ async fn transactional(
         None => {
             // Routed by the default lane's name, as a producer naming every lane may.
             let bodies: Vec<_> = (keys.iter())
-                .map(|k| (job(k, "user@example.com"), postie::broker::job_properties()))
+                .map(|k| {
+                    (
+                        job(k, "user@example.com"),
+                        postie::testing::broker::job_properties(),
+                    )
+                })
                 .collect();
             let at = unix_ms();
             env.publish_many_routed("email.transactional", &bodies)
@@ -481,7 +491,7 @@ async fn tenants(name: &str, instances: usize, kill: bool, a: usize, flowing: Du
         let mut body = bulk(&key);
         body["tenant"] = "b".into();
         published.insert(key, unix_ms());
-        let props = postie::broker::job_properties();
+        let props = postie::testing::broker::job_properties();
         w.env
             .publish_many_routed("email.bulk", &[(body, props)])
             .await;
@@ -590,11 +600,16 @@ async fn a_lanes_own_cap_holds_and_its_retries_stay_in_the_lane() {
         )
         .await;
     let mut jobs: Vec<_> = (0..BULK)
-        .map(|i| (bulk(&format!("bulk-{i}")), postie::broker::job_properties()))
+        .map(|i| {
+            (
+                bulk(&format!("bulk-{i}")),
+                postie::testing::broker::job_properties(),
+            )
+        })
         .collect();
     let mut retried = bulk("bulk-retry");
     retried["to"] = serde_json::json!(["retry-me@example.com"]);
-    jobs.push((retried, postie::broker::job_properties()));
+    jobs.push((retried, postie::testing::broker::job_properties()));
     w.env.publish_many_routed("email.bulk", &jobs).await;
     let published = transactional(&w.env, 0, 50, None, || {}).await;
     let survivor = &w.instances[0].0;
@@ -680,7 +695,9 @@ async fn send_path_run(n: usize, lanes: bool) -> (f64, f64) {
         false => TestEnv::new("lanes-bench").await,
     };
     let conn = support::bench::broker_connection("postie-bench-lanes").await;
-    let channel = postie::broker::confirm_channel(&conn).await.unwrap();
+    let channel = postie::testing::broker::confirm_channel(&conn)
+        .await
+        .unwrap();
     let body = |i: usize| {
         let key = format!("e2e-{i}");
         match lanes && i % 2 == 1 {

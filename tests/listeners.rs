@@ -9,7 +9,7 @@ mod support;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use postie::console::{self, Credentials};
+use postie::testing::console::{self, Credentials};
 use support::{eventually, free_port, TestEnv};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -47,7 +47,7 @@ async fn metrics_count_what_happened_and_health_endpoints_answer() {
     env.publish(&job("m-1", "ok@example.com")).await; // duplicate
     env.publish(&job("m-flaky", "flaky@example.com")).await; // one retry, then sent
     env.publish(&job("m-nobody", "nobody@example.com")).await; // 5xx
-    env.publish_raw(b"not json", postie::broker::job_properties())
+    env.publish_raw(b"not json", postie::testing::broker::job_properties())
         .await; // invalid
 
     let base_ref = &base;

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, FieldTable};
-use postie::broker;
-use postie::headers::HEADER_PUBLISHED_AT;
+use postie::testing::broker;
+use postie::testing::headers::HEADER_PUBLISHED_AT;
 use support::{job, message_id, TestEnv};
 
 fn rabbitmqctl(args: &[&str]) {

@@ -228,7 +228,7 @@ async fn relay_killed_mid_batch(jobs: usize) {
 /// each key is claimed exactly once, the others told it is busy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
-    use postie::inbox::{Claim, Completion, Inbox, Scheduled};
+    use postie::testing::inbox::{Claim, Completion, Inbox, Scheduled};
 
     let env = TestEnv::new("claimstates").await;
     let database = env.settings().database;
@@ -388,7 +388,7 @@ async fn a_claim_answers_for_every_state_and_one_task_wins_each_key() {
 /// rest of its batch recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_at_once_are_recorded_each_by_its_own_fence() {
-    use postie::inbox::{Claim, Completion, Inbox};
+    use postie::testing::inbox::{Claim, Completion, Inbox};
 
     let env = TestEnv::new("batchdone").await;
     let database = env.settings().database;

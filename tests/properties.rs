@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use postie::config::KeyNamespace;
-use postie::contract::{self, EmailJob, ParseRules, Request};
-use postie::endpoint::{passwords, redact_url};
-use postie::headers::{self, Seal};
+use postie::testing::contract::{self, EmailJob, ParseRules, Request};
+use postie::testing::endpoint::{passwords, redact_url};
+use postie::testing::headers::{self, Seal};
 use proptest::prelude::*;
 
 /// Counts the bytes each thread holds, and its peak, around the system allocator.

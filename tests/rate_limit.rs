@@ -345,9 +345,9 @@ async fn killed_instance(jobs: usize, window: Duration) {
 /// The limiter alone against PostgreSQL: three limiters (three instances) with 20
 /// waiting jobs each take tokens for 3 s at `rate`; counts tokens and statements.
 async fn limiter_alone(rate: &str, per_second: f64) -> (usize, u64) {
-    use postie::inbox::Inbox;
-    use postie::ops::metrics::Metrics;
-    use postie::work::Limiter;
+    use postie::testing::inbox::Inbox;
+    use postie::testing::ops::metrics::Metrics;
+    use postie::testing::work::Limiter;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     let env = TestEnv::new("rl-unit").await;

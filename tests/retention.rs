@@ -385,7 +385,7 @@ async fn size(env: &TestEnv) -> (i64, i64, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn database_leg_with_a_prefilled_inbox() {
-    use postie::inbox::{Claim, Completion, Inbox};
+    use postie::testing::inbox::{Claim, Completion, Inbox};
     const N: usize = 20_000;
     const TASKS: usize = 64;
     let sizes: Vec<i64> = std::env::var("POSTIE_PREFILL")
@@ -482,7 +482,9 @@ async fn size_after_a_run_with_short_retention() {
     ]);
     inbox_table(&env).await;
     let conn = broker_connection("postie-size-run").await;
-    let channel = postie::broker::confirm_channel(&conn).await.unwrap();
+    let channel = postie::testing::broker::confirm_channel(&conn)
+        .await
+        .unwrap();
     let exchange = env.topology.work_exchange().to_owned();
     let started = Instant::now();
     let publishing = tokio::spawn(async move {
@@ -491,7 +493,13 @@ async fn size_after_a_run_with_short_retention() {
                 .to_string()
                 .into_bytes()
         });
-        publish_bodies(&channel, &exchange, postie::broker::ROUTING_KEY, bodies).await;
+        publish_bodies(
+            &channel,
+            &exchange,
+            postie::testing::broker::ROUTING_KEY,
+            bodies,
+        )
+        .await;
         conn
     });
     let mut peak = (0i64, 0i64, 0i64, 0i64);

@@ -1,5 +1,5 @@
 //! The shipped JSON Schema of the job body (`schema/email-job.v1.json`) and the
-//! runtime parser (`postie::contract::EmailJob::parse`) must agree on every case in
+//! runtime parser (`postie::testing::contract::EmailJob::parse`) must agree on every case in
 //! `tests/jobs/`:
 //!
 //! - `valid/`: accepted by both;
@@ -13,7 +13,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use postie::contract::{EmailJob, ParseRules};
+use postie::testing::contract::{EmailJob, ParseRules};
 use serde_json::Value;
 
 const RULES: ParseRules<'static> = ParseRules {

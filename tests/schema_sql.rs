@@ -8,7 +8,7 @@ mod support;
 
 use std::time::Duration;
 
-use postie::inbox::Inbox;
+use postie::testing::inbox::Inbox;
 use support::{admin_sql_in, pg_admin, TestEnv};
 use tokio_util::sync::CancellationToken;
 
@@ -145,7 +145,7 @@ async fn serve_refusal(env: &TestEnv) -> String {
     settings.database.migrate_on_start = false;
     let served = tokio::time::timeout(
         Duration::from_secs(60),
-        postie::consume::serve(settings, CancellationToken::new()),
+        postie::testing::consume::serve(settings, CancellationToken::new()),
     )
     .await
     .expect("serve refuses at once");

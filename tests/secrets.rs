@@ -321,8 +321,11 @@ async fn no_password_or_credentialed_url_reaches_the_output() {
         .await;
     env.publish(&job("sec-permfail", "permfail@example.com"))
         .await;
-    env.publish_raw(b"{ this is not json", postie::broker::job_properties())
-        .await;
+    env.publish_raw(
+        b"{ this is not json",
+        postie::testing::broker::job_properties(),
+    )
+    .await;
     let envr = &env;
     eventually(
         "the first send",

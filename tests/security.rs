@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use postie::config::{DatabaseSettings, Settings};
-use postie::inbox::Inbox;
-use postie::mail::{Clearance, Email, Mailer, SendError};
+use postie::testing::inbox::Inbox;
+use postie::testing::mail::{Clearance, Email, Mailer, SendError};
 use secrecy::SecretString;
 use support::{amqp_url, free_port, pg_admin, pg_base, TestEnv};
 
@@ -243,7 +243,7 @@ fn this_machine_by_name() -> Option<String> {
     let local = (hostname.as_str(), 1u16)
         .to_socket_addrs()
         .is_ok_and(|mut addrs| addrs.any(|a| a.ip() == std::net::Ipv4Addr::LOCALHOST));
-    (!hostname.is_empty() && !postie::endpoint::is_loopback_host(&hostname) && local)
+    (!hostname.is_empty() && !postie::testing::endpoint::is_loopback_host(&hostname) && local)
         .then_some(hostname)
 }
 

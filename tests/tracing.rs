@@ -9,7 +9,7 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use postie::broker;
+use postie::testing::broker;
 use support::{eventually, job, TestEnv};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;

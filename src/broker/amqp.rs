@@ -166,7 +166,7 @@ async fn connect_one(
 /// `worker.key_namespace = "user_id"` to re-publish producers' jobs. Publishes one
 /// empty message that no queue receives, under a made-up `user_id`, on a channel of
 /// its own: the broker closes that channel with 406 if the user may not.
-pub async fn may_impersonate(conn: &Connection) -> Result<bool, lapin::Error> {
+pub(crate) async fn may_impersonate(conn: &Connection) -> Result<bool, lapin::Error> {
     let channel = confirm_channel(conn).await?;
     let nobody = format!("postie-probe-{}", uuid::Uuid::new_v4().simple());
     let properties = BasicProperties::default().with_user_id(nobody.as_str().into());
@@ -194,7 +194,7 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
 
 /// A queue as a passive declare sees it: ready messages and consumers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QueueState {
+pub(crate) struct QueueState {
     /// Messages ready for delivery (not those delivered and unacked).
     pub ready: u32,
     /// Consumers.
@@ -203,7 +203,7 @@ pub struct QueueState {
 
 /// `queue`'s state, or `None` if the broker has no such queue (404). Uses a channel of
 /// its own, since a failed passive declare closes it.
-pub async fn queue_state(
+pub(crate) async fn queue_state(
     conn: &Connection,
     queue: &str,
 ) -> Result<Option<QueueState>, lapin::Error> {
@@ -229,7 +229,7 @@ pub async fn queue_state(
 }
 
 /// Whether `queue` exists ([`queue_state`]).
-pub async fn queue_exists(conn: &Connection, queue: &str) -> anyhow::Result<bool> {
+pub(crate) async fn queue_exists(conn: &Connection, queue: &str) -> anyhow::Result<bool> {
     Ok(queue_state(conn, queue).await?.is_some())
 }
 
@@ -287,7 +287,7 @@ pub fn job_properties() -> BasicProperties {
 /// publishing connection's user (406, closing the channel) unless that user has the
 /// `impersonator` tag: a producer's `user_id` cannot ride along on postie's own
 /// re-publishes unless postie needs it (`worker.key_namespace = "user_id"`).
-pub fn copy_properties(properties: &BasicProperties, keep_user_id: bool) -> BasicProperties {
+pub(crate) fn copy_properties(properties: &BasicProperties, keep_user_id: bool) -> BasicProperties {
     let mut out = BasicProperties::default();
     macro_rules! copy {
         ($($get:ident => $set:ident),* $(,)?) => {

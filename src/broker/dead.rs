@@ -31,11 +31,11 @@ use crate::topology::{Topology, DEAD_DELIVERY_LIMIT};
 
 /// The smallest policy `delivery-limit` `postie status` takes as protection: a
 /// million looks at each letter (RabbitMQ 4.x also takes `-1`, no limit).
-pub const PROTECTIVE_LIMIT: i64 = 1_000_000;
+pub(crate) const PROTECTIVE_LIMIT: i64 = 1_000_000;
 
 /// How `<p>.dead` stands against looks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeadLimit {
+pub(crate) enum DeadLimit {
     /// Declared with postie's limit ([`DEAD_DELIVERY_LIMIT`]).
     Declared,
     /// Declared without a limit of its own (by an older postie): on RabbitMQ 4.x the
@@ -52,7 +52,7 @@ impl Topology {
     /// do: a `<p>.dead` that an older postie declared without the delivery limit is
     /// kept as it is (declaring it anew would be refused with 406 and stop every
     /// instance), with a warning; what it found.
-    pub async fn declare_on(&self, conn: &Connection) -> Result<DeadLimit, TopologyError> {
+    pub(crate) async fn declare_on(&self, conn: &Connection) -> Result<DeadLimit, TopologyError> {
         let first = self.declare(&channel(conn).await?).await;
         match first {
             Ok(()) => Ok(DeadLimit::Declared),
@@ -90,7 +90,10 @@ fn lacks_limit(detail: &str) -> bool {
 /// `<p>.dead`'s standing, by declaring it with postie's arguments on a channel of its
 /// own (the broker refuses a queue that lacks the limit); a missing queue is not
 /// created.
-pub async fn dead_limit(conn: &Connection, topology: &Topology) -> Result<DeadLimit, lapin::Error> {
+pub(crate) async fn dead_limit(
+    conn: &Connection,
+    topology: &Topology,
+) -> Result<DeadLimit, lapin::Error> {
     let queue = topology.dead_queue();
     if super::queue_state(conn, queue).await?.is_none() {
         return Ok(DeadLimit::Missing);
@@ -121,7 +124,7 @@ pub async fn dead_limit(conn: &Connection, topology: &Topology) -> Result<DeadLi
 }
 
 /// The warning for a `<p>.dead` without a limit of its own, with the fix.
-pub fn unprotected_warning(queue: &str) -> String {
+pub(crate) fn unprotected_warning(queue: &str) -> String {
     format!(
         "{queue} has no delivery limit of its own (declared by an older postie): on \
          RabbitMQ 4.x the broker's default of 20 applies, and a dead letter is dropped once \
@@ -134,7 +137,7 @@ pub fn unprotected_warning(queue: &str) -> String {
 }
 
 /// The `rabbitmqctl` command of a policy that protects `queue` (on 3.x and 4.x).
-pub fn policy_command(queue: &str) -> String {
+pub(crate) fn policy_command(queue: &str) -> String {
     let pattern = format!("^{}$", queue.replace('.', "\\."));
     format!(
         "rabbitmqctl set_policy --apply-to queues --priority 10 postie-dead '{pattern}' \
@@ -145,7 +148,7 @@ pub fn policy_command(queue: &str) -> String {
 
 /// Whether a policy's `delivery-limit` keeps every letter through any number of
 /// looks in practice.
-pub fn limit_protects(limit: i64) -> bool {
+pub(crate) fn limit_protects(limit: i64) -> bool {
     !(0..PROTECTIVE_LIMIT).contains(&limit)
 }
 

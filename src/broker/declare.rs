@@ -327,11 +327,11 @@ mod tests;
 
 /// Ready messages and consumers of one queue (a passive declare), or `None` if the
 /// queue is missing.
-pub type QueueDepth = (String, Option<(u32, u32)>);
+pub(crate) type QueueDepth = (String, Option<(u32, u32)>);
 
 /// The depth of each queue in `queues`, by passive declares on channels of `conn`
 /// (a missing queue closes its channel; the next one gets a new channel).
-pub async fn queue_depths(
+pub(crate) async fn queue_depths(
     conn: &lapin::Connection,
     queues: &[String],
 ) -> Result<Vec<QueueDepth>, lapin::Error> {

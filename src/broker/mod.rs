@@ -8,19 +8,18 @@
 //! - `probe.rs`: `delay.mode = auto`. `acks.rs`: coalesced acks.
 //! - `dead.rs`: `<p>.dead` against looks. `management.rs`: the management HTTP API.
 
-pub mod acks;
-pub mod amqp;
-pub mod dead;
-pub mod declare;
-pub mod management;
-pub mod probe;
+pub(crate) mod acks;
+pub(crate) mod amqp;
+pub(crate) mod dead;
+pub(crate) mod declare;
+pub(crate) mod management;
+pub(crate) mod probe;
 
-pub use crate::topology::{ladder, DelayLayout, Ladder, Topology, ROUTING_KEY};
+pub use crate::topology::{DelayLayout, Ladder, Topology, ROUTING_KEY};
 pub(crate) use acks::Acks;
-pub use amqp::{
-    confirm_channel, connect, copy_properties, job_properties, may_impersonate, publish_confirmed,
-    queue_exists, queue_state, Connected, PublishError, QueueState,
-};
-pub use dead::{dead_limit, DeadLimit};
-pub use declare::{queue_depths, QueueDepth, TopologyError};
-pub use probe::{probe_mode, probe_plugin, resolve_mode, resolve_topology, Probed};
+pub use amqp::{confirm_channel, connect, job_properties, publish_confirmed, PublishError};
+pub(crate) use amqp::{copy_properties, may_impersonate, queue_exists, queue_state, Connected};
+pub(crate) use dead::{dead_limit, DeadLimit};
+pub(crate) use declare::{queue_depths, QueueDepth};
+pub(crate) use probe::resolve_topology;
+pub use probe::{probe_plugin, resolve_mode};

@@ -18,7 +18,7 @@ use crate::topology::{insert, string, Topology};
 
 /// Resolves `delay.mode` (probing the broker for `auto`), logs the choice and why in
 /// one INFO line, and names the topology.
-pub async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
+pub(crate) async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
     let probed = probe_mode(
         settings.delay.mode,
         &settings.topology,
@@ -44,7 +44,7 @@ pub async fn resolve_topology(settings: &Settings) -> anyhow::Result<Topology> {
 
 /// The delay mode chosen, and why, in words for the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Probed {
+pub(crate) struct Probed {
     /// The mode.
     pub mode: DelayMode,
     /// Why it was chosen.
@@ -69,7 +69,7 @@ pub async fn resolve_mode(
 ///
 /// The refusals the probe expects (404 for a missing exchange, 503 or 406 for an
 /// unknown exchange type) are not logged as errors: see [`ExpectedRefusals`].
-pub async fn probe_mode(
+pub(crate) async fn probe_mode(
     configured: DelayMode,
     settings: &TopologySettings,
     amqp_url: &secrecy::SecretString,

@@ -22,6 +22,10 @@ use clap::{Parser, Subcommand};
 
 use crate::config::Settings;
 
+/// For `main.rs`: logging and traces started from the settings, and a line scrubbed
+/// of the configured passwords (its last words).
+pub use crate::endpoint::scrub;
+pub use crate::ops::telemetry::init as init_telemetry;
 pub(crate) use publish::PublishArgs;
 
 /// A command's end with an exit status of its own (not 0, 1 or 2), and its last word.

@@ -36,9 +36,9 @@ use super::{token, Console};
 use crate::config::ConsoleSettings;
 
 /// The environment variable holding the operator's token.
-pub const TOKEN_ENV: &str = "POSTIE_CONSOLE_TOKEN";
+pub(crate) const TOKEN_ENV: &str = "POSTIE_CONSOLE_TOKEN";
 /// The environment variable holding the viewer's (read-only) token.
-pub const READ_TOKEN_ENV: &str = "POSTIE_CONSOLE_READ_TOKEN";
+pub(crate) const READ_TOKEN_ENV: &str = "POSTIE_CONSOLE_READ_TOKEN";
 /// The cookie `POST /login` sets.
 pub(super) const COOKIE: &str = "postie_console";
 
@@ -52,7 +52,7 @@ pub struct Credentials {
 
 impl Credentials {
     /// `POSTIE_CONSOLE_TOKEN` and `POSTIE_CONSOLE_READ_TOKEN`; an empty one is unset.
-    pub fn from_env() -> Self {
+    pub(crate) fn from_env() -> Self {
         let read = |name| std::env::var(name).ok().filter(|t| !t.is_empty());
         Self::new(read(TOKEN_ENV), read(READ_TOKEN_ENV))
     }

@@ -51,7 +51,7 @@ use crate::config::Settings;
 use crate::inbox::Inbox;
 use crate::topology::Topology;
 
-pub use auth::{Credentials, READ_TOKEN_ENV, TOKEN_ENV};
+pub use auth::Credentials;
 
 /// htmx 2.0.11 (0BSD), `dist/htmx.min.js` of the npm package `htmx.org`.
 const HTMX: &[u8] = include_bytes!("assets/htmx.min.js");

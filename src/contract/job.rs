@@ -81,7 +81,7 @@ impl EmailJob {
 /// newest seen). Published like a job, without `x-delay`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct CancelRequest {
+pub(crate) struct CancelRequest {
     /// The idempotency key to cancel.
     pub cancel: String,
     /// The highest revision the cancel covers.

@@ -121,7 +121,7 @@ impl fmt::Debug for IdempotencyKey {
 /// The RabbitMQ user whose key space a key stored under `worker.key_namespace =
 /// "user_id"` lives in: what [`IdempotencyKey::in_namespace`] put before the first
 /// `:`, decoded. For re-publishing a stored job with the `user_id` it came with.
-pub fn key_owner(stored_key: &str) -> Option<String> {
+pub(crate) fn key_owner(stored_key: &str) -> Option<String> {
     let (user, _) = stored_key.split_once(':')?;
     Some(crate::endpoint::percent_decode(user))
 }

@@ -78,7 +78,7 @@ pub fn table(letters: &[DeadLetterSummary]) -> String {
 }
 
 /// What an operator needs to know about one dead letter, from its body and headers.
-pub fn summarize(
+pub(crate) fn summarize(
     body: &[u8],
     headers: Option<&FieldTable>,
     rules: &ParseRules<'_>,
@@ -129,7 +129,7 @@ pub fn summarize(
 
 /// The headers a replayed copy carries: the original ones minus
 /// [`REPLAY_DROPPED_HEADERS`].
-pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
+pub(crate) fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
     headers::without(original, REPLAY_DROPPED_HEADERS)
 }
 

@@ -30,7 +30,8 @@
 
 mod letter;
 
-pub use letter::{replay_headers, summarize, table, DeadLetterSummary};
+pub(crate) use letter::{replay_headers, summarize};
+pub use letter::{table, DeadLetterSummary};
 
 use futures_util::StreamExt as _;
 use lapin::message::Delivery;

@@ -37,7 +37,7 @@ pub(super) use events_of_done;
 /// Inserts one event of `$2` (an outcome) for the job `$1`, with `$3` as its reason,
 /// the rest (type, Message-ID, provider and its id, attempts) from the job's inbox
 /// row; nothing if the key has no row. See [`record_event`].
-pub const RECORD_EVENT: &str = "INSERT INTO postie_events
+pub(crate) const RECORD_EVENT: &str = "INSERT INTO postie_events
         (key, outcome, type, message_id, provider, provider_message_id, reason, attempts)
     SELECT key, $2::text, type, message_id, provider, provider_message_id, $3::text, attempts
       FROM postie_inbox WHERE key = $1::text";

@@ -22,7 +22,7 @@ use crate::ops::metrics::EventOutcome;
 
 /// What a notification reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FeedbackKind {
+pub(crate) enum FeedbackKind {
     /// The email bounced; `hard`: permanently (the address suppressed).
     Bounce {
         /// A permanent failure (suppresses); a soft one is only recorded.
@@ -34,7 +34,7 @@ pub enum FeedbackKind {
 
 impl FeedbackKind {
     /// `postie_feedback.kind`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Bounce { .. } => "bounce",
             Self::Complaint => "complaint",
@@ -60,7 +60,7 @@ impl FeedbackKind {
     }
 
     /// The suppression it adds, if any.
-    pub fn reason(self) -> Option<SuppressionReason> {
+    pub(crate) fn reason(self) -> Option<SuppressionReason> {
         match self {
             Self::Bounce { hard: true } => Some(SuppressionReason::HardBounce),
             Self::Bounce { hard: false } => None,
@@ -71,7 +71,7 @@ impl FeedbackKind {
 
 /// One notification about one address.
 #[derive(Debug, Clone)]
-pub struct Feedback {
+pub(crate) struct Feedback {
     /// Where it came from (`ses`, `sendgrid`, `postmark`, `mailgun`, `dsn`, `arf`).
     pub source: String,
     /// What the source calls the notification (its replays carry the same).
@@ -90,7 +90,7 @@ pub struct Feedback {
 
 /// What recording a notification did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Recorded {
+pub(crate) enum Recorded {
     /// New, and matched to the job of this key (an email sent to the address).
     Matched {
         /// The job's key.
@@ -112,7 +112,7 @@ pub enum Recorded {
 
 /// Why a notification matched no job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unmatched {
+pub(crate) enum Unmatched {
     /// No job has its Message-ID or provider id.
     NoJob,
     /// The job with its id was not sent to this address.
@@ -123,7 +123,7 @@ pub enum Unmatched {
 
 impl Unmatched {
     /// In words, for a log line or the ingest's output.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::NoJob => "no job postie sent has its Message-ID or provider id",
             Self::NotSentTo => "the job with its Message-ID or provider id was not sent to this address",
@@ -133,7 +133,7 @@ impl Unmatched {
 }
 
 /// A Message-ID as the inbox stores it: `<id@domain>`.
-pub fn bracketed(message_id: &str) -> String {
+pub(crate) fn bracketed(message_id: &str) -> String {
     let bare = message_id
         .trim()
         .trim_start_matches('<')
@@ -171,7 +171,11 @@ async fn sent_to(
 impl Inbox {
     /// Records `f` in one transaction (see the module's doc); `trusted`: an unmatched
     /// notice suppresses all the same (`feedback.trust_unmatched` names its source).
-    pub async fn record_feedback(&self, f: &Feedback, trusted: bool) -> Result<Recorded, DbError> {
+    pub(crate) async fn record_feedback(
+        &self,
+        f: &Feedback,
+        trusted: bool,
+    ) -> Result<Recorded, DbError> {
         let address = match Address::parse("address", f.address.trim()) {
             Ok(parsed) => normalise(&parsed.email),
             Err(why) => return Ok(Recorded::Invalid(why.to_string())),

@@ -10,7 +10,7 @@ use super::{DbError, Inbox};
 
 /// A tenant's slots taken ahead of now: its deferred backlog, in time.
 #[derive(Debug, Clone, PartialEq)]
-pub struct TenantBacklog {
+pub(crate) struct TenantBacklog {
     /// The lane.
     pub lane: String,
     /// The tenant.
@@ -21,7 +21,7 @@ pub struct TenantBacklog {
 
 impl Inbox {
     /// The `limit` tenants whose slots run furthest ahead (for `postie status`).
-    pub async fn busiest_tenants(&self, limit: i64) -> Result<Vec<TenantBacklog>, DbError> {
+    pub(crate) async fn busiest_tenants(&self, limit: i64) -> Result<Vec<TenantBacklog>, DbError> {
         let client = self.pool.get().await?;
         let rows = client
             .query(

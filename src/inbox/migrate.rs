@@ -206,7 +206,7 @@ impl Inbox {
     /// The migrations this postie has that the database has not applied (their files,
     /// oldest first), for commands that read the inbox and would otherwise fail on a
     /// missing table. Writes nothing.
-    pub async fn unapplied_migrations(&self) -> Result<Vec<&'static str>, MigrateError> {
+    pub(crate) async fn unapplied_migrations(&self) -> Result<Vec<&'static str>, MigrateError> {
         let client = self.pool.get().await.map_err(DbError::from)?;
         let recorded = applied(&client).await?;
         verify(&recorded, MIGRATIONS)?;

@@ -29,7 +29,7 @@ use tokio_postgres::NoTls;
 
 mod batch;
 mod breakers;
-pub mod clock;
+pub(crate) mod clock;
 mod dial;
 mod error;
 mod events;
@@ -49,25 +49,20 @@ mod sends;
 mod suppression;
 mod tls;
 
-pub use breakers::Breaker;
 pub(crate) use dial::Dialer;
 pub(crate) use error::DbError;
-pub use events::{record_event, RECORD_EVENT};
+pub use events::record_event;
 pub(crate) use events::{Event, OutboxError};
-pub use feedback::{bracketed, Feedback, FeedbackKind, Recorded, Unmatched};
+pub(crate) use feedback::{Feedback, FeedbackKind, Recorded};
 pub(crate) use inspect::MAINTENANCE_LOCK;
-pub use lanes::TenantBacklog;
 pub(crate) use machine::{Cancelled, Status};
 pub use machine::{Claim, Completion, Scheduled};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::{PendingFilter, Throttle};
 pub(crate) use reconcile::{LaneRows, Overdue};
 pub(crate) use replay::TokenSeen;
-pub use reputation::TypeRates;
 pub(crate) use sends::{MinuteSends, RecentSends};
-pub use suppression::{
-    normalise, Entry as SuppressionEntry, Suppress, Suppression, SuppressionReason,
-};
+pub(crate) use suppression::{normalise, Entry as SuppressionEntry, Suppress, SuppressionReason};
 
 use crate::config::{DatabaseSettings, DbPlan};
 use crate::endpoint::redact_url;

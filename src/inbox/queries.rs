@@ -34,7 +34,7 @@ pub struct PendingJob {
 
 /// Which scheduled jobs [`Inbox::pending_page`] reads; the default reads them all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PendingFilter {
+pub(crate) struct PendingFilter {
     /// Only jobs due before this time (Unix ms).
     pub due_before_ms: Option<i64>,
     /// Only this key.
@@ -124,7 +124,7 @@ impl Inbox {
 
     /// One page of the scheduled jobs that match `filter`, soonest first, from the
     /// `offset`-th on; and how many match in all.
-    pub async fn pending_page(
+    pub(crate) async fn pending_page(
         &self,
         filter: &PendingFilter,
         offset: i64,

@@ -14,7 +14,7 @@ use super::{DbError, Inbox};
 mod bulk;
 mod filter;
 
-pub use bulk::Entry;
+pub(crate) use bulk::Entry;
 pub(crate) use filter::Filter;
 
 /// Why an address is suppressed (the `reason` column).
@@ -57,7 +57,7 @@ impl SuppressionReason {
 
 /// One row of the list, as `postie suppression list` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Suppression {
+pub(crate) struct Suppression {
     /// The address, normalised.
     pub address: String,
     /// `*` or a job type.
@@ -93,7 +93,7 @@ pub struct Suppress<'a> {
 
 /// How postie compares addresses: trimmed and lower-cased (the local part is
 /// case-sensitive in theory, never in practice at the providers this list mirrors).
-pub fn normalise(address: &str) -> String {
+pub(crate) fn normalise(address: &str) -> String {
     address.trim().to_lowercase()
 }
 
@@ -203,7 +203,7 @@ impl Inbox {
 
     /// Removes the address's row in `scope` (every scope when `None`), with audit
     /// rows naming `source`; how many were removed.
-    pub async fn unsuppress(
+    pub(crate) async fn unsuppress(
         &self,
         address: &str,
         scope: Option<&str>,
@@ -226,7 +226,7 @@ impl Inbox {
     }
 
     /// The list (live rows), by address; only `address`'s when given; at most `limit`.
-    pub async fn suppression_list(
+    pub(crate) async fn suppression_list(
         &self,
         address: Option<&str>,
         limit: i64,

@@ -38,7 +38,7 @@ mod route;
 mod smtp;
 
 pub(crate) use api::{web_client, WebClient};
-pub use route::RouteId;
+pub(crate) use route::RouteId;
 pub(crate) use route::{Change, Routes};
 
 use crate::config::{ProviderPlan, Settings, SmtpTransport};
@@ -321,7 +321,7 @@ impl Mailer {
 
     /// Builds and formats the email for `route`; an error here is permanent (the job
     /// can never be sent).
-    pub fn build_for(&self, job: &EmailJob, route: RouteId) -> Result<Email, SendError> {
+    pub(crate) fn build_for(&self, job: &EmailJob, route: RouteId) -> Result<Email, SendError> {
         let message_id = self.message_id(job);
         let fields = self
             .routes
@@ -360,7 +360,7 @@ impl Mailer {
     ///
     /// `_slot` is the connection turn the send runs on ([`Mailer::slot`]). The result
     /// is not yet counted: the caller hands it to [`Routes::judge`].
-    pub async fn send_through(
+    pub(crate) async fn send_through(
         &self,
         _slot: &Slot,
         route: RouteId,

@@ -10,9 +10,9 @@
 //!   serves HTTP (the feedback endpoint and the console too).
 //! - `telemetry.rs`: logs and OTLP traces.
 
-pub mod backoff;
-pub mod health;
-pub mod http;
+pub(crate) mod backoff;
+pub(crate) mod health;
+pub(crate) mod http;
 pub(crate) mod https;
 pub mod metrics;
-pub mod telemetry;
+pub(crate) mod telemetry;

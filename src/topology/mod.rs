@@ -33,11 +33,11 @@ use crate::config::DelayMode;
 use crate::config::{DelaySettings, TopologySettings};
 use crate::contract::PLUGIN_MAX_DELAY;
 
-pub mod ladder;
+pub(crate) mod ladder;
 mod lanes;
 
 pub use ladder::Ladder;
-pub use lanes::{Lane, LaneId};
+pub(crate) use lanes::{Lane, LaneId};
 
 /// How `<p>.delayed` holds jobs until due: the resolved delay mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,7 +206,7 @@ impl Topology {
     }
 
     /// The lane a job names: the default if it names none, or one not configured.
-    pub fn lane_named(&self, name: Option<&str>) -> LaneId {
+    pub(crate) fn lane_named(&self, name: Option<&str>) -> LaneId {
         name.and_then(|name| self.lanes.iter().position(|lane| lane.name == name))
             .map_or(LaneId(0), LaneId)
     }

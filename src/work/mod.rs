@@ -13,15 +13,15 @@
 //! - [`outcome`]: the [`Outcome`]s, and for each its log line, counter and
 //!   [`Disposition`] (what the consume loop does with the delivery).
 
-pub mod context;
+pub(crate) mod context;
 mod lanes;
-pub mod limiter;
-pub mod outcome;
-pub mod policy;
-pub mod worker;
+pub(crate) mod limiter;
+pub(crate) mod outcome;
+pub(crate) mod policy;
+pub(crate) mod worker;
 
 pub(crate) use context::{Context, SharedContext};
-pub use limiter::{Limiter, Turn};
+pub use limiter::Limiter;
 pub(crate) use outcome::{dead_letter, DeadKind, Disposition, Outcome, Target};
 pub(crate) use policy::Next;
 pub(crate) use worker::{Interrupted, Worker};

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, PublisherConfirm};
-use postie::broker;
-use postie::contract::IdempotencyKey;
-use postie::headers::HEADER_PUBLISHED_AT;
+use postie::testing::broker;
+use postie::testing::contract::IdempotencyKey;
+use postie::testing::headers::HEADER_PUBLISHED_AT;
 use secrecy::SecretString;
 
 use super::sink::SinkMessage;

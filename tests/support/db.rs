@@ -144,7 +144,7 @@ async fn build_template() -> String {
             let db = Db {
                 name: partial.clone(),
             };
-            let inbox = postie::inbox::Inbox::connect(&db.settings())
+            let inbox = postie::testing::inbox::Inbox::connect(&db.settings())
                 .await
                 .expect("connect to the template");
             inbox.migrate().await.expect("migrate the template");

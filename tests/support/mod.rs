@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
-use postie::broker;
-use postie::broker::{Topology, ROUTING_KEY};
 use postie::config::Settings;
+use postie::testing::broker;
+use postie::testing::broker::{Topology, ROUTING_KEY};
 use secrecy::SecretString;
 use tokio_util::sync::CancellationToken;
 
@@ -67,7 +67,7 @@ pub fn delayed_properties(delay_ms: i64, published_ms: i64) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), AMQPValue::LongLongInt(delay_ms));
     headers.insert(
-        postie::headers::HEADER_PUBLISHED_AT.into(),
+        postie::testing::headers::HEADER_PUBLISHED_AT.into(),
         AMQPValue::LongLongInt(published_ms),
     );
     broker::job_properties().with_headers(headers)
@@ -213,7 +213,7 @@ impl TestEnv {
     /// Runs `postie serve` in this process until the handle is stopped.
     pub fn serve(&self, settings: Settings) -> Serving {
         let stop = CancellationToken::new();
-        let serving = postie::consume::serve(settings, stop.clone());
+        let serving = postie::testing::consume::serve(settings, stop.clone());
         // A start-up that fails says why on stderr at once: a test waiting for
         // emails would otherwise time out without a word about the cause.
         let task = tokio::spawn(async move {
@@ -693,7 +693,7 @@ impl DeadLetter {
     /// The `postie-dead-reason` header.
     pub fn reason(&self) -> &str {
         self.headers
-            .get(postie::headers::HEADER_DEAD_REASON)
+            .get(postie::testing::headers::HEADER_DEAD_REASON)
             .map(String::as_str)
             .unwrap_or("")
     }
@@ -750,7 +750,7 @@ pub fn restart_postgres() -> bool {
 
 /// The Message-ID postie gives every email of `key` (test settings' domain).
 pub fn message_id(key: &str) -> String {
-    postie::contract::IdempotencyKey::parse(key)
+    postie::testing::contract::IdempotencyKey::parse(key)
         .unwrap()
         .message_id("postie.local")
 }
@@ -881,7 +881,7 @@ fn headers_as_text(headers: &FieldTable) -> BTreeMap<String, String> {
         .map(|(k, v)| {
             let text = match v {
                 AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                other => postie::headers::header_text(Some(headers), k.as_str())
+                other => postie::testing::headers::header_text(Some(headers), k.as_str())
                     .unwrap_or_else(|| format!("{other:?}")),
             };
             (k.as_str().to_string(), text)

@@ -249,7 +249,7 @@ impl Inbox {
     /// (`postie_inbox.recipients`, each normalised as the suppression list compares
     /// them; none: not known), so that feedback about an address is matched only to
     /// an email sent to it (issue 45). Other completions ignore `recipients`.
-    pub async fn complete_to(
+    pub(crate) async fn complete_to(
         &self,
         key: &str,
         fence: i64,

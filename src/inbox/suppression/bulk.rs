@@ -11,7 +11,7 @@ const CHUNK: usize = 1_000;
 
 /// One entry of an import.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     /// The address (normalised when added).
     pub address: String,
     /// `*` or a job type.
@@ -53,7 +53,11 @@ const ADD_MANY: &str = "WITH input AS (
 impl Inbox {
     /// Adds every entry in one transaction; how many were added (the others were
     /// live on the list already, in that scope).
-    pub async fn suppress_many(&self, entries: &[Entry], source: &str) -> Result<u64, DbError> {
+    pub(crate) async fn suppress_many(
+        &self,
+        entries: &[Entry],
+        source: &str,
+    ) -> Result<u64, DbError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let stmt = tx.prepare_cached(ADD_MANY).await?;
@@ -81,7 +85,7 @@ impl Inbox {
 
     /// Live entries after `after` (address, scope) in that order, at most `limit`: the
     /// list a page at a time, for an export of any size.
-    pub async fn suppression_page(
+    pub(crate) async fn suppression_page(
         &self,
         after: Option<(&str, &str)>,
         limit: i64,

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use postie::config::DatabaseSettings;
-use postie::inbox::{Claim, Completion, Inbox, Scheduled};
+use postie::testing::inbox::{Claim, Completion, Inbox, Scheduled};
 use postie_model::inbox::{self as model, Answer, Row, Status};
 use postie_model::sql::MIRRORED;
 use secrecy::SecretString;
