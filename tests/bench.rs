@@ -549,7 +549,7 @@ async fn sink_leg(n: usize, concurrency: usize) -> Measured {
 /// pending record and a confirmed republish); timed from its start until the intake
 /// is empty and the ladder holds them all.
 async fn relay_leg(n: usize, extra: &[(String, String)]) -> Measured {
-    let env = TestEnv::new("benchrelay").await;
+    let env = TestEnv::for_bench("benchrelay").await;
     let conn = broker_connection("postie-bench").await;
     let publisher = broker::confirm_channel(&conn).await.unwrap();
     let mut headers = FieldTable::default();
@@ -616,7 +616,7 @@ async fn relay_leg(n: usize, extra: &[(String, String)]) -> Measured {
 /// `n` jobs pre-published to `entry`, then drained by `instances` postie processes:
 /// timed from their start until the sink has accepted `n` emails.
 async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
-    let env = TestEnv::new("bench").await;
+    let env = TestEnv::for_bench("bench").await;
     let conn = broker_connection("postie-bench").await;
     let (exchange, queue) = match entry {
         Entry::Send => (env.topology.work_exchange(), env.topology.send_queue()),
@@ -695,7 +695,7 @@ async fn end_to_end(n: usize, instances: usize, entry: Entry) -> EndToEnd {
 /// Ladder mode with `pending` jobs parked for 9 minutes: broker memory before and
 /// with them, then the lateness of [`SHORT_JOBS`] jobs due within 5 s.
 async fn backlog(pending: usize) -> Backlog {
-    let env = TestEnv::new("benchladder").await;
+    let env = TestEnv::for_bench("benchladder").await;
     let mut postie = env.spawn_process(&[]);
     let conn = broker_connection("postie-bench").await;
     let probe = conn.create_channel().await.unwrap();

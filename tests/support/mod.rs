@@ -132,6 +132,32 @@ impl TestEnv {
         Self::build_in(name, &amqp_url(), &[], SmtpSink::start().await, false).await
     }
 
+    /// For a benchmark whose postie processes are the binary POSTIE_BENCH_BIN names: a
+    /// database that binary migrates itself (`postie migrate`, before anything is
+    /// timed), so that two revisions with different migrations can be compared
+    /// (scripts/bench-abba.sh: a database migrated by the newer one is refused by the
+    /// older). Without POSTIE_BENCH_BIN, [`TestEnv::new`].
+    pub async fn for_bench(name: &str) -> Self {
+        if std::env::var_os("POSTIE_BENCH_BIN").is_none() {
+            return Self::new(name).await;
+        }
+        let env = Self::unmigrated(name).await;
+        let out = Command::new(bench::postie_bin())
+            .arg("migrate")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(env.env_vars())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run postie migrate");
+        assert!(
+            out.status.success(),
+            "postie migrate: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        env
+    }
+
     async fn on_broker_with(name: &str, amqp_url: &str, extra: &[(&str, &str)]) -> Self {
         Self::build(name, amqp_url, extra, SmtpSink::start().await).await
     }
