@@ -26,7 +26,7 @@ impl Inbox {
         let rows = client
             .query(
                 "SELECT split_part(name, ':', 2) AS lane,
-                        substr(name, length(split_part(name, ':', 2)) + 9),
+                        regexp_replace(name, '^tenant:[^:]*:', ''),
                         extract(epoch FROM tat - clock_timestamp())::float8
                    FROM postie_rate_limit WHERE name LIKE $2 AND tat > clock_timestamp()
                   ORDER BY tat DESC LIMIT $1",
