@@ -154,6 +154,62 @@ async fn throttle_defer_sends_all_one_window_apart_never_early() {
     }
 }
 
+/// The throttle's window arithmetic on a clock the test sets (`postie_window_take`'s
+/// `p_now`): at most 3 per recipient in any 10 s (the window is half open: a send
+/// leaves it exactly 10 s later), a refusal says when the window next has room, each
+/// recipient counts apart, and a recipient who waited a window gets all 3 back.
+#[tokio::test]
+async fn throttle_window_arithmetic_on_an_injected_clock() {
+    let env = TestEnv::new("thrclock").await;
+    let client = env.db().await;
+    let t0 = chrono::DateTime::parse_from_rfc3339("2030-01-01T00:00:00Z")
+        .unwrap()
+        .with_timezone(&chrono::Utc);
+    let t0_ms = t0.timestamp_millis();
+    let take = |to: &'static str, at_ms: i64| {
+        let client = &client;
+        async move {
+            let at = t0 + chrono::Duration::milliseconds(at_ms);
+            let row = client
+                .query_one(
+                    "SELECT allowed, next_ms FROM postie_window_take('reminder', $1, 3, 10000, $2)",
+                    &[&to, &at],
+                )
+                .await
+                .expect("postie_window_take");
+            let allowed: bool = row.get(0);
+            let next: Option<i64> = row.get(1);
+            (allowed, next.map(|n| n - t0_ms))
+        }
+    };
+    for at in [0, 1_000, 2_000] {
+        assert_eq!(take("a", at).await, (true, None), "send at +{at} ms");
+    }
+    assert_eq!(take("a", 3_000).await, (false, Some(10_000)), "the 4th");
+    assert_eq!(take("b", 3_000).await, (true, None), "another recipient");
+    assert_eq!(take("a", 9_999).await, (false, Some(10_000)), "1 ms early");
+    assert_eq!(take("a", 10_000).await, (true, None), "the first left");
+    assert_eq!(take("a", 10_500).await, (false, Some(11_000)), "full again");
+    assert_eq!(take("a", 12_000).await, (true, None), "+1 s and +2 s left");
+    for at in [40_000, 40_001, 40_002] {
+        assert_eq!(take("a", at).await, (true, None), "after a window: 3 again");
+    }
+    assert_eq!(take("a", 40_003).await, (false, Some(50_000)));
+    let kept: Vec<chrono::DateTime<chrono::Utc>> = client
+        .query_one(
+            "SELECT sends FROM postie_throttle WHERE kind = 'reminder' AND recipient = 'a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        kept.len(),
+        3,
+        "only the sends inside the window are kept: {kept:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_before_due_after_send_and_before_the_job_exists() {
     let env = TestEnv::new("cancel").await;

@@ -60,6 +60,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (21, "0021_feedback_trust"),
     (22, "0022_header_key"),
     (23, "0023_one_rate_engine"),
+    (24, "0024_window_take"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

@@ -9,11 +9,11 @@
 //! - the state machine: `machine/`, every statement that writes a row's `status`, one
 //!   file per transition (`Claim`, `Completion`, `Scheduled`, `Status`); `batch.rs`
 //!   (`Batcher`: one statement for many callers' rows: the claims and completions);
-//!   `queries.rs` (throttle, status, pending); `reconcile.rs` (ladder mode's
+//!   `queries.rs` (status, pending); `reconcile.rs` (ladder mode's
 //!   reconciler); `prune.rs` (retention).
 //! - around it: `error.rs` (an error's meaning: the job's fault or an outage),
 //!   `clock.rs` (the fleet's clock), `rate.rs` (the one rate engine: every GCRA row,
-//!   `postie_gcra_take`), `sends.rs` (the one count of recent sends, for `postie
+//!   `postie_gcra_take`, and the per-type throttle's window, `postie_window_take`), `sends.rs` (the one count of recent sends, for `postie
 //!   status` and the console), `lanes.rs` (the busiest tenants' slots), `events.rs`
 //!   (the delivery events' outbox), `migrate.rs`
 //!   (the migrations), `header_key.rs` (the fleet's header key).
@@ -58,7 +58,8 @@ pub(crate) use inspect::MAINTENANCE_LOCK;
 pub(crate) use machine::{Cancelled, Status};
 pub use machine::{Claim, Completion, Scheduled};
 pub(crate) use prune::PrunePlan;
-pub(crate) use queries::{PendingFilter, Throttle};
+pub(crate) use queries::PendingFilter;
+pub(crate) use rate::Throttle;
 pub(crate) use reconcile::{LaneRows, Overdue};
 pub(crate) use replay::TokenSeen;
 pub(crate) use sends::{MinuteSends, RecentSends};

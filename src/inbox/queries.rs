@@ -1,23 +1,9 @@
-//! The per-type throttle, and what `postie status` and `postie pending` read.
+//! What `postie status` and `postie pending` read.
 //! `pending_page` is the console's page of pending jobs, filtered by type and key
 //! prefix.
 
-use std::time::Duration;
-
 use super::machine::status_of;
 use super::{DbError, Inbox, Status};
-
-/// The throttle's verdict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Throttle {
-    /// Under the limit; the send is counted.
-    Allowed,
-    /// Over the limit until `next_ms` (Unix ms).
-    Limited {
-        /// When the window allows the next one.
-        next_ms: i64,
-    },
-}
 
 /// One scheduled job (ladder mode).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,56 +43,6 @@ pub(crate) struct InboxCounts {
 }
 
 impl Inbox {
-    /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
-    /// atomic statement (the row lock of `ON CONFLICT DO UPDATE` serialises
-    /// instances): the update happens only if the window has room.
-    pub(crate) async fn throttle(
-        &self,
-        kind: &str,
-        recipient: &str,
-        limit: u32,
-        window: Duration,
-    ) -> Result<Throttle, DbError> {
-        let client = self.pool.get().await?;
-        let window_ms = window.as_millis() as i64;
-        let limit = i64::from(limit);
-        let take = client
-            .prepare_cached(
-                "INSERT INTO postie_throttle AS t (kind, recipient, sends)
-                 VALUES ($1, $2, ARRAY[clock_timestamp()])
-                 ON CONFLICT (kind, recipient) DO UPDATE
-                    SET sends = ARRAY(SELECT s FROM unnest(t.sends) s
-                                       WHERE s > clock_timestamp() - $3::bigint * interval '1 millisecond')
-                                || clock_timestamp()
-                  WHERE (SELECT count(*) FROM unnest(t.sends) s
-                          WHERE s > clock_timestamp() - $3::bigint * interval '1 millisecond') < $4
-                 RETURNING 1",
-            )
-            .await?;
-        if client
-            .query_opt(&take, &[&kind, &recipient, &window_ms, &limit])
-            .await?
-            .is_some()
-        {
-            return Ok(Throttle::Allowed);
-        }
-        let next = client
-            .prepare_cached(
-                "SELECT (extract(epoch FROM min(s)) * 1000)::bigint + $3::bigint
-                   FROM postie_throttle t, unnest(t.sends) s
-                  WHERE t.kind = $1 AND t.recipient = $2
-                    AND s > clock_timestamp() - $3 * interval '1 millisecond'",
-            )
-            .await?;
-        let row = client
-            .query_one(&next, &[&kind, &recipient, &window_ms])
-            .await?;
-        let next_ms: Option<i64> = row.get(0);
-        Ok(Throttle::Limited {
-            next_ms: next_ms.unwrap_or_else(|| chrono::Utc::now().timestamp_millis()),
-        })
-    }
-
     /// Scheduled jobs (ladder mode), soonest first.
     pub async fn pending(
         &self,

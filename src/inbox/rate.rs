@@ -1,12 +1,22 @@
-//! The one rate engine's storage: every GCRA row (the fleet's send rate, each
-//! transport's, each tenant's slot in its lane) is a row of `postie_rate_limit`
-//! moved by one SQL function, `postie_gcra_take` (`sql/0023_one_rate_engine.sql`), on
-//! one clock (`clock_timestamp()`, read once per call): a slot of `span` starts at
-//! the row's theoretical arrival time (`tat`), or now if that has passed, and moves
-//! `tat` on by `span`. The fleet's and the transports' limiters lease a slice of
-//! tokens at a time (`work::limiter`); a tenant takes one job's slot (`machine/defer.rs`,
-//! `tenant_row_sql`).
-//! Also the sends per provider that `postie status` shows.
+//! The one rate engine: every limit on sending, in PostgreSQL, on one clock
+//! (`clock_timestamp()`, read once per call).
+//!
+//! - **GCRA rows** (the fleet's send rate, each transport's, each lane's share, each
+//!   tenant's slot in its lane) are rows of `postie_rate_limit` moved by one SQL
+//!   function, `postie_gcra_take` (`sql/0023_one_rate_engine.sql`): a slot of `span`
+//!   starts at the row's theoretical arrival time (`tat`), or now if that has passed,
+//!   and moves `tat` on by `span`. The fleet's, the transports' and the lanes'
+//!   limiters lease a slice of tokens at a time ([`Inbox::lease_tokens`],
+//!   `work::limiter`); a tenant takes one job's slot (`machine/defer.rs`,
+//!   `tenant_row_sql`).
+//! - **The per-type throttle** (`throttle.<type>`: at most N emails of a type per
+//!   recipient per window) is a sliding window, `postie_window_take`
+//!   (`sql/0024_window_take.sql`, [`Inbox::throttle`]): a row of `postie_throttle`
+//!   per type and recipient holds the sends inside the window. It is not a GCRA row
+//!   because "at most N per window" has no GCRA configuration: a span of window / N
+//!   with a burst of N lets 2N − 1 through in one window, and a span of the whole
+//!   window, which keeps N, gives a recipient who used the N back one per window
+//!   instead of N.
 
 use std::time::Duration;
 
@@ -14,6 +24,21 @@ use super::{DbError, Inbox};
 
 /// A slot of the one rate engine: how far ahead of now it starts, in ms.
 const TAKE: &str = "SELECT ahead_ms FROM postie_gcra_take($1, $2)";
+
+/// One send under a type's throttle: allowed, or when the window next has room.
+const WINDOW_TAKE: &str = "SELECT allowed, next_ms FROM postie_window_take($1, $2, $3, $4)";
+
+/// The throttle's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Throttle {
+    /// Under the limit; the send is counted.
+    Allowed,
+    /// Over the limit until `next_ms` (Unix ms).
+    Limited {
+        /// When the window allows the next one.
+        next_ms: i64,
+    },
+}
 
 /// The GCRA row of `tenant`'s slots in `lane`, in SQL (`$1` the lane, `$2` the
 /// tenant; a lane's name has no `:`): `tenant:<lane>:<tenant>`.
@@ -56,6 +81,31 @@ impl Inbox {
         let span_ms = f64::from(tokens) / per_second * 1000.0;
         let ahead_ms: f64 = client.query_one(&stmt, &[&name, &span_ms]).await?.get(0);
         Ok(wait_for(ahead_ms, tolerance))
+    }
+
+    /// Takes one send of `kind` to `recipient` under `limit` per `window`, in one
+    /// statement (the row lock of `ON CONFLICT DO UPDATE` serialises instances): the
+    /// send is counted only if the window has room.
+    pub(crate) async fn throttle(
+        &self,
+        kind: &str,
+        recipient: &str,
+        limit: u32,
+        window: Duration,
+    ) -> Result<Throttle, DbError> {
+        let client = self.pool.get().await?;
+        let stmt = client.prepare_cached(WINDOW_TAKE).await?;
+        let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+        let row = client
+            .query_one(&stmt, &[&kind, &recipient, &i64::from(limit), &window_ms])
+            .await?;
+        Ok(if row.get::<_, bool>(0) {
+            Throttle::Allowed
+        } else {
+            Throttle::Limited {
+                next_ms: row.get(1),
+            }
+        })
     }
 }
 
