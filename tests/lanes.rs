@@ -544,6 +544,15 @@ async fn tenants(name: &str, instances: usize, kill: bool, a: usize, flowing: Du
         other.join(", "),
     );
     eprintln!("{status}");
+    // Taken while a's backlog ran ahead of its slots: `postie status` names it first,
+    // its lane and tenant read back from the rate engine's row name.
+    let busiest = (status.lines())
+        .skip_while(|l| !l.starts_with("busiest tenants"))
+        .nth(1);
+    assert!(
+        busiest.is_some_and(|l| l.split_whitespace().take(2).eq(["bulk", "a"])),
+        "tenant a of lane bulk not the busiest: {status}"
+    );
     let per_id = w.env.emails_per_id().await;
     let taken_over = w.env.taken_over_ids().await;
     // A second copy only in the known window: a claim taken over from a killed one.

@@ -5,7 +5,7 @@
 //! their spent rows pruned.
 
 use super::prune::PrunePlan;
-use super::rate::TENANT_ROWS;
+use super::rate::{TENANT_PREFIX, TENANT_ROWS};
 use super::{DbError, Inbox};
 
 /// A tenant's slots taken ahead of now: its deferred backlog, in time.
@@ -25,12 +25,14 @@ impl Inbox {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                "SELECT split_part(name, ':', 2) AS lane,
-                        regexp_replace(name, '^tenant:[^:]*:', ''),
+                "SELECT split_part(r.rest, ':', 1) AS lane,
+                        regexp_replace(r.rest, '^[^:]*:', ''),
                         extract(epoch FROM tat - clock_timestamp())::float8
-                   FROM postie_rate_limit WHERE name LIKE $2 AND tat > clock_timestamp()
+                   FROM postie_rate_limit,
+                        LATERAL (SELECT substr(name, length($3) + 1) AS rest) r
+                  WHERE name LIKE $2 AND tat > clock_timestamp()
                   ORDER BY tat DESC LIMIT $1",
-                &[&limit, &TENANT_ROWS],
+                &[&limit, &TENANT_ROWS, &TENANT_PREFIX],
             )
             .await?;
         Ok(rows

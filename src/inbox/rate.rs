@@ -40,17 +40,31 @@ pub(crate) enum Throttle {
     },
 }
 
+/// What every tenant's GCRA row name starts with, and the one place it is spelled.
+macro_rules! tenant_prefix {
+    () => {
+        "tenant:"
+    };
+}
+
 /// The GCRA row of `tenant`'s slots in `lane`, in SQL (`$1` the lane, `$2` the
 /// tenant; a lane's name has no `:`): `tenant:<lane>:<tenant>`.
 macro_rules! tenant_row_sql {
     () => {
-        "'tenant:' || $1 || ':' || $2"
+        concat!(
+            "'",
+            $crate::inbox::rate::tenant_prefix!(),
+            "' || $1 || ':' || $2"
+        )
     };
 }
-pub(super) use tenant_row_sql;
+pub(super) use {tenant_prefix, tenant_row_sql};
+
+/// What [`tenant_row_sql`]'s names start with.
+pub(super) const TENANT_PREFIX: &str = tenant_prefix!();
 
 /// The rows [`tenant_row_sql`] names, as a `LIKE` pattern.
-pub(super) const TENANT_ROWS: &str = "tenant:%";
+pub(super) const TENANT_ROWS: &str = concat!(tenant_prefix!(), "%");
 
 /// How long to wait for a slot that starts `ahead_ms` from now when the limit allows
 /// a burst of `tolerance` ahead of the steady pace: zero within the burst.
