@@ -98,6 +98,45 @@ async fn a_committed_enqueue_is_sent_once_and_a_rolled_back_one_never() {
     serving.stop().await;
 }
 
+/// The enqueue's due time and the body's `send_at` (issue 48): the later of the two,
+/// as `x-delay` and `send_at` are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_with_send_at_waits_for_the_later_of_it_and_its_due_time() {
+    let env = TestEnv::new("outbox-sendat").await;
+    let producer = ProducerDb::new(&env).await;
+    let serving = env.serve(settings_with(
+        &env,
+        &format!("{}?name=shop", producer.url()),
+        &[],
+    ));
+    let mut client = producer.client().await;
+    let enqueued = chrono::Utc::now().timestamp_millis();
+    let at = |ms: i64| {
+        chrono::DateTime::from_timestamp_millis(enqueued + ms)
+            .unwrap()
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    };
+    let mut later_send_at = job("ob-at-3s", "a@example.com");
+    later_send_at["send_at"] = at(3_000).into();
+    enqueue_in_transaction(&mut client, &later_send_at, "0", true).await;
+    let mut later_due = job("ob-due-4s", "b@example.com");
+    later_due["send_at"] = at(1_000).into();
+    enqueue_in_transaction(&mut client, &later_due, "4 seconds", true).await;
+    env.wait_for_emails("both", 2, Duration::from_secs(60))
+        .await;
+    serving.stop().await;
+    let arrivals = env.arrivals().await;
+    for (key, after_ms) in [("ob-at-3s", 3_000), ("ob-due-4s", 4_000)] {
+        let got = &arrivals[&message_id(key)];
+        assert_eq!(got.len(), 1, "{key} sent once");
+        assert!(
+            got[0] >= enqueued + after_ms,
+            "{key} came {} ms after the enqueue, before its {after_ms} ms",
+            got[0] - enqueued
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_refuses_what_postie_would_dead_letter_and_says_why() {
     let env = TestEnv::new("outbox-refuse").await;

@@ -7,6 +7,7 @@ use lapin::types::FieldTable;
 
 use crate::broker;
 use crate::config::{KeyNamespace, Settings};
+use crate::contract::PLUGIN_MAX_DELAY;
 use crate::contract::{EmailJob, ParseRules};
 use crate::endpoint::percent_decode;
 use crate::headers::{self, HEADER_PUBLISHED_AT, HEADER_X_DELAY};
@@ -45,11 +46,30 @@ pub struct PublishArgs {
     /// Delay before sending, e.g. 90s or 2h (sets x-delay).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub delay: Option<Duration>,
+    /// Not before this instant, RFC 3339 with an offset, e.g. 2027-03-28T10:00:00+02:00
+    /// (sets the body's send_at; with --delay too, the later of the two).
+    #[arg(long)]
+    pub at: Option<String>,
 }
 
 impl PublishArgs {
     /// The JSON body these arguments describe.
     pub(crate) fn body(&self) -> anyhow::Result<Vec<u8>> {
+        let body = self.given_body()?;
+        let Some(at) = &self.at else {
+            return Ok(body);
+        };
+        // The body's own send_at, replaced: what --at says is what the job gets.
+        let mut job: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| anyhow::anyhow!("--at needs a JSON object as the body: {e}"))?;
+        let Some(members) = job.as_object_mut() else {
+            anyhow::bail!("--at needs a JSON object as the body");
+        };
+        members.insert("send_at".into(), at.clone().into());
+        Ok(serde_json::to_vec(&job)?)
+    }
+
+    fn given_body(&self) -> anyhow::Result<Vec<u8>> {
         if let Some(path) = &self.file {
             return Ok(if path.as_os_str() == "-" {
                 let mut buf = Vec::new();
@@ -78,6 +98,21 @@ impl PublishArgs {
     }
 }
 
+/// The `x-delay` to publish with: `--delay`, or the time left to `send_at` if that
+/// is later (at most the plugin's 2^32-1 ms). The ladder's relay reads `send_at`
+/// itself, but in plugin mode nothing reads it before the plugin has held the job
+/// for its `x-delay`; either way the due time is the later of the two, so this is
+/// right whichever mode `auto` finds (a job out of the plugin early is sent back to
+/// wait the rest).
+fn x_delay_ms(job: &EmailJob, delay: Option<Duration>, now_ms: i64) -> i64 {
+    let delay_ms = delay.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let cap = i64::try_from(PLUGIN_MAX_DELAY.as_millis()).unwrap_or(i64::MAX);
+    let until = job
+        .send_at_ms
+        .map_or(0, |at| at.saturating_sub(now_ms).min(cap));
+    delay_ms.max(until)
+}
+
 /// Publishes one job to the contract exchange with a publisher confirm.
 pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Result<()> {
     let body = args.body()?;
@@ -95,10 +130,11 @@ pub(super) async fn run(settings: &Settings, args: &PublishArgs) -> anyhow::Resu
     let conn = connected.connection;
     let channel = broker::confirm_channel(&conn).await?;
     let mut table = FieldTable::default();
-    if let Some(delay) = args.delay {
-        headers::set_int(&mut table, HEADER_X_DELAY, delay.as_millis() as i64);
-    }
     let now = chrono::Utc::now();
+    let delay_ms = x_delay_ms(&job, args.delay, now.timestamp_millis());
+    if delay_ms > 0 {
+        headers::set_int(&mut table, HEADER_X_DELAY, delay_ms);
+    }
     headers::set_int(&mut table, HEADER_PUBLISHED_AT, now.timestamp_millis());
     let mut properties = broker::job_properties()
         .with_headers(table)

@@ -1,4 +1,5 @@
-//! Ladder mode's intake relay: reads a job's `x-delay` once, fixes its due time, and
+//! Ladder mode's intake relay: reads a job's `x-delay` and `send_at` once, fixes its
+//! due time (the later of the two), and
 //! routes it into the TTL cascade, or, when it is due now, straight to its lane's
 //! send queue, its lane recorded with it. `Service::scheduled_key` is the key a job
 //! is scheduled under. The decision is
@@ -40,18 +41,25 @@ pub(super) enum Decision {
     Invalid(String),
 }
 
-/// Fixes the due time of an intake delivery received at `now_ms`.
+/// Fixes the due time of an intake delivery received at `now_ms`, its body's
+/// `send_at` (if any) read already ([`contract::peek_send_at`]): the later of it and
+/// `x-delay`'s (a time postie stamped already holds both).
 fn decide(
     topology: &Topology,
     headers: Option<&FieldTable>,
     timestamp_s: Option<u64>,
     now_ms: i64,
+    send_at: Option<Result<i64, contract::InvalidJob>>,
 ) -> Decision {
-    let due_ms = match contract::due_at(headers, timestamp_s, now_ms, topology.max_delay()) {
-        Ok(due) => due,
-        Err(invalid) => return Decision::Invalid(invalid.0),
-    };
-    Decision::Forward { due_ms }
+    let max = topology.max_delay();
+    let due = contract::due_at(headers, timestamp_s, now_ms, max).and_then(|due| {
+        let send_at = send_at.transpose()?;
+        contract::with_send_at(due, send_at, now_ms, max)
+    });
+    match due {
+        Ok(due_ms) => Decision::Forward { due_ms },
+        Err(invalid) => Decision::Invalid(invalid.0),
+    }
 }
 
 /// Where a job due at `due_ms` goes at `now_ms`: the ladder's entry with the time
@@ -147,6 +155,7 @@ impl DueOrder<(Delivery, Decision)> {
                 props.headers().as_ref(),
                 *props.timestamp(),
                 now_ms,
+                contract::peek_send_at(&delivery.data),
             ),
         };
         let (turn, tag) = (decision.turn(now_ms), delivery.delivery_tag);
@@ -337,7 +346,7 @@ mod tests {
         );
         let topology = ladder();
         assert_eq!(
-            decide(&topology, Some(&h), None, 12_000),
+            decide(&topology, Some(&h), None, 12_000, None),
             Decision::Forward { due_ms: 15_000 }
         );
         assert_eq!(
@@ -350,7 +359,7 @@ mod tests {
     fn due_or_overdue_jobs_go_straight_to_work() {
         let topology = ladder();
         for h in [x_delay(0), x_delay(-1), x_delay(999)] {
-            match decide(&topology, Some(&h), None, 1_000) {
+            match decide(&topology, Some(&h), None, 1_000, None) {
                 Decision::Forward { due_ms } => {
                     assert_eq!(
                         route(&topology, due_ms, 1_000, LaneId::default()).0,
@@ -398,15 +407,41 @@ mod tests {
     }
 
     #[test]
+    fn send_at_and_x_delay_the_later_fixes_the_due_time() {
+        let delayed = x_delay(5_000);
+        let forward = |h: &FieldTable, send_at| decide(&ladder(), Some(h), None, 1_000, send_at);
+        assert_eq!(
+            forward(&delayed, Some(Ok(9_000))),
+            Decision::Forward { due_ms: 9_000 }
+        );
+        assert_eq!(
+            forward(&delayed, Some(Ok(2_000))),
+            Decision::Forward { due_ms: 6_000 }
+        );
+        assert_eq!(
+            forward(&FieldTable::default(), Some(Ok(-5_000))),
+            Decision::Forward { due_ms: 1_000 },
+            "a send_at in the past is due now"
+        );
+        let bad = contract::InvalidJob("send_at \"soon\" is not an RFC 3339 time".into());
+        assert!(
+            matches!(forward(&delayed, Some(Err(bad))), Decision::Invalid(r) if r.contains("soon"))
+        );
+        assert!(
+            matches!(forward(&delayed, Some(Ok(62_000))), Decision::Invalid(r) if r.contains("send_at is 1m 1s ahead, over the maximum"))
+        );
+    }
+
+    #[test]
     fn too_long_or_garbage_delays_are_invalid() {
         let too_long = x_delay(61_000);
         assert!(
-            matches!(decide(&ladder(), Some(&too_long), None, 0), Decision::Invalid(r) if r.contains("over the maximum"))
+            matches!(decide(&ladder(), Some(&too_long), None, 0, None), Decision::Invalid(r) if r.contains("over the maximum"))
         );
         let mut garbage = FieldTable::default();
         garbage.insert("x-delay".into(), AMQPValue::LongString("tomorrow".into()));
         assert!(
-            matches!(decide(&ladder(), Some(&garbage), None, 0), Decision::Invalid(r) if r.contains("not an integer"))
+            matches!(decide(&ladder(), Some(&garbage), None, 0, None), Decision::Invalid(r) if r.contains("not an integer"))
         );
     }
 }

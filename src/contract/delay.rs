@@ -1,4 +1,5 @@
-//! The `x-delay` contract: reading the header and computing a job's due time. How
+//! The `x-delay` contract: reading the header and computing a job's due time, and
+//! the body's `send_at` (the later of the two, [`with_send_at`]). How
 //! the delay is then honoured (the plugin, or postie's TTL ladder) is the broker's
 //! business: see `crate::topology::ladder`.
 
@@ -109,6 +110,48 @@ pub fn due_at(
     Ok(published_at(headers, timestamp_s, received_ms)?.saturating_add(delay as i64))
 }
 
+/// A job's `send_at`, in Unix ms: an RFC 3339 time with an offset (`Z` allowed),
+/// such as `2027-03-28T10:00:00+02:00`. Read without an offset it would name no
+/// instant: `send_at_local` with `time_zone` is for that.
+pub(crate) fn send_at_ms(text: &str) -> Result<i64, InvalidJob> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|at| at.timestamp_millis())
+        .map_err(|error| {
+            let shown: String = text.chars().take(60).collect();
+            InvalidJob(format!(
+                "send_at {shown:?} is not an RFC 3339 time with an offset, such as \
+                 2027-03-28T10:00:00+02:00 or 2027-03-28T08:00:00Z ({error})"
+            ))
+        })
+}
+
+/// The due time once `send_at` is known: the later of `due_ms` (published-at +
+/// `x-delay`, or the time postie stamped) and `send_at_ms`, so either can only hold a
+/// job longer; a `send_at` in the past is due now. One more than `max` after
+/// `now_ms` (when postie reads it) is refused, as an `x-delay` over `max` is.
+pub(crate) fn with_send_at(
+    due_ms: i64,
+    send_at_ms: Option<i64>,
+    now_ms: i64,
+    max: Duration,
+) -> Result<i64, InvalidJob> {
+    let Some(at) = send_at_ms else {
+        return Ok(due_ms);
+    };
+    let ahead_ms = at.saturating_sub(now_ms);
+    let max_ms = i64::try_from(max.as_millis()).unwrap_or(i64::MAX);
+    if ahead_ms > max_ms {
+        let ahead = Duration::from_secs(u64::try_from(ahead_ms / 1000).unwrap_or(u64::MAX));
+        return Err(InvalidJob(format!(
+            "send_at is {} ahead, over the maximum delay of {} ms ({})",
+            humantime::format_duration(ahead),
+            max_ms,
+            humantime::format_duration(max)
+        )));
+    }
+    Ok(due_ms.max(at))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +225,81 @@ mod tests {
                 due_at(Some(&h), None, 1_800_000_000_000, DAY).is_err(),
                 "{due}"
             );
+        }
+    }
+
+    #[test]
+    fn send_at_reads_rfc_3339_with_an_offset_only() {
+        assert_eq!(send_at_ms("1970-01-01T00:00:01Z").unwrap(), 1_000);
+        assert_eq!(send_at_ms("1970-01-01T02:00:01.5+02:00").unwrap(), 1_500);
+        for bad in [
+            "2027-03-28T10:00:00",
+            "2027-03-28",
+            "tomorrow",
+            "",
+            "2027-02-30T10:00:00Z",
+        ] {
+            let err = send_at_ms(bad).unwrap_err().0;
+            assert!(
+                err.contains("not an RFC 3339 time with an offset"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn send_at_and_x_delay_the_later_wins_and_the_maximum_holds() {
+        let now = 1_000_000;
+        assert_eq!(
+            with_send_at(now + 5_000, None, now, DAY).unwrap(),
+            now + 5_000
+        );
+        assert_eq!(
+            with_send_at(now + 5_000, Some(now + 9_000), now, DAY).unwrap(),
+            now + 9_000
+        );
+        assert_eq!(
+            with_send_at(now + 5_000, Some(now + 1_000), now, DAY).unwrap(),
+            now + 5_000
+        );
+        assert_eq!(
+            with_send_at(now, Some(now - 86_400_000), now, DAY).unwrap(),
+            now,
+            "past: now"
+        );
+        let day_ms = DAY.as_millis() as i64;
+        assert_eq!(
+            with_send_at(now, Some(now + day_ms), now, DAY).unwrap(),
+            now + day_ms
+        );
+        let err = with_send_at(now, Some(now + day_ms + 1), now, DAY)
+            .unwrap_err()
+            .0;
+        assert!(
+            err.contains("over the maximum delay of 86400000 ms (1day)"),
+            "{err}"
+        );
+        assert!(with_send_at(now, Some(i64::MAX), now, DAY).is_err());
+        assert_eq!(with_send_at(now, Some(i64::MIN), now, DAY).unwrap(), now);
+    }
+
+    proptest::proptest! {
+        /// Whatever the three times: the due time is the later of the two, never
+        /// earlier than either; a refusal only for a `send_at` past the maximum.
+        #[test]
+        fn send_at_only_ever_holds_a_job_longer(
+            due in -1i64 << 50..1i64 << 50,
+            at in -1i64 << 50..1i64 << 50,
+            now in -1i64 << 50..1i64 << 50,
+        ) {
+            let max_ms = DAY.as_millis() as i64;
+            match with_send_at(due, Some(at), now, DAY) {
+                Ok(got) => {
+                    proptest::prop_assert_eq!(got, due.max(at));
+                    proptest::prop_assert!(at - now <= max_ms);
+                }
+                Err(_) => proptest::prop_assert!(at - now > max_ms),
+            }
         }
     }
 

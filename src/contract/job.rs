@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 
+use super::delay::send_at_ms;
 use super::key::key_text;
 use super::rules::ParseRules;
 use super::{
@@ -57,6 +58,8 @@ pub struct EmailJob {
     pub lane: Option<String>,
     /// The tenant (fairness group) it is sent for, inside its lane; none: `default`.
     pub tenant: Option<String>,
+    /// `send_at`, Unix ms: not sent before this instant (with `x-delay`, the later).
+    pub send_at_ms: Option<i64>,
 }
 
 impl EmailJob {
@@ -215,6 +218,8 @@ struct RawJob<'a> {
     lane: Option<String>,
     #[serde(default)]
     tenant: Option<String>,
+    #[serde(default)]
+    send_at: Option<String>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -373,6 +378,8 @@ impl EmailJob {
             }
         }
 
+        let send_at_ms = raw.send_at.as_deref().map(send_at_ms).transpose()?;
+
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
             check_header_name(&name)?;
@@ -397,6 +404,7 @@ impl EmailJob {
             ignore_suppression: raw.ignore_suppression.unwrap_or(false),
             lane: raw.lane,
             tenant: raw.tenant,
+            send_at_ms,
         })
     }
 }

@@ -19,14 +19,14 @@ mod peek;
 mod rules;
 
 pub(crate) use address::Address;
-pub(crate) use delay::PLUGIN_MAX_DELAY;
 pub use delay::{due_at, x_delay};
+pub(crate) use delay::{with_send_at, PLUGIN_MAX_DELAY};
 pub use job::{EmailJob, Request};
 pub(crate) use key::key_owner;
 pub(crate) use key::message_id_of;
 pub use key::IdempotencyKey;
 pub use peek::peek_key_text;
-pub(crate) use peek::{peek_job, peek_key};
+pub(crate) use peek::{peek_job, peek_key, peek_send_at};
 pub use rules::ParseRules;
 
 /// Longest accepted key, order id or type.

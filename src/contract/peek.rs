@@ -10,9 +10,10 @@ use std::borrow::Cow;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 
+use super::delay::send_at_ms;
 use super::job::present;
 use super::key::key_text;
-use super::IdempotencyKey;
+use super::{IdempotencyKey, InvalidJob};
 
 /// The members [`peek_key`] reads, the key fields borrowed from the body where they
 /// hold no escapes; every other member is skipped without being built.
@@ -115,4 +116,29 @@ pub(crate) fn peek_job(body: &[u8]) -> Option<Peeked> {
 /// `tests/properties.rs`.
 pub fn peek_key_text(body: &[u8]) -> Option<String> {
     Some(Peek::read(body)?.key()?.into_owned())
+}
+
+/// A body's `send_at`, read without the rest (the relay fixes the due time when a job
+/// arrives): `None` when there is none, or the body is no JSON object; else the
+/// instant, or why it is none. A body that fails to read is left to the worker.
+pub(crate) fn peek_send_at(body: &[u8]) -> Option<Result<i64, InvalidJob>> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Member {
+        Text(String),
+        Other(IgnoredAny),
+    }
+    #[derive(Deserialize)]
+    struct SendAt {
+        #[serde(default)]
+        send_at: Option<Member>,
+    }
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
+    let peek: SendAt = serde_json::from_slice(body).ok()?;
+    Some(match peek.send_at? {
+        Member::Text(text) => send_at_ms(&text),
+        Member::Other(_) => Err(InvalidJob("send_at is not a string".into())),
+    })
 }

@@ -214,7 +214,7 @@ impl Worker {
             let key = job.key;
             return Ok(ControlFlow::Break(Outcome::Moved { key, lane }));
         }
-        let due_ms = match self.due_ms(headers, timestamp_s) {
+        let due_ms = match self.due_ms(headers, timestamp_s, job.send_at_ms) {
             Ok(due) => due,
             Err(InvalidJob(reason)) => return Ok(invalid(Some(job.key), reason)),
         };

@@ -15,15 +15,29 @@ use crate::work::now_ms;
 const HOLD_SLACK: Duration = Duration::from_secs(2);
 
 impl Worker {
-    /// The due time in Unix ms. The ladder stamps `postie-due-at`; the plugin has
-    /// already waited, so without a publish time there, the job is due now.
+    /// The due time in Unix ms: the later of `x-delay`'s and the body's `send_at`
+    /// (`contract::with_send_at`). The ladder stamps `postie-due-at` (both already in
+    /// it); the plugin has already waited the `x-delay`, so without a publish time
+    /// there, the job is due now, or at its `send_at` (it is then sent back to wait).
     pub(super) fn due_ms(
         &self,
         headers: Option<&FieldTable>,
         timestamp_s: Option<u64>,
+        send_at_ms: Option<i64>,
     ) -> Result<i64, InvalidJob> {
         let now = now_ms();
         let max = self.cx.topology.max_delay();
+        let due = self.delay_due_ms(headers, timestamp_s, now, max)?;
+        contract::with_send_at(due, send_at_ms, now, max)
+    }
+
+    fn delay_due_ms(
+        &self,
+        headers: Option<&FieldTable>,
+        timestamp_s: Option<u64>,
+        now: i64,
+        max: Duration,
+    ) -> Result<i64, InvalidJob> {
         match self.cx.topology.delay() {
             DelayLayout::Ladder(_) => contract::due_at(headers, timestamp_s, now, max),
             DelayLayout::Plugin => {

@@ -1,0 +1,269 @@
+//! Sending at a clock time (issue 48): the job body's `send_at` (RFC 3339 with an
+//! offset), alone and with `x-delay` (the later of the two), in ladder mode against the
+//! real broker, PostgreSQL and the SMTP test server; `postie publish --at`; and the
+//! hostile cases, each a dead letter with its reason that blocks nothing.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use postie::testing::broker;
+use support::{eventually, job, message_id, TestEnv};
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// `at_ms` as RFC 3339 in `offset_h` hours east of UTC, with milliseconds.
+fn rfc3339(at_ms: i64, offset_h: i32) -> String {
+    let offset = chrono::FixedOffset::east_opt(offset_h * 3600).expect("an offset");
+    chrono::DateTime::from_timestamp_millis(at_ms)
+        .expect("an instant")
+        .with_timezone(&offset)
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Publishes `key` with `send_at` (in `offset_h`), an `x-delay` (0: none) and
+/// `postie-published-at`.
+async fn publish_at(env: &TestEnv, key: &str, at: (i64, i32), delay_ms: i64, published: i64) {
+    let mut body = job(key, "later@example.com");
+    body["send_at"] = rfc3339(at.0, at.1).into();
+    env.publish_raw(
+        body.to_string().as_bytes(),
+        support::delayed_properties(delay_ms, published),
+    )
+    .await;
+}
+
+/// Every key arrived once and not before its due time; lateness in ms, sorted.
+async fn on_time(env: &TestEnv, due: &BTreeMap<String, i64>) -> Vec<i64> {
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for m in env.sink.messages(false).await {
+        seen.entry(m.message_id).or_default().push(m.received_at_ms);
+    }
+    let mut lateness: Vec<i64> = (due.iter())
+        .map(|(key, due_ms)| {
+            let got = (seen.get(&message_id(key))).unwrap_or_else(|| panic!("{key} never sent"));
+            assert_eq!(got.len(), 1, "{key} sent {} times", got.len());
+            assert!(got[0] >= *due_ms, "{key} sent {} ms early", due_ms - got[0]);
+            got[0] - due_ms
+        })
+        .collect();
+    lateness.sort();
+    lateness
+}
+
+fn percentile(sorted: &[i64], p: f64) -> i64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// `jobs` jobs with `send_at` spread evenly over `spread`, in four offsets; every
+/// fourth also has an `x-delay` 1 s later than its `send_at` (that one wins), every
+/// fourth an `x-delay` 1 s earlier (`send_at` wins), and the first `send_at` is an
+/// hour in the past (due now). None early, each once, the inbox's due time the later.
+async fn spread(name: &str, jobs: usize, spread: Duration) {
+    let env = TestEnv::new(name).await;
+    let serving = env.serve(env.settings());
+    let start = now_ms() + 1_000;
+    let step = spread.as_millis() as i64 / jobs as i64;
+    let mut due = BTreeMap::new();
+    for i in 0..jobs {
+        let key = format!("at-{i}");
+        let send_at = if i == 0 {
+            start - 3_600_000
+        } else {
+            start + step * i as i64
+        };
+        let published = now_ms();
+        let delay = match i % 4 {
+            1 => send_at + 1_000 - published,
+            2 => (send_at - 1_000 - published).max(0),
+            _ => 0,
+        };
+        let offset = [0, 2, -5, 9][i % 4];
+        publish_at(&env, &key, (send_at, offset), delay, published).await;
+        due.insert(key, send_at.max(published + delay));
+    }
+    env.wait_for_emails("every email", jobs, spread + Duration::from_secs(90))
+        .await;
+    serving.stop().await;
+    let lateness = on_time(&env, &due).await;
+    assert_eq!(env.inbox_count("sent_at < due_at").await, 0, "sent early");
+    // The recorded due time is the later of the two (to the ms the relay read).
+    let client = env.db().await;
+    for (key, due_ms) in due.iter().skip(1).take(8) {
+        let row = client
+            .query_one(
+                "SELECT (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox WHERE key = $1",
+                &[key],
+            )
+            .await
+            .expect("the row");
+        let recorded: i64 = row.get(0);
+        assert!(
+            (recorded - due_ms).abs() <= 1,
+            "{key}: due {recorded}, expected {due_ms}"
+        );
+    }
+    assert_eq!(env.depth(env.topology.dead_queue()).await, 0);
+    eprintln!(
+        "FIGURES {name}: {jobs} jobs with send_at over {} s: lateness ms p50 {} p99 {} max {}; none early",
+        spread.as_secs(),
+        percentile(&lateness, 0.5),
+        percentile(&lateness, 0.99),
+        lateness[lateness.len() - 1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_at_jobs_spread_over_8_s_are_sent_once_none_early() {
+    spread("sendat8", 40, Duration::from_secs(8)).await;
+}
+
+/// The issue's figure: 200 jobs over 60 s (p99 lateness in the FIGURES line).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_send_at_jobs_spread_over_60_s_are_sent_once_none_early() {
+    spread("sendat60", 200, Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_send_at_or_one_past_the_maximum_is_a_dead_letter_that_blocks_nothing() {
+    let env = TestEnv::new("badsendat").await;
+    let serving = env.serve(env.settings());
+    // The tests' delay.max is 10 minutes.
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (
+            "2027-03-28T10:00:00".into(),
+            "not an RFC 3339 time with an offset",
+        ),
+        (
+            "2027-02-30T10:00:00Z".into(),
+            "not an RFC 3339 time with an offset",
+        ),
+        (1_806_220_800_000_i64.into(), "send_at"),
+        (
+            rfc3339(now_ms() + 20 * 60_000, 1).into(),
+            "ahead, over the maximum delay",
+        ),
+    ];
+    for (i, (send_at, _)) in cases.iter().enumerate() {
+        let mut body = job(&format!("bad-at-{i}"), "x@example.com");
+        body["send_at"] = send_at.clone();
+        env.publish_raw(body.to_string().as_bytes(), broker::job_properties())
+            .await;
+    }
+    let mut good = job("good", "x@example.com");
+    good["send_at"] = rfc3339(now_ms(), 0).into();
+    env.publish(&good).await;
+    let envr = &env;
+    eventually(
+        "4 dead letters and the good email",
+        Duration::from_secs(60),
+        move || async move {
+            (envr.depth(envr.topology.dead_queue()).await == 4 && envr.sink.count().await == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    serving.stop().await;
+    let reasons = env.dead_reasons().await;
+    for (_, expected) in &cases {
+        assert!(
+            reasons.iter().any(|r| r.contains(expected)),
+            "{expected}: {reasons:?}"
+        );
+    }
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("over the maximum delay of 600000 ms")),
+        "{reasons:?}"
+    );
+}
+
+/// A `send_at` job put straight on the send queue, as if moved there by hand (and as
+/// every job reaches the worker in plugin mode once the plugin has held it for its
+/// `x-delay`): the worker reads `send_at` itself and sends it back to wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_at_job_moved_straight_to_the_send_queue_still_waits() {
+    let env = TestEnv::new("sendatmoved").await;
+    let serving = env.serve(env.settings());
+    let at = now_ms() + 4_000;
+    let mut body = job("moved-at", "x@example.com");
+    body["send_at"] = rfc3339(at, 0).into();
+    env.publish_to_queue(
+        env.topology.send_queue(),
+        body.to_string().as_bytes(),
+        broker::job_properties(),
+    )
+    .await;
+    env.wait_for_emails("the email", 1, Duration::from_secs(60))
+        .await;
+    serving.stop().await;
+    let due = BTreeMap::from([("moved-at".to_string(), at)]);
+    let lateness = on_time(&env, &due).await;
+    eprintln!("FIGURES sendatmoved: lateness {} ms", lateness[0]);
+}
+
+/// `postie publish --at`: from flags, and over a file's own `send_at`; with `--delay`
+/// later than `--at`, the delay wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postie_publish_at_sets_send_at() {
+    let env = TestEnv::new("publishat").await;
+    let serving = env.serve(env.settings());
+    let at = now_ms() + 3_000;
+    let mut due = BTreeMap::new();
+    let flags = [
+        "publish",
+        "--key",
+        "cli-at",
+        "--from",
+        "shop@example.com",
+        "--to",
+        "x@example.com",
+        "--subject",
+        "s",
+        "--text",
+        "t",
+        "--at",
+    ];
+    let at_text = rfc3339(at, 2);
+    env.postie(&[&flags[..], &[at_text.as_str()]].concat())
+        .expect("publish --at");
+    due.insert("cli-at".to_string(), at);
+    let file = std::env::temp_dir().join(format!("{}-job.json", env.db_name));
+    let mut body = job("cli-file-at", "x@example.com");
+    body["send_at"] = rfc3339(now_ms(), 0).into(); // replaced by --at
+    std::fs::write(&file, body.to_string()).unwrap();
+    let path = file.to_str().unwrap();
+    env.postie(&["publish", "--file", path, "--at", &at_text])
+        .expect("publish --file --at");
+    due.insert("cli-file-at".to_string(), at);
+    let before = now_ms();
+    env.postie(&[
+        "publish",
+        "--key",
+        "cli-delay",
+        "--from",
+        "shop@example.com",
+        "--to",
+        "x@example.com",
+        "--subject",
+        "s",
+        "--text",
+        "t",
+        "--at",
+        &at_text,
+        "--delay",
+        "6s",
+    ])
+    .expect("publish --at --delay");
+    due.insert("cli-delay".to_string(), before + 6_000);
+    env.wait_for_emails("three emails", 3, Duration::from_secs(60))
+        .await;
+    serving.stop().await;
+    std::fs::remove_file(&file).ok();
+    let lateness = on_time(&env, &due).await;
+    eprintln!("FIGURES publishat: lateness ms {lateness:?}");
+}
