@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use postie::testing::broker;
+use postie::testing::broker::Topology;
+use serde_json::json;
 use support::{eventually, job, message_id, TestEnv};
 
 fn now_ms() -> i64 {
@@ -128,28 +130,50 @@ async fn slow_send_at_jobs_spread_over_60_s_are_sent_once_none_early() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_send_at_or_one_past_the_maximum_is_a_dead_letter_that_blocks_nothing() {
+async fn a_bad_clock_time_or_one_past_the_maximum_is_a_dead_letter_that_blocks_nothing() {
     let env = TestEnv::new("badsendat").await;
     let serving = env.serve(env.settings());
     // The tests' delay.max is 10 minutes.
     let cases: Vec<(serde_json::Value, &str)> = vec![
         (
-            "2027-03-28T10:00:00".into(),
+            json!({"send_at": "2027-03-28T10:00:00"}),
             "not an RFC 3339 time with an offset",
         ),
         (
-            "2027-02-30T10:00:00Z".into(),
+            json!({"send_at": "2027-02-30T10:00:00Z"}),
             "not an RFC 3339 time with an offset",
         ),
-        (1_806_220_800_000_i64.into(), "send_at"),
         (
-            rfc3339(now_ms() + 20 * 60_000, 1).into(),
+            json!({"send_at": 1_806_220_800_000_i64}),
+            "send_at is not a string",
+        ),
+        (
+            json!({"send_at": rfc3339(now_ms() + 20 * 60_000, 1)}),
             "ahead, over the maximum delay",
         ),
+        (
+            json!({"send_at_local": "2027-03-28T10:00", "time_zone": "Mars/Olympus_Mons"}),
+            "not a time zone postie knows",
+        ),
+        (
+            json!({"send_at_local": "2027-03-28T10:00"}),
+            "send_at_local needs a time_zone",
+        ),
+        (
+            json!({"send_at_local": "2027-03-28T10:00+02:00", "time_zone": "Europe/Berlin"}),
+            "is not a local date and time",
+        ),
+        (
+            json!({"send_at": rfc3339(now_ms(), 0), "send_at_local": "2027-03-28T10:00",
+                   "time_zone": "UTC"}),
+            "not both",
+        ),
     ];
-    for (i, (send_at, _)) in cases.iter().enumerate() {
+    for (i, (members, _)) in cases.iter().enumerate() {
         let mut body = job(&format!("bad-at-{i}"), "x@example.com");
-        body["send_at"] = send_at.clone();
+        for (name, value) in members.as_object().unwrap() {
+            body[name] = value.clone();
+        }
         env.publish_raw(body.to_string().as_bytes(), broker::job_properties())
             .await;
     }
@@ -158,10 +182,10 @@ async fn bad_send_at_or_one_past_the_maximum_is_a_dead_letter_that_blocks_nothin
     env.publish(&good).await;
     let envr = &env;
     eventually(
-        "4 dead letters and the good email",
+        "8 dead letters and the good email",
         Duration::from_secs(60),
         move || async move {
-            (envr.depth(envr.topology.dead_queue()).await == 4 && envr.sink.count().await == 1)
+            (envr.depth(envr.topology.dead_queue()).await == 8 && envr.sink.count().await == 1)
                 .then_some(())
         },
     )
@@ -180,6 +204,71 @@ async fn bad_send_at_or_one_past_the_maximum_is_a_dead_letter_that_blocks_nothin
             .any(|r| r.contains("over the maximum delay of 600000 ms")),
         "{reasons:?}"
     );
+}
+
+/// `send_at_local` in three zones (one without daylight saving), each 4 s from now on
+/// its own wall clock, sent at that instant; and, recorded as scheduled, Berlin's
+/// 02:30 on the night of 2027-03-28 (in the gap: due at 03:00 local, 01:00 UTC) and
+/// on 2027-10-31 (twice: due at the first, 00:30 UTC). The delay maximum is a year
+/// here, so that those are accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_at_local_is_read_in_its_time_zone_gaps_and_folds_included() {
+    let mut env = TestEnv::new("sendatlocal").await;
+    let mut settings = env.settings();
+    settings.delay.max = Duration::from_secs(366 * 86_400);
+    // The environment deletes what this topology names: the longer ladder's levels.
+    env.topology = Topology::new(&settings.topology, &settings.delay, settings.delay.mode);
+    let serving = env.serve(settings);
+    // Whole seconds: a wall-clock time is given to the second here.
+    let at = (now_ms() / 1000 + 4) * 1000;
+    let mut due = BTreeMap::new();
+    for zone in ["Europe/Berlin", "America/New_York", "Asia/Kolkata"] {
+        let wall = jiff::Timestamp::from_millisecond(at)
+            .unwrap()
+            .to_zoned(jiff::tz::TimeZone::get(zone).unwrap())
+            .datetime()
+            .strftime("%Y-%m-%dT%H:%M:%S")
+            .to_string();
+        let key = format!("local-{zone}");
+        let mut body = job(&key, "x@example.com");
+        body["send_at_local"] = wall.into();
+        body["time_zone"] = zone.into();
+        env.publish(&body).await;
+        due.insert(key, at);
+    }
+    let ahead = [
+        ("local-gap", "2027-03-28T02:30", "2027-03-28T01:00:00Z"),
+        ("local-fold", "2027-10-31T02:30", "2027-10-31T00:30:00Z"),
+    ];
+    for (key, wall, _) in ahead {
+        let mut body = job(key, "x@example.com");
+        body["send_at_local"] = wall.into();
+        body["time_zone"] = "Europe/Berlin".into();
+        env.publish(&body).await;
+    }
+    env.wait_for_emails("three emails", 3, Duration::from_secs(60))
+        .await;
+    let envr = &env;
+    for (key, wall, instant) in ahead {
+        let due_ms = eventually("the row", Duration::from_secs(30), move || async move {
+            let client = envr.db().await;
+            let row = client
+                .query_opt(
+                    "SELECT (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
+                      WHERE key = $1 AND status = 'scheduled'",
+                    &[&key],
+                )
+                .await
+                .unwrap();
+            row.map(|r| r.get::<_, i64>(0))
+        })
+        .await;
+        let expected: jiff::Timestamp = instant.parse().unwrap();
+        assert_eq!(due_ms, expected.as_millisecond(), "{wall} in Berlin");
+    }
+    serving.stop().await;
+    let lateness = on_time(&env, &due).await;
+    eprintln!("FIGURES sendatlocal: three zones, lateness ms {lateness:?}");
 }
 
 /// A `send_at` job put straight on the send queue, as if moved there by hand (and as

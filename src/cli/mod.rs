@@ -38,11 +38,24 @@ pub struct Exit {
     pub message: String,
 }
 
+/// `postie --version`: the release, and the time-zone database compiled in (local
+/// times are read with it, so instances of one release agree on every instant).
+fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        format!(
+            "{} (time zones: IANA tzdb {})",
+            env!("CARGO_PKG_VERSION"),
+            crate::contract::tzdb_version()
+        )
+    })
+}
+
 /// `postie [--config FILE] COMMAND`.
 #[derive(Parser)]
 #[command(
     name = "postie",
-    version,
+    version = version(),
     about = "Delayed email jobs from RabbitMQ, sent exactly once"
 )]
 pub struct Cli {

@@ -42,7 +42,7 @@ pub(super) enum Decision {
 }
 
 /// Fixes the due time of an intake delivery received at `now_ms`, its body's
-/// `send_at` (if any) read already ([`contract::peek_send_at`]): the later of it and
+/// clock time (if any) read already ([`contract::peek_clock_time`]): the later of it and
 /// `x-delay`'s (a time postie stamped already holds both).
 fn decide(
     topology: &Topology,
@@ -155,7 +155,7 @@ impl DueOrder<(Delivery, Decision)> {
                 props.headers().as_ref(),
                 *props.timestamp(),
                 now_ms,
-                contract::peek_send_at(&delivery.data),
+                contract::peek_clock_time(&delivery.data),
             ),
         };
         let (turn, tag) = (decision.turn(now_ms), delivery.delivery_tag);

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 
-use super::delay::send_at_ms;
 use super::key::key_text;
+use super::local::ClockTime;
 use super::rules::ParseRules;
 use super::{
     check_header_value, check_token, invalid, readable, Address, IdempotencyKey, InvalidJob,
@@ -58,8 +58,11 @@ pub struct EmailJob {
     pub lane: Option<String>,
     /// The tenant (fairness group) it is sent for, inside its lane; none: `default`.
     pub tenant: Option<String>,
-    /// `send_at`, Unix ms: not sent before this instant (with `x-delay`, the later).
+    /// Its clock time, Unix ms (`send_at`, or `send_at_local` in `time_zone`): not
+    /// sent before this instant (with `x-delay`, the later).
     pub send_at_ms: Option<i64>,
+    /// The recipient's time zone (an IANA name, checked), if given.
+    pub time_zone: Option<String>,
 }
 
 impl EmailJob {
@@ -220,6 +223,10 @@ struct RawJob<'a> {
     tenant: Option<String>,
     #[serde(default)]
     send_at: Option<String>,
+    #[serde(default)]
+    send_at_local: Option<String>,
+    #[serde(default)]
+    time_zone: Option<String>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -378,7 +385,12 @@ impl EmailJob {
             }
         }
 
-        let send_at_ms = raw.send_at.as_deref().map(send_at_ms).transpose()?;
+        let send_at_ms = ClockTime {
+            send_at: raw.send_at.as_deref(),
+            send_at_local: raw.send_at_local.as_deref(),
+            time_zone: raw.time_zone.as_deref(),
+        }
+        .due_ms()?;
 
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
@@ -405,6 +417,7 @@ impl EmailJob {
             lane: raw.lane,
             tenant: raw.tenant,
             send_at_ms,
+            time_zone: raw.time_zone,
         })
     }
 }

@@ -1,20 +1,24 @@
 //! The producers' contract: one AMQP message in, one validated [`EmailJob`] (or a
 //! cancel [`Request`]) out, or an [`InvalidJob`] whose text a person can read; and
-//! the `x-delay` header's meaning.
+//! the `x-delay` header's and the clock times' meaning.
 //!
 //! Parse, don't validate: every field of [`EmailJob`] can only hold a value that is
 //! safe to put into an email, so later stages never re-check. The types here are
 //! postie's own: nothing of the mail transport leaks into the job model.
 //!
 //! - `job.rs`: the body (v1) and cancel requests; `rules.rs`: `ParseRules` (size,
-//!   default sender, key space); `peek.rs`: a body's key (and lane) without a parse;
+//!   default sender, key space); `peek.rs`: a body's key (and lane, and clock time)
+//!   without a parse;
 //!   `key.rs`: the one key rule, the idempotency key, the Message-ID.
-//! - `address.rs`: mailboxes; `delay.rs`: `x-delay` and the due time.
+//! - `address.rs`: mailboxes; `delay.rs`: `x-delay`, `send_at` and the due time (the
+//!   later of the two); `local.rs`: `send_at_local` in `time_zone`, with the
+//!   compiled-in time-zone database (gaps and folds).
 
 mod address;
 mod delay;
 mod job;
 mod key;
+mod local;
 mod peek;
 mod rules;
 
@@ -25,8 +29,9 @@ pub use job::{EmailJob, Request};
 pub(crate) use key::key_owner;
 pub(crate) use key::message_id_of;
 pub use key::IdempotencyKey;
+pub(crate) use local::tzdb_version;
 pub use peek::peek_key_text;
-pub(crate) use peek::{peek_job, peek_key, peek_send_at};
+pub(crate) use peek::{peek_clock_time, peek_job, peek_key};
 pub use rules::ParseRules;
 
 /// Longest accepted key, order id or type.

@@ -10,9 +10,9 @@ use std::borrow::Cow;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 
-use super::delay::send_at_ms;
 use super::job::present;
 use super::key::key_text;
+use super::local::ClockTime;
 use super::{IdempotencyKey, InvalidJob};
 
 /// The members [`peek_key`] reads, the key fields borrowed from the body where they
@@ -118,10 +118,11 @@ pub fn peek_key_text(body: &[u8]) -> Option<String> {
     Some(Peek::read(body)?.key()?.into_owned())
 }
 
-/// A body's `send_at`, read without the rest (the relay fixes the due time when a job
-/// arrives): `None` when there is none, or the body is no JSON object; else the
-/// instant, or why it is none. A body that fails to read is left to the worker.
-pub(crate) fn peek_send_at(body: &[u8]) -> Option<Result<i64, InvalidJob>> {
+/// A body's clock time (`send_at`, or `send_at_local` in `time_zone`), read without
+/// the rest (the relay fixes the due time when a job arrives): `None` when there is
+/// none, or the body is no JSON object; else the instant, or why it is none. A body
+/// that fails to read is left to the worker.
+pub(crate) fn peek_clock_time(body: &[u8]) -> Option<Result<i64, InvalidJob>> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Member {
@@ -129,16 +130,32 @@ pub(crate) fn peek_send_at(body: &[u8]) -> Option<Result<i64, InvalidJob>> {
         Other(IgnoredAny),
     }
     #[derive(Deserialize)]
-    struct SendAt {
+    struct Clock {
         #[serde(default)]
         send_at: Option<Member>,
+        #[serde(default)]
+        send_at_local: Option<Member>,
+        #[serde(default)]
+        time_zone: Option<Member>,
+    }
+    fn text<'m>(name: &str, member: &'m Option<Member>) -> Result<Option<&'m str>, InvalidJob> {
+        match member {
+            None => Ok(None),
+            Some(Member::Text(text)) => Ok(Some(text)),
+            Some(Member::Other(_)) => Err(InvalidJob(format!("{name} is not a string"))),
+        }
     }
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return None;
     }
-    let peek: SendAt = serde_json::from_slice(body).ok()?;
-    Some(match peek.send_at? {
-        Member::Text(text) => send_at_ms(&text),
-        Member::Other(_) => Err(InvalidJob("send_at is not a string".into())),
-    })
+    let peek: Clock = serde_json::from_slice(body).ok()?;
+    let clock = (|| {
+        ClockTime {
+            send_at: text("send_at", &peek.send_at)?,
+            send_at_local: text("send_at_local", &peek.send_at_local)?,
+            time_zone: text("time_zone", &peek.time_zone)?,
+        }
+        .due_ms()
+    })();
+    clock.transpose()
 }
