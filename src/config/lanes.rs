@@ -6,13 +6,14 @@
 use serde::Deserialize;
 
 use super::rate::optional_rate;
+use super::window::{optional_window, Window};
 use super::{ConfigError, SendRate, TopologySettings};
 
 /// The longest lane name (it ends up in a queue name and a routing key).
 const MAX_NAME: usize = 32;
 
 /// One lane's settings (`[topology.lanes.<name>]`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LaneSettings {
     /// Its share of the send rate while other lanes also wait: `weight` ÷ the sum
@@ -29,6 +30,17 @@ pub struct LaneSettings {
     /// others. A job naming no tenant counts as tenant `default`. Unset: none.
     #[serde(default, deserialize_with = "optional_rate")]
     pub tenant_rate_limit: Option<SendRate>,
+    /// Its send window (quiet hours: `"08:00-21:00"`, `"mon-fri 09:00-17:30"`): a job
+    /// that comes due outside it waits until it next opens. Unset: always open.
+    #[serde(default, deserialize_with = "optional_window")]
+    pub window: Option<Window>,
+    /// The zone its window is read in for jobs that name no `time_zone` (an IANA
+    /// name). Unset: UTC.
+    #[serde(default)]
+    pub time_zone: Option<String>,
+    /// Whether a job may opt out of the lane's window with `"window": null`.
+    #[serde(default)]
+    pub window_optional: bool,
 }
 
 fn one() -> u32 {
@@ -53,8 +65,7 @@ impl TopologySettings {
             default.clone(),
             self.lanes.get(&default).cloned().unwrap_or(LaneSettings {
                 weight: 1,
-                rate_limit: None,
-                tenant_rate_limit: None,
+                ..LaneSettings::default()
             }),
         )];
         lanes.extend(
@@ -79,6 +90,13 @@ impl TopologySettings {
                 return fail(format!(
                     "topology.lanes.{name}.weight must be between 1 and 1000"
                 ));
+            }
+            if let Some(zone) = &lane.time_zone {
+                if jiff::tz::db().get(zone).is_err() {
+                    return fail(format!(
+                        "topology.lanes.{name}.time_zone {zone:?} is not a time zone postie knows (an IANA name such as Europe/Berlin)"
+                    ));
+                }
             }
         }
         if !is_lane_name(&self.default_lane) {
@@ -105,8 +123,7 @@ mod tests {
     fn lane(weight: u32) -> LaneSettings {
         LaneSettings {
             weight,
-            rate_limit: None,
-            tenant_rate_limit: None,
+            ..LaneSettings::default()
         }
     }
 

@@ -170,8 +170,7 @@ mod tests {
             .map(|(name, weight)| {
                 let lane = crate::config::LaneSettings {
                     weight,
-                    rate_limit: None,
-                    tenant_rate_limit: None,
+                    ..Default::default()
                 };
                 (name.to_string(), lane)
             })

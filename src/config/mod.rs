@@ -27,7 +27,8 @@
 //!   parsed as `database.url` is, under its TLS rules), `outbox.batch_size`,
 //!   `poll_interval`, `listen`.
 //! - `lanes.rs` the lanes (`topology.lanes`: weight, optional cap, optional tenant
-//!   cap; `topology.default_lane`) and what makes a lane name; `memory.rs` each lane's
+//!   cap, optional send window and its zone; `topology.default_lane`) and what makes a
+//!   lane name; `window.rs` a send window's days and hours (`Window`); `memory.rs` each lane's
 //!   prefetch from `worker.inflight_bytes` ÷ `max_body_bytes`; `throttle.rs` a job
 //!   type's throttle (`worker.throttles`).
 //! - `console.rs` the console's (`console.*`: its pages' bounds, `session_ttl`,
@@ -67,6 +68,7 @@ mod suppression;
 mod throttle;
 mod transport;
 mod validate;
+mod window;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
 pub(crate) use console::ConsoleSettings;
@@ -90,6 +92,7 @@ pub use throttle::{ThrottlePolicy, ThrottleRule};
 pub(crate) use transport::ProviderPlan;
 pub use transport::TransportSettings;
 pub(crate) use validate::SmtpTransport;
+pub use window::Window;
 
 use crate::endpoint::passwords;
 

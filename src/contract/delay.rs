@@ -98,7 +98,10 @@ pub fn due_at(
     max: Duration,
 ) -> Result<i64, InvalidJob> {
     if let Some(due) = header_int(headers, HEADER_DUE_AT) {
-        let latest = received_ms.saturating_add(max.as_millis() as i64 + 86_400_000);
+        // A send window may hold a job up to a week past its due time, whatever the
+        // longest delay.
+        let horizon = max.max(Duration::from_secs(8 * 86_400));
+        let latest = received_ms.saturating_add(horizon.as_millis() as i64 + 86_400_000);
         if due < received_ms.saturating_sub(PLAUSIBLE_PAST_MS) || due > latest {
             return Err(InvalidJob(format!(
                 "{HEADER_DUE_AT} ({due}) is not a plausible due time"

@@ -18,6 +18,7 @@ use super::{
 };
 #[cfg(test)]
 use super::{peek_key, peek_key_text};
+use crate::config::Window;
 
 /// Most recipients (to + cc + bcc) on one job.
 const MAX_RECIPIENTS: usize = 100;
@@ -63,6 +64,21 @@ pub struct EmailJob {
     pub send_at_ms: Option<i64>,
     /// The recipient's time zone (an IANA name, checked), if given.
     pub time_zone: Option<String>,
+    /// The send window it asks for (`window`).
+    pub window: JobWindow,
+}
+
+/// The send window (quiet hours) a job asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum JobWindow {
+    /// No `window` member: its lane's, if the lane has one.
+    #[default]
+    Lane,
+    /// `"window": null`: none, where its lane allows that (`window_optional`); else the
+    /// lane's.
+    Off,
+    /// A window of its own, instead of the lane's.
+    Own(Window),
 }
 
 impl EmailJob {
@@ -116,6 +132,13 @@ pub enum Request {
 fn asks_cancel(body: &[u8]) -> bool {
     serde_json::from_slice::<std::collections::HashMap<String, IgnoredAny>>(body)
         .is_ok_and(|members| members.contains_key("cancel"))
+}
+
+/// A member that may be there as `null`: absent is `None`, `null` is `Some(None)`.
+fn even_null<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    member: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(member).map(Some)
 }
 
 /// A member that is there, whatever its value (even `null`).
@@ -227,6 +250,9 @@ struct RawJob<'a> {
     send_at_local: Option<String>,
     #[serde(default)]
     time_zone: Option<String>,
+    /// Absent, `null`, or a window.
+    #[serde(default, deserialize_with = "even_null")]
+    window: Option<Option<String>>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -392,6 +418,12 @@ impl EmailJob {
         }
         .due_ms()?;
 
+        let window = match raw.window.take() {
+            None => JobWindow::Lane,
+            Some(None) => JobWindow::Off,
+            Some(Some(text)) => JobWindow::Own(Window::parse(&text).map_err(InvalidJob)?),
+        };
+
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
             check_header_name(&name)?;
@@ -418,6 +450,7 @@ impl EmailJob {
             tenant: raw.tenant,
             send_at_ms,
             time_zone: raw.time_zone,
+            window,
         })
     }
 }

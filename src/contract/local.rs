@@ -17,6 +17,7 @@ use jiff::Timestamp;
 
 use super::delay::send_at_ms;
 use super::InvalidJob;
+use crate::config::Window;
 
 /// The IANA time-zone database release postie was built with (`postie --version`).
 pub(crate) fn tzdb_version() -> &'static str {
@@ -130,6 +131,49 @@ fn after_gap(
     Timestamp::from_second(hi)
 }
 
+/// The first instant at or after `at_ms` at which `window` is open in `zone`, Unix
+/// ms: `at_ms` itself when it is open then, else the next opening (an opening in a
+/// gap: the first instant after the gap).
+pub(crate) fn next_open(window: &Window, at_ms: i64, zone: &TimeZone) -> i64 {
+    let Ok(at) = Timestamp::from_millisecond(at_ms) else {
+        return at_ms;
+    };
+    let local = zone.to_datetime(at);
+    let seconds = |t: jiff::civil::Time| {
+        u32::try_from(
+            i32::from(t.hour()) * 3600 + i32::from(t.minute()) * 60 + i32::from(t.second()),
+        )
+        .unwrap_or(0)
+    };
+    let weekday =
+        |d: jiff::civil::Date| usize::try_from(d.weekday().to_monday_zero_offset()).unwrap_or(0);
+    if window.is_open(weekday(local.date()), seconds(local.time())) {
+        return at_ms;
+    }
+    let part = |v: u32| i8::try_from(v).unwrap_or(0);
+    let (h, m, sec) = (
+        window.start / 3600,
+        window.start / 60 % 60,
+        window.start % 60,
+    );
+    let opens = jiff::civil::Time::new(part(h), part(m), part(sec), 0)
+        .unwrap_or(jiff::civil::Time::midnight());
+    let mut date = local.date();
+    // A window opens on at least one day a week: within eight days.
+    for _ in 0..=8 {
+        if window.days[weekday(date)] {
+            if let Ok(open) = resolve(zone, date.to_datetime(opens)) {
+                if open.as_millisecond() > at_ms {
+                    return open.as_millisecond();
+                }
+            }
+        }
+        let Ok(next) = date.tomorrow() else { break };
+        date = next;
+    }
+    at_ms
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +264,45 @@ mod tests {
             );
             proptest::prop_assert_eq!(wall(due) == civil, !in_gap);
         }
+    }
+
+    #[test]
+    fn a_window_holds_a_job_until_it_next_opens_in_its_zone() {
+        let ms = |text: &str| text.parse::<Timestamp>().unwrap().as_millisecond();
+        let berlin = zone("Europe/Berlin").unwrap();
+        let day = Window::parse("08:00-21:00").unwrap();
+        // 2027-01-15 is a Friday; Berlin is UTC+1 in winter.
+        let open = ms("2027-01-15T12:00:00Z");
+        assert_eq!(next_open(&day, open, &berlin), open, "open now");
+        assert_eq!(
+            next_open(&day, ms("2027-01-15T20:30:00Z"), &berlin),
+            ms("2027-01-16T07:00:00Z")
+        );
+        assert_eq!(
+            next_open(&day, ms("2027-01-15T06:59:59Z"), &berlin),
+            ms("2027-01-15T07:00:00Z")
+        );
+        let weekdays = Window::parse("mon-fri 09:00-17:00").unwrap();
+        assert_eq!(
+            next_open(&weekdays, ms("2027-01-15T16:00:00Z"), &berlin),
+            ms("2027-01-18T08:00:00Z"),
+            "friday evening: monday morning"
+        );
+        // Opening inside the spring-forward gap: the first instant after it.
+        let early = Window::parse("02:30-05:00").unwrap();
+        assert_eq!(
+            next_open(&early, ms("2027-03-27T23:00:00Z"), &berlin),
+            ms("2027-03-28T01:00:00Z")
+        );
+        let night = Window::parse("22:00-06:00").unwrap();
+        assert_eq!(
+            next_open(&night, ms("2027-01-15T03:00:00Z"), &berlin),
+            ms("2027-01-15T03:00:00Z")
+        );
+        assert_eq!(
+            next_open(&night, ms("2027-01-15T12:00:00Z"), &berlin),
+            ms("2027-01-15T21:00:00Z")
+        );
     }
 
     #[test]

@@ -148,6 +148,8 @@ declare! {
             => "deferred", "Jobs parked because another instance held a live claim";
         early_arrivals: Counter
             => "early_arrivals", "Deliveries that arrived before their due time and went back to wait";
+        window_held: Counter
+            => "window_held", "Jobs held back by a send window (quiet hours) until it next opens";
         takeovers: Counter
             => "lease_takeovers", "Expired claims taken over (the old owner may have sent)";
         retries: Counters<Step>

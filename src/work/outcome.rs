@@ -61,6 +61,16 @@ pub(crate) enum Outcome {
         /// How far off, in ms.
         early_ms: i64,
     },
+    /// Due outside its send window (quiet hours): goes back to the delayed exchange
+    /// until the window next opens, stamped with that time; never sent meanwhile.
+    Held {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// When the window next opens, Unix ms.
+        until_ms: i64,
+        /// How long from now, in ms.
+        wait_ms: i64,
+    },
     /// Sent, but meanwhile another instance took the key over (fence moved).
     SentFenceLost {
         /// The job's key.
@@ -164,6 +174,7 @@ impl Outcome {
         match self {
             Self::Sent { .. } => "sent",
             Self::Early { .. } => "early",
+            Self::Held { .. } => "held",
             Self::SentFenceLost { .. } => "sent_fence_lost",
             Self::Duplicate { .. } => "duplicate",
             Self::Cancelled { .. } => "cancelled",
@@ -254,6 +265,13 @@ impl Outcome {
                 let headers = headers::without(original, &[]);
                 Disposition::Republish(retry(topology, *step, headers))
             }
+            Self::Held {
+                until_ms, wait_ms, ..
+            } => {
+                tracing::info!(wait_ms, "outside its send window; held until it opens");
+                metrics.window_held.inc();
+                Disposition::Republish(wait_until(topology, original, *until_ms, *wait_ms))
+            }
             Self::Early {
                 due_ms, early_ms, ..
             } => {
@@ -306,6 +324,7 @@ impl Outcome {
         match self {
             Self::Sent { key, .. }
             | Self::Early { key, .. }
+            | Self::Held { key, .. }
             | Self::SentFenceLost { key }
             | Self::Duplicate { key }
             | Self::Cancelled { key }
@@ -343,6 +362,27 @@ mod tests {
     fn topology() -> Topology {
         let settings = TopologySettings::default();
         Topology::new(&settings, &DelaySettings::default(), DelayMode::Ladder)
+    }
+
+    #[test]
+    fn mx_a_job_held_by_its_window_waits_for_the_opening_and_is_counted() {
+        let metrics = Metrics::new();
+        let topology = topology();
+        let held = Outcome::Held {
+            key: IdempotencyKey::parse("k-held").unwrap(),
+            until_ms: 2_000_000,
+            wait_ms: 60_000,
+        };
+        let disposition = held.settle(&metrics, &topology, None);
+        let Disposition::Republish(target) = &disposition else {
+            panic!("{disposition:?}");
+        };
+        assert_eq!(target.exchange, topology.delayed_exchange());
+        let due = crate::headers::header_int(Some(&target.headers), crate::headers::HEADER_DUE_AT);
+        assert_eq!(due, Some(2_000_000), "stamped due at the opening");
+        assert_eq!(metrics.window_held.get(), 1);
+        assert_eq!(metrics.early_arrivals.get(), 0);
+        assert!(metrics.render().contains("postie_window_held_total 1"));
     }
 
     #[test]

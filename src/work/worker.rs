@@ -15,13 +15,15 @@
 //! answers again.
 //!
 //! One delivery goes through three steps: [`Worker::admit`] (parse, cancel, due time,
-//! wait out the ladder's last sub-unit rest; a job of another lane than its queue's
+//! its send window (`Outcome::Held` until it opens), wait out the ladder's last
+//! sub-unit rest; a job of another lane than its queue's
 //! is `Outcome::Moved` to its lane), then turns ([`Worker::take_turn`]: the route (the
 //! job's pin, else the first up) and that route's send rate, a connection slot, the
 //! claim) until one ends in an outcome, each claimed turn making one
 //! [`Worker::attempt`] (throttle, lease, send, record; an uncertain send pins the job
 //! to its route, `Pin`). The rest lives beside it: `db.rs`, `follow.rs`, `send.rs`,
-//! `lease.rs`, `limits.rs`, `throttle.rs`, `due.rs`, `route.rs`, `suppress.rs`.
+//! `lease.rs`, `limits.rs`, `throttle.rs`, `due.rs`, `route.rs`, `suppress.rs`,
+//! `window.rs` (the send window, checked again just before the claim).
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -37,6 +39,7 @@ mod route;
 mod send;
 mod suppress;
 mod throttle;
+mod window;
 
 use super::context::SharedContext;
 use super::lanes::FairShare;
@@ -218,7 +221,22 @@ impl Worker {
             Ok(due) => due,
             Err(InvalidJob(reason)) => return Ok(invalid(Some(job.key), reason)),
         };
-        let early_ms = due_ms.saturating_sub(now_ms());
+        let now = now_ms();
+        let mut due_ms = due_ms;
+        if let Some(opens) = self.window_hold(&job, lane, due_ms.max(now)) {
+            let wait_ms = opens.saturating_sub(now);
+            if wait_ms as u128 > self.hold_limit().as_millis() {
+                let (key, until_ms) = (job.key, opens);
+                return Ok(ControlFlow::Break(Outcome::Held {
+                    key,
+                    until_ms,
+                    wait_ms,
+                }));
+            }
+            // Opens within the hold: waited out here, as the ladder's last rest is.
+            due_ms = opens;
+        }
+        let early_ms = due_ms.saturating_sub(now);
         if early_ms > 0 {
             if early_ms as u128 > self.hold_limit().as_millis() {
                 return Ok(ControlFlow::Break(Outcome::Early {
@@ -276,6 +294,16 @@ impl Worker {
         };
         // The next lane's job may go on to its turn.
         drop(passage);
+        // A window may have closed while the job waited for its turn.
+        let now = now_ms();
+        if let Some(until_ms) = self.window_hold(job, admitted.lane, now) {
+            let (key, wait_ms) = (key.clone(), until_ms - now);
+            return Ok(Followed::Outcome(Outcome::Held {
+                key,
+                until_ms,
+                wait_ms,
+            }));
+        }
         let asked = Instant::now();
         let lease = self.cx.settings.worker.lease;
         let claim = self
