@@ -305,23 +305,30 @@ async fn postie_publish_at_sets_send_at() {
     let serving = env.serve(env.settings());
     let at = now_ms() + 3_000;
     let mut due = BTreeMap::new();
-    let flags = [
-        "publish",
-        "--key",
-        "cli-at",
-        "--from",
-        "shop@example.com",
-        "--to",
-        "x@example.com",
-        "--subject",
-        "s",
-        "--text",
-        "t",
-        "--at",
-    ];
     let at_text = rfc3339(at, 2);
-    env.postie(&[&flags[..], &[at_text.as_str()]].concat())
-        .expect("publish --at");
+    let flags = |key: &'static str| {
+        let at = at_text.clone();
+        [
+            "publish",
+            "--key",
+            key,
+            "--from",
+            "shop@example.com",
+            "--to",
+            "x@example.com",
+            "--subject",
+            "s",
+            "--text",
+            "t",
+            "--at",
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([at])
+        .collect::<Vec<String>>()
+    };
+    let run = |args: Vec<String>| env.postie(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    run(flags("cli-at")).expect("publish --at");
     due.insert("cli-at".to_string(), at);
     let file = std::env::temp_dir().join(format!("{}-job.json", env.db_name));
     let mut body = job("cli-file-at", "x@example.com");
@@ -332,24 +339,9 @@ async fn postie_publish_at_sets_send_at() {
         .expect("publish --file --at");
     due.insert("cli-file-at".to_string(), at);
     let before = now_ms();
-    env.postie(&[
-        "publish",
-        "--key",
-        "cli-delay",
-        "--from",
-        "shop@example.com",
-        "--to",
-        "x@example.com",
-        "--subject",
-        "s",
-        "--text",
-        "t",
-        "--at",
-        &at_text,
-        "--delay",
-        "6s",
-    ])
-    .expect("publish --at --delay");
+    let mut delayed = flags("cli-delay");
+    delayed.extend(["--delay".to_owned(), "6s".to_owned()]);
+    run(delayed).expect("publish --at --delay");
     due.insert("cli-delay".to_string(), before + 6_000);
     env.wait_for_emails("three emails", 3, Duration::from_secs(60))
         .await;
