@@ -103,32 +103,20 @@ fn resolve(zone: &TimeZone, civil: DateTime) -> Result<Timestamp, jiff::Error> {
     match ambiguous.offset() {
         AmbiguousOffset::Unambiguous { offset } => offset.to_timestamp(civil),
         AmbiguousOffset::Fold { .. } => ambiguous.earlier(),
-        AmbiguousOffset::Gap { before, after } => after_gap(zone, civil, before, after),
+        AmbiguousOffset::Gap { before, .. } => after_gap(zone, civil, before),
     }
 }
 
-/// The transition that opened the gap `civil` falls in: read with the offset after
-/// it, `civil` is an instant before the transition, and with the offset before it,
-/// one at or after it. Transitions fall on whole seconds, so a search over seconds
-/// between the two finds it exactly.
-fn after_gap(
-    zone: &TimeZone,
-    civil: DateTime,
-    before: Offset,
-    after: Offset,
-) -> Result<Timestamp, jiff::Error> {
-    let mut lo = after.to_timestamp(civil)?.as_second(); // before the transition
-    let mut hi = before.to_timestamp(civil)?.as_second() + 1; // after it
-    let changed = |s: i64| Timestamp::from_second(s).map(|t| zone.to_offset(t) != before);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if changed(mid)? {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    Timestamp::from_second(hi)
+/// The transition that opened the gap `civil` falls in: read with the offset before
+/// it, `civil` is an instant at or after the transition, so the zone's last
+/// transition up to then is the one.
+fn after_gap(zone: &TimeZone, civil: DateTime, before: Offset) -> Result<Timestamp, jiff::Error> {
+    let past_it = before.to_timestamp(civil)?;
+    let just_after = past_it.checked_add(jiff::SignedDuration::from_nanos(1))?;
+    Ok(zone
+        .preceding(just_after)
+        .next()
+        .map_or(past_it, |transition| transition.timestamp()))
 }
 
 /// The first instant at or after `at_ms` at which `window` is open in `zone`, Unix
