@@ -60,7 +60,11 @@ CREATE TABLE postie_inbox (
     lane        text,
     -- 0021: the recipients a sent email went to (trimmed, lower-cased); feedback
     -- about an address suppresses it only when the email it names went to it
-    recipients  text[]
+    recipients  text[],
+    -- 0025: a debounced job's series: its first version's arrival (the cap,
+    -- max_wait, counts from it) and its latest's (an older one arriving late is stale)
+    debounce_first_at timestamptz,
+    debounce_last_at  timestamptz
 );
 
 -- Pending jobs by due time (ladder mode: postie pending, the reconciler). 0002.

@@ -32,6 +32,9 @@ pub(crate) const HEADER_PROVIDER: &str = "postie-provider";
 /// The tenant slot (Unix ms) a job deferred under its tenant's cap was given: it is
 /// not deferred again.
 pub(crate) const HEADER_TENANT_SLOT: &str = "postie-tenant-slot";
+/// Header: the revision postie gave a debounced job's version (`debounce`); the
+/// worker claims it by this revision, not the body's.
+pub(crate) const HEADER_REVISION: &str = "postie-revision";
 /// Header: the error of the last failed attempt.
 pub(crate) const HEADER_LAST_ERROR: &str = "postie-last-error";
 /// Header on dead letters: why the job was dead-lettered, for a person.

@@ -43,7 +43,9 @@ pub mod headers {
 }
 /// The PostgreSQL inbox.
 pub mod inbox {
-    pub use crate::inbox::{record_event, Claim, Completion, Inbox, Scheduled};
+    pub use crate::inbox::{
+        record_event, Claim, Completion, Debounced, Debouncing, Inbox, Scheduled,
+    };
 }
 /// The transports.
 pub mod mail {

@@ -39,7 +39,7 @@ use super::Service;
 use crate::broker;
 use crate::config::KeyNamespace;
 use crate::contract::{self, IdempotencyKey};
-use crate::headers::{self, HEADER_DUE_AT};
+use crate::headers::{self, HEADER_DUE_AT, HEADER_REVISION};
 use crate::inbox::{LaneRows, Overdue, Status};
 use crate::ops::metrics::Metrics;
 use crate::topology::{DelayLayout, LaneId};
@@ -216,6 +216,8 @@ impl Service {
         for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
+            // A debounced job is claimed by the revision postie gave it.
+            headers::set_int(&mut table, HEADER_REVISION, i64::from(job.revision));
             self.cx.seal.seal(&mut table, &job.body);
             let mut properties = broker::job_properties().with_headers(table);
             // Per-producer keys: the job goes back under the user_id it came with.

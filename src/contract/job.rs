@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 
+use super::debounce::{Debounce, RawDebounce};
 use super::key::key_text;
 use super::local::ClockTime;
 use super::rules::ParseRules;
@@ -66,6 +67,8 @@ pub struct EmailJob {
     pub time_zone: Option<String>,
     /// The send window it asks for (`window`).
     pub window: JobWindow,
+    /// Its debounce (`debounce`), if any: a later version with its key replaces it.
+    pub debounce: Option<Debounce>,
 }
 
 /// The send window (quiet hours) a job asks for.
@@ -253,6 +256,8 @@ struct RawJob<'a> {
     /// Absent, `null`, or a window.
     #[serde(default, deserialize_with = "even_null")]
     window: Option<Option<String>>,
+    #[serde(default)]
+    debounce: Option<RawDebounce>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -424,6 +429,8 @@ impl EmailJob {
             Some(Some(text)) => JobWindow::Own(Window::parse(&text).map_err(InvalidJob)?),
         };
 
+        let debounce = raw.debounce.as_ref().map(RawDebounce::read).transpose()?;
+
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
             check_header_name(&name)?;
@@ -451,6 +458,7 @@ impl EmailJob {
             send_at_ms,
             time_zone: raw.time_zone,
             window,
+            debounce,
         })
     }
 }

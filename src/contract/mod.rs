@@ -12,9 +12,11 @@
 //!   `key.rs`: the one key rule, the idempotency key, the Message-ID.
 //! - `address.rs`: mailboxes; `delay.rs`: `x-delay`, `send_at` and the due time (the
 //!   later of the two); `local.rs`: `send_at_local` in `time_zone`, with the
-//!   compiled-in time-zone database (gaps and folds).
+//!   compiled-in time-zone database (gaps and folds); `debounce.rs`: a job's
+//!   `debounce` (`wait`, `max_wait`).
 
 mod address;
+mod debounce;
 mod delay;
 mod job;
 mod key;
@@ -23,6 +25,7 @@ mod peek;
 mod rules;
 
 pub(crate) use address::Address;
+pub(crate) use debounce::Debounce;
 pub use delay::{due_at, x_delay};
 pub(crate) use delay::{with_send_at, PLUGIN_MAX_DELAY};
 pub(crate) use job::JobWindow;

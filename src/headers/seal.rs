@@ -1,5 +1,5 @@
 //! postie's own headers, sealed: the `postie-*` headers postie writes on the copies it
-//! republishes (`postie-attempt`, `postie-provider`, `postie-tenant-slot`,
+//! republishes (`postie-attempt`, `postie-provider`, `postie-tenant-slot`, `postie-revision`,
 //! `postie-due-at`, `postie-last-error`, the dead letters' `postie-dead-*`) steer the
 //! worker, so a producer must not be able to set them (issue 45, item 4). A header is
 //! trusted only with its seal: an HMAC-SHA256, under a key the fleet shares through

@@ -61,6 +61,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (22, "0022_header_key"),
     (23, "0023_one_rate_engine"),
     (24, "0024_window_take"),
+    (25, "0025_debounce"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

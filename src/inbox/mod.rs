@@ -56,7 +56,7 @@ pub(crate) use events::{Event, OutboxError};
 pub(crate) use feedback::{Feedback, FeedbackKind, Recorded};
 pub(crate) use inspect::MAINTENANCE_LOCK;
 pub(crate) use machine::{Cancelled, Status};
-pub use machine::{Claim, Completion, Scheduled};
+pub use machine::{Claim, Completion, Debounced, Debouncing, Scheduled};
 pub(crate) use prune::PrunePlan;
 pub(crate) use queries::PendingFilter;
 pub(crate) use rate::Throttle;

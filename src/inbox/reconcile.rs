@@ -17,6 +17,8 @@ pub(crate) struct Overdue {
     pub(crate) due_ms: i64,
     /// The job as published.
     pub(crate) body: Vec<u8>,
+    /// The row's revision: a debounced job is claimed by it (`postie-revision`).
+    pub(crate) revision: i32,
 }
 
 /// Which rows belong to one lane: `lane` for a configured lane other than the default;
@@ -96,7 +98,7 @@ impl Inbox {
                     AND (status = 'scheduled' AND arrived_at IS NULL
                          OR status = 'sending' AND rescheduled
                             AND lease_until <= clock_timestamp())
-                 RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body",
+                 RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body, revision",
                 &[&keys],
             )
             .await?;
@@ -106,6 +108,7 @@ impl Inbox {
                 key: r.get(0),
                 due_ms: r.get(1),
                 body: r.get(2),
+                revision: r.get(3),
             })
             .collect();
         jobs.sort_by_key(|job| job.due_ms);

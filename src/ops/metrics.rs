@@ -150,6 +150,8 @@ declare! {
             => "early_arrivals", "Deliveries that arrived before their due time and went back to wait";
         window_held: Counter
             => "window_held", "Jobs held back by a send window (quiet hours) until it next opens";
+        debounced: Counter
+            => "debounced", "Versions of debounced jobs recorded as the pending one (each replaces the one before)";
         takeovers: Counter
             => "lease_takeovers", "Expired claims taken over (the old owner may have sent)";
         retries: Counters<Step>

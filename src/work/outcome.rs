@@ -71,6 +71,19 @@ pub(crate) enum Outcome {
         /// How long from now, in ms.
         wait_ms: i64,
     },
+    /// A debounced job's version, recorded as the pending one under a revision postie
+    /// gave it: goes back to wait until due, stamped with that revision
+    /// (`postie-revision`), by which it is claimed.
+    Debounced {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// The revision postie gave it.
+        revision: i32,
+        /// Its due time, Unix ms.
+        due_ms: i64,
+        /// How long from now, in ms (0 when due already).
+        wait_ms: i64,
+    },
     /// Sent, but meanwhile another instance took the key over (fence moved).
     SentFenceLost {
         /// The job's key.
@@ -175,6 +188,7 @@ impl Outcome {
             Self::Sent { .. } => "sent",
             Self::Early { .. } => "early",
             Self::Held { .. } => "held",
+            Self::Debounced { .. } => "debounced",
             Self::SentFenceLost { .. } => "sent_fence_lost",
             Self::Duplicate { .. } => "duplicate",
             Self::Cancelled { .. } => "cancelled",
@@ -272,6 +286,22 @@ impl Outcome {
                 metrics.window_held.inc();
                 Disposition::Republish(wait_until(topology, original, *until_ms, *wait_ms))
             }
+            Self::Debounced {
+                revision,
+                due_ms,
+                wait_ms,
+                ..
+            } => {
+                tracing::debug!(revision, wait_ms, "debounced: the pending version now");
+                metrics.debounced.inc();
+                let mut target = wait_until(topology, original, *due_ms, *wait_ms);
+                headers::set_int(
+                    &mut target.headers,
+                    headers::HEADER_REVISION,
+                    i64::from(*revision),
+                );
+                Disposition::Republish(target)
+            }
             Self::Early {
                 due_ms, early_ms, ..
             } => {
@@ -325,6 +355,7 @@ impl Outcome {
             Self::Sent { key, .. }
             | Self::Early { key, .. }
             | Self::Held { key, .. }
+            | Self::Debounced { key, .. }
             | Self::SentFenceLost { key }
             | Self::Duplicate { key }
             | Self::Cancelled { key }
@@ -383,6 +414,28 @@ mod tests {
         assert_eq!(metrics.window_held.get(), 1);
         assert_eq!(metrics.early_arrivals.get(), 0);
         assert!(metrics.render().contains("postie_window_held_total 1"));
+    }
+
+    #[test]
+    fn mx_a_debounced_version_waits_stamped_with_its_revision_and_is_counted() {
+        let metrics = Metrics::new();
+        let topology = topology();
+        let debounced = Outcome::Debounced {
+            key: IdempotencyKey::parse("k-debounced").unwrap(),
+            revision: 7,
+            due_ms: 3_000_000,
+            wait_ms: 3_000,
+        };
+        let disposition = debounced.settle(&metrics, &topology, None);
+        let Disposition::Republish(target) = &disposition else {
+            panic!("{disposition:?}");
+        };
+        assert_eq!(target.exchange, topology.delayed_exchange());
+        let header = |name| crate::headers::header_int(Some(&target.headers), name);
+        assert_eq!(header(crate::headers::HEADER_DUE_AT), Some(3_000_000));
+        assert_eq!(header(crate::headers::HEADER_REVISION), Some(7));
+        assert_eq!(header(crate::headers::HEADER_X_DELAY), Some(3_000));
+        assert!(metrics.render().contains("postie_debounced_total 1"));
     }
 
     #[test]

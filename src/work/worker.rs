@@ -15,7 +15,7 @@
 //! answers again.
 //!
 //! One delivery goes through three steps: [`Worker::admit`] (parse, cancel, due time,
-//! its send window (`Outcome::Held` until it opens), wait out the ladder's last
+//! a debounced job's first sight (`Outcome::Debounced`), its send window (`Outcome::Held` until it opens), wait out the ladder's last
 //! sub-unit rest; a job of another lane than its queue's
 //! is `Outcome::Moved` to its lane), then turns ([`Worker::take_turn`]: the route (the
 //! job's pin, else the first up) and that route's send rate, a connection slot, the
@@ -23,7 +23,8 @@
 //! [`Worker::attempt`] (throttle, lease, send, record; an uncertain send pins the job
 //! to its route, `Pin`). The rest lives beside it: `db.rs`, `follow.rs`, `send.rs`,
 //! `lease.rs`, `limits.rs`, `throttle.rs`, `due.rs`, `route.rs`, `suppress.rs`,
-//! `window.rs` (the send window, checked again just before the claim).
+//! `window.rs` (the send window, checked again just before the claim), `debounce.rs`
+//! (a debounced job's version recorded, then claimed by the revision postie gave it).
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use lapin::types::FieldTable;
 
 mod db;
+mod debounce;
 mod due;
 mod follow;
 mod lease;
@@ -199,7 +201,7 @@ impl Worker {
             }
             route
         });
-        let job = match Request::parse(body, &self.rules(user_id)) {
+        let mut job = match Request::parse(body, &self.rules(user_id)) {
             Ok(Request::Job(job)) => job,
             Ok(Request::Cancel { key, revision }) => {
                 let cancelled = self
@@ -221,6 +223,14 @@ impl Worker {
             Ok(due) => due,
             Err(InvalidJob(reason)) => return Ok(invalid(Some(job.key), reason)),
         };
+        if let Some(debounce) = job.debounce {
+            let seen = (headers, body);
+            if let ControlFlow::Break(outcome) =
+                self.debounce(&mut job, debounce, (lane, due_ms), seen).await?
+            {
+                return Ok(ControlFlow::Break(outcome));
+            }
+        }
         let now = now_ms();
         let mut due_ms = due_ms;
         if let Some(opens) = self.window_hold(&job, lane, due_ms.max(now)) {

@@ -13,6 +13,7 @@
 //! | `finish_cancelled` | `finish_cancelled.rs` | `retrying`, or `sending` under an expired lease, cancelled meanwhile → `cancelled` |
 //! | `finish_unclaimed` | `finish_unclaimed.rs` | `scheduled` → `dead`, `cancelled` |
 //! | `defer` | `defer.rs` | `scheduled` → `scheduled`, due at its tenant's slot |
+//! | `debounce` | `debounce.rs` | (no row), `scheduled`, `retrying`, `cancelled`, `dead`, `throttled`, `suppressed` → `scheduled`, a new revision postie assigns; `sending` → `sending` `rescheduled` |
 //!
 //! ARCHITECTURE.md draws the machine ("The inbox's state machine");
 //! `tests/state_machine.rs` checks that the drawing and this module agree and that no
@@ -23,6 +24,7 @@
 mod cancel;
 mod claim;
 mod complete;
+mod debounce;
 mod defer;
 mod finish_cancelled;
 mod finish_unclaimed;
@@ -35,6 +37,7 @@ pub use claim::Claim;
 pub(in crate::inbox) use claim::Claimer;
 pub(in crate::inbox) use complete::Completer;
 pub use complete::Completion;
+pub use debounce::{Debounced, Debouncing};
 pub use schedule::Scheduled;
 pub(in crate::inbox) use status::status_of;
 pub(crate) use status::Status;
