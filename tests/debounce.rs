@@ -52,7 +52,10 @@ async fn counter(metrics: std::net::SocketAddr, name: &str) -> f64 {
 async fn row(env: &TestEnv, key: &str) -> (String, i32) {
     let client = env.db().await;
     let row = client
-        .query_one("SELECT status, revision FROM postie_inbox WHERE key = $1", &[&key])
+        .query_one(
+            "SELECT status, revision FROM postie_inbox WHERE key = $1",
+            &[&key],
+        )
         .await
         .expect("its row");
     (row.get(0), row.get(1))
@@ -136,19 +139,25 @@ async fn twenty_versions_give_one_email_with_the_last_body_after_the_wait_or_at_
         capped_revision < versions as i32,
         "versions after the send replaced it: revision {capped_revision}"
     );
-    let duplicates = eventually("the late versions refused", Duration::from_secs(30), || {
-        async {
+    let duplicates = eventually(
+        "the late versions refused",
+        Duration::from_secs(30),
+        || async {
             let n = counter(metrics, "postie_duplicates_suppressed_total").await;
             (n >= 1.0).then_some(n)
-        }
-    })
+        },
+    )
     .await;
     let stale = counter(metrics, "postie_stale_total").await;
     assert!(
         stale >= (versions - 1) as f64,
         "{stale} stale copies: every replaced version's copy is stale"
     );
-    assert_eq!(env.depth(env.topology.dead_queue()).await, 0, "dead letters");
+    assert_eq!(
+        env.depth(env.topology.dead_queue()).await,
+        0,
+        "dead letters"
+    );
     serving.stop().await;
     eprintln!(
         "FIGURES debounce: 20 versions over {} ms, wait 3 s: one email, the last body, {} ms after the last version ({} ms late); max_wait 5 s: one email {} ms after the first version (version {capped_body:02}), {} later versions refused as duplicates, {stale} stale copies skipped",
@@ -167,7 +176,10 @@ async fn a_bad_debounce_is_a_dead_letter_with_its_reason_that_blocks_nothing() {
     let bad = [
         ("bad-wait", serde_json::json!({"wait": "soon"})),
         ("zero-wait", serde_json::json!({"wait": "0s"})),
-        ("cap-below", serde_json::json!({"wait": "5s", "max_wait": "1s"})),
+        (
+            "cap-below",
+            serde_json::json!({"wait": "5s", "max_wait": "1s"}),
+        ),
         ("past-max", serde_json::json!({"wait": "400d"})),
         ("unknown", serde_json::json!({"wait": "1s", "max": "2s"})),
     ];
@@ -192,7 +204,10 @@ async fn a_bad_debounce_is_a_dead_letter_with_its_reason_that_blocks_nothing() {
         "longer than delay.max",
         "unknown field `max`",
     ] {
-        assert!(reasons.contains(says), "no reason says {says:?}:\n{reasons}");
+        assert!(
+            reasons.contains(says),
+            "no reason says {says:?}:\n{reasons}"
+        );
     }
     serving.stop().await;
 }
@@ -214,12 +229,30 @@ async fn the_debounce_transition_from_each_status() {
     };
     // No row: revision 0, due at arrival + wait.
     let first = inbox.debounce(&debounce("k", at)).await.unwrap();
-    assert_eq!(first, Debounced::Replaced { revision: 0, due_ms: at + 3_000 });
+    assert_eq!(
+        first,
+        Debounced::Replaced {
+            revision: 0,
+            due_ms: at + 3_000
+        }
+    );
     // A later version: the next revision, due at its arrival + wait, capped.
     let second = inbox.debounce(&debounce("k", at + 1_000)).await.unwrap();
-    assert_eq!(second, Debounced::Replaced { revision: 1, due_ms: at + 4_000 });
+    assert_eq!(
+        second,
+        Debounced::Replaced {
+            revision: 1,
+            due_ms: at + 4_000
+        }
+    );
     let third = inbox.debounce(&debounce("k", at + 4_000)).await.unwrap();
-    assert_eq!(third, Debounced::Replaced { revision: 2, due_ms: at + 5_000 });
+    assert_eq!(
+        third,
+        Debounced::Replaced {
+            revision: 2,
+            due_ms: at + 5_000
+        }
+    );
     // An older version arriving late is stale and changes nothing.
     let late = inbox.debounce(&debounce("k", at + 500)).await.unwrap();
     assert_eq!(late, Debounced::Stale);
@@ -231,7 +264,13 @@ async fn the_debounce_transition_from_each_status() {
     };
     // While it is being sent, a version is remembered, not sent instead.
     let during = inbox.debounce(&debounce("k", at + 4_500)).await.unwrap();
-    assert_eq!(during, Debounced::Replaced { revision: 3, due_ms: at + 5_000 });
+    assert_eq!(
+        during,
+        Debounced::Replaced {
+            revision: 3,
+            due_ms: at + 5_000
+        }
+    );
     assert_eq!(row(&env, "k").await.0, "sending");
     let sent = Completion::Sent {
         message_id: "<k@test>",
@@ -243,24 +282,44 @@ async fn the_debounce_transition_from_each_status() {
     // Sent: every later version is a duplicate.
     let after = inbox.debounce(&debounce("k", at + 9_000)).await.unwrap();
     assert_eq!(after, Debounced::AlreadySent);
-    assert_eq!(inbox.claim("k", "a", lease, 3).await.unwrap(), Claim::AlreadySent);
+    assert_eq!(
+        inbox.claim("k", "a", lease, 3).await.unwrap(),
+        Claim::AlreadySent
+    );
 
     // A send that fails while a version waits: that version is the pending one.
     let other = inbox.debounce(&debounce("f", at)).await.unwrap();
-    assert_eq!(other, Debounced::Replaced { revision: 0, due_ms: at + 3_000 });
+    assert_eq!(
+        other,
+        Debounced::Replaced {
+            revision: 0,
+            due_ms: at + 3_000
+        }
+    );
     let Claim::Claimed { fence, .. } = inbox.claim("f", "a", lease, 0).await.unwrap() else {
         panic!("claims");
     };
     inbox.debounce(&debounce("f", at + 1_000)).await.unwrap();
-    let failed = Completion::Retrying { error: "421 try later" };
+    let failed = Completion::Retrying {
+        error: "421 try later",
+    };
     assert!(inbox.complete("f", fence, None, failed).await.unwrap());
     assert_eq!(row(&env, "f").await, ("scheduled".to_string(), 1));
     // A finished dead row starts a new series: its cap counts from the new arrival.
     let client = env.db().await;
     client
-        .execute("UPDATE postie_inbox SET status = 'dead' WHERE key = 'f'", &[])
+        .execute(
+            "UPDATE postie_inbox SET status = 'dead' WHERE key = 'f'",
+            &[],
+        )
         .await
         .unwrap();
     let again = inbox.debounce(&debounce("f", at + 60_000)).await.unwrap();
-    assert_eq!(again, Debounced::Replaced { revision: 2, due_ms: at + 63_000 });
+    assert_eq!(
+        again,
+        Debounced::Replaced {
+            revision: 2,
+            due_ms: at + 63_000
+        }
+    );
 }

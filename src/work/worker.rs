@@ -225,8 +225,9 @@ impl Worker {
         };
         if let Some(debounce) = job.debounce {
             let seen = (headers, body);
-            if let ControlFlow::Break(outcome) =
-                self.debounce(&mut job, debounce, (lane, due_ms), seen).await?
+            if let ControlFlow::Break(outcome) = self
+                .debounce(&mut job, debounce, (lane, due_ms), seen)
+                .await?
             {
                 return Ok(ControlFlow::Break(outcome));
             }
