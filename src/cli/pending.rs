@@ -1,6 +1,9 @@
-//! `postie pending`: scheduled jobs by due time (ladder mode).
+//! `postie pending`: scheduled jobs by due time (ladder mode), in UTC and, for a job
+//! with a time zone or a send window (its own or its lane's), in its zone with its
+//! window.
 
 use crate::config::Settings;
+use crate::contract;
 use crate::inbox::Inbox;
 
 /// Arguments of `postie pending`.
@@ -28,7 +31,18 @@ pub(super) async fn run(settings: &Settings, args: &PendingArgs) -> anyhow::Resu
         let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
             .unwrap_or_default();
-        out!("{due}  rev {:<3} {}", job.revision, job.key);
+        let local = contract::describe_pending(
+            &settings.topology,
+            job.lane.as_deref(),
+            (job.time_zone.as_deref(), job.window.as_deref()),
+            job.due_ms,
+        );
+        let local = if local.is_empty() {
+            local
+        } else {
+            format!("  ({local})")
+        };
+        out!("{due}  rev {:<3} {}{local}", job.revision, job.key);
     }
     out!(
         "{total} pending{}",

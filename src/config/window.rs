@@ -66,6 +66,25 @@ impl Window {
     }
 }
 
+/// As [`Window::parse`] reads it: the days (none when every day), then the hours,
+/// with seconds only where they are not zero.
+impl std::fmt::Display for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.days != [true; 7] {
+            let days: Vec<&str> = (0..7)
+                .filter(|d| self.days[*d])
+                .map(|d| DAY_NAMES[d])
+                .collect();
+            write!(f, "{} ", days.join(","))?;
+        }
+        let time = |s: u32| match s % 60 {
+            0 => format!("{:02}:{:02}", s / 3600, s / 60 % 60),
+            sec => format!("{:02}:{:02}:{sec:02}", s / 3600, s / 60 % 60),
+        };
+        write!(f, "{}-{}", time(self.start), time(self.end))
+    }
+}
+
 fn parse_days(list: &str) -> Option<[bool; 7]> {
     let day = |name: &str| {
         let name = name.trim().to_ascii_lowercase();
@@ -127,6 +146,24 @@ pub(super) fn optional_window<'de, D: Deserializer<'de>>(d: D) -> Result<Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_is_shown_as_it_is_read() {
+        for text in [
+            "08:00-21:00",
+            "mon,tue,wed,thu,fri 09:00-17:30",
+            "sat,sun 22:00:30-06:00",
+            "00:00-24:00",
+        ] {
+            let window = Window::parse(text).unwrap();
+            assert_eq!(window.to_string(), text);
+            assert_eq!(Window::parse(&window.to_string()).unwrap(), window);
+        }
+        assert_eq!(
+            Window::parse("mon-wed 08:00-09:00").unwrap().to_string(),
+            "mon,tue,wed 08:00-09:00"
+        );
+    }
 
     #[test]
     fn windows_read_days_and_hours_and_refuse_one_that_never_opens() {

@@ -16,6 +16,7 @@ use super::action::{Action, Csrf};
 use super::auth::Principal;
 use super::overview::urlencode;
 use super::{page, Answer, Console};
+use crate::contract;
 use crate::dlq::{self, ReplayFilter};
 use crate::inbox::PendingFilter;
 
@@ -147,12 +148,19 @@ pub(super) async fn pending(
         }
         p #total { (total) " pending" @if total > 0 { ", " (page_no * size + 1) " to " (page_no * size + jobs.len() as i64) " shown" } }
         @if total > 0 { p { a href=(format!("/pending/cancel?type={}&prefix={}", urlencode(&q.kind), urlencode(&q.prefix))) { "Cancel all " (total) " matching…" } } }
-        (page::table(&["due (UTC)", "key", "type", "revision", ""], jobs.iter().map(|job| {
+        (page::table(&["due (UTC)", "local time, window", "key", "type", "revision", ""], jobs.iter().map(|job| {
             let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
                 .map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string())
                 .unwrap_or_default();
+            let local = contract::describe_pending(
+                &console.settings.topology,
+                job.lane.as_deref(),
+                (job.time_zone.as_deref(), job.window.as_deref()),
+                job.due_ms,
+            );
             html! { tr {
                 td { (due) }
+                td { @if local.is_empty() { "-" } @else { (local) } }
                 td { a href=(format!("/job?key={}", urlencode(&job.key))) { (job.key) } }
                 td { (job.kind.as_deref().unwrap_or("-")) }
                 td { (job.revision) }

@@ -13,7 +13,8 @@
 //! - `address.rs`: mailboxes; `delay.rs`: `x-delay`, `send_at` and the due time (the
 //!   later of the two); `local.rs`: `send_at_local` in `time_zone`, with the
 //!   compiled-in time-zone database (gaps and folds); `debounce.rs`: a job's
-//!   `debounce` (`wait`, `max_wait`).
+//!   `debounce` (`wait`, `max_wait`); `terms.rs`: the window and zone a job is sent
+//!   under (its own, else its lane's), for the worker and for the views that show it.
 
 mod address;
 mod debounce;
@@ -23,20 +24,21 @@ mod key;
 mod local;
 mod peek;
 mod rules;
+mod terms;
 
 pub(crate) use address::Address;
 pub(crate) use debounce::Debounce;
 pub use delay::{due_at, x_delay};
 pub(crate) use delay::{with_send_at, PLUGIN_MAX_DELAY};
-pub(crate) use job::JobWindow;
 pub use job::{EmailJob, Request};
 pub(crate) use key::key_owner;
 pub(crate) use key::message_id_of;
 pub use key::IdempotencyKey;
-pub(crate) use local::{next_open, tzdb_version, zone};
+pub(crate) use local::{next_open, tzdb_version};
 pub use peek::peek_key_text;
 pub(crate) use peek::{peek_clock_time, peek_job, peek_key};
 pub use rules::ParseRules;
+pub(crate) use terms::{describe_pending, Terms};
 
 /// Longest accepted key, order id or type.
 const MAX_KEY_LEN: usize = 200;

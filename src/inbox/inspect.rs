@@ -28,6 +28,22 @@ pub(crate) struct JobRow {
     pub(crate) status: String,
     /// The other columns, in the order of [`JOB_COLUMNS`].
     pub(crate) fields: Vec<(&'static str, Option<String>)>,
+    /// What its local due time and window are read from: the due time (Unix ms),
+    /// the lane, and the kept body's `time_zone` and `window` member (JSON text).
+    pub(crate) terms: JobTerms,
+}
+
+/// A job's due time and what its terms (zone, window) are read from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct JobTerms {
+    /// `due_at`, Unix ms.
+    pub(crate) due_ms: Option<i64>,
+    /// `lane`.
+    pub(crate) lane: Option<String>,
+    /// The kept body's `time_zone`.
+    pub(crate) time_zone: Option<String>,
+    /// The kept body's `window` member, as JSON text.
+    pub(crate) window: Option<String>,
 }
 
 /// The columns of [`JobRow::fields`].
@@ -97,8 +113,12 @@ impl Inbox {
                     ", ",
                     ts!("cancelled_at"),
                     ", last_error, message_id, provider, provider_message_id, feedback,
-                       cancelled_through::text
-                  FROM postie_inbox WHERE key = $1"
+                       cancelled_through::text,
+                       (extract(epoch FROM due_at) * 1000)::bigint, lane,
+                       j ->> 'time_zone', (j -> 'window')::text
+                  FROM postie_inbox
+                  LEFT JOIN LATERAL (SELECT convert_from(body, 'UTF8')::jsonb AS j) kept ON true
+                 WHERE key = $1"
                 ),
                 &[&key],
             )
@@ -110,6 +130,12 @@ impl Inbox {
                 .enumerate()
                 .map(|(i, name)| (*name, r.get::<_, Option<String>>(i + 1)))
                 .collect(),
+            terms: JobTerms {
+                due_ms: r.get(JOB_COLUMNS.len() + 1),
+                lane: r.get(JOB_COLUMNS.len() + 2),
+                time_zone: r.get(JOB_COLUMNS.len() + 3),
+                window: r.get(JOB_COLUMNS.len() + 4),
+            },
         }))
     }
 

@@ -16,6 +16,13 @@ pub struct PendingJob {
     pub due_ms: i64,
     /// The job's type, if it has one.
     pub kind: Option<String>,
+    /// Its lane (`None`: the default).
+    pub lane: Option<String>,
+    /// The `time_zone` of its kept body, if any.
+    pub time_zone: Option<String>,
+    /// The `window` member of its kept body as JSON text (`None`: absent, or no body
+    /// kept).
+    pub window: Option<String>,
 }
 
 /// Which scheduled jobs [`Inbox::pending_page`] reads; the default reads them all.
@@ -93,8 +100,11 @@ impl Inbox {
             .query(
                 &format!(
                     "SELECT key, revision, (extract(epoch FROM due_at) * 1000)::bigint,
-                            coalesce(type, convert_from(body, 'UTF8')::jsonb ->> 'type')
-                       FROM postie_inbox WHERE {condition}
+                            coalesce(type, j ->> 'type'), lane, j ->> 'time_zone',
+                            (j -> 'window')::text
+                       FROM postie_inbox
+                       LEFT JOIN LATERAL (SELECT convert_from(body, 'UTF8')::jsonb AS j) kept ON true
+                      WHERE {condition}
                       ORDER BY due_at, key LIMIT $5 OFFSET $6"
                 ),
                 &[&params[..], &page[..]].concat(),
@@ -115,6 +125,9 @@ impl Inbox {
                 revision: r.get(1),
                 due_ms: r.get(2),
                 kind: r.get(3),
+                lane: r.get(4),
+                time_zone: r.get(5),
+                window: r.get(6),
             })
             .collect();
         Ok((jobs, total))

@@ -3,11 +3,8 @@
 //! send rate, just before its claim, so that none starts outside the window (one that
 //! starts just before it closes may end after, within the send deadline).
 
-use jiff::tz::TimeZone;
-
 use super::Worker;
-use crate::config::Window;
-use crate::contract::{self, EmailJob, JobWindow};
+use crate::contract::{self, EmailJob, Terms};
 use crate::topology::LaneId;
 
 impl Worker {
@@ -18,19 +15,8 @@ impl Worker {
     pub(super) fn window_hold(&self, job: &EmailJob, lane: LaneId, at_ms: i64) -> Option<i64> {
         let name = &self.cx.topology.lane(lane).name;
         let settings = self.cx.settings.topology.lanes.get(name);
-        let lane_window = settings.and_then(|l| l.window);
-        let window: Window = match job.window {
-            JobWindow::Own(window) => Some(window),
-            JobWindow::Off if settings.is_some_and(|l| l.window_optional) => None,
-            JobWindow::Off | JobWindow::Lane => lane_window,
-        }?;
-        let zone_name =
-            (job.time_zone.as_deref()).or(settings.and_then(|l| l.time_zone.as_deref()));
-        // Both names were checked (the job's when it was parsed, the lane's at start-up).
-        let zone = zone_name
-            .and_then(|name| contract::zone(name).ok())
-            .unwrap_or(TimeZone::UTC);
-        let opens = contract::next_open(&window, at_ms, &zone);
+        let terms = Terms::of(job.window, job.time_zone.as_deref(), settings);
+        let opens = contract::next_open(&terms.window?, at_ms, &terms.zone());
         (opens > at_ms).then_some(opens)
     }
 }
