@@ -14,6 +14,22 @@ use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "Kd2mX9qL4vR7tW1zB8nC5pF3hJ6sG0yQaE4uT7iO2rU";
 
+/// The console's page at `path`, as its operator reads it.
+async fn page(at: SocketAddr, path: &str) -> String {
+    let response = reqwest::Client::new()
+        .get(format!("http://{at}{path}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        response.status().is_success(),
+        "GET {path}: {}",
+        response.status()
+    );
+    response.text().await.unwrap()
+}
+
 /// The line of `listing` that ends with `key`.
 fn line_of<'a>(listing: &'a str, key: &str) -> &'a str {
     listing
@@ -103,37 +119,21 @@ async fn pending_and_the_console_show_the_local_due_time_and_the_window() {
     let bound = console::start(env.settings(), listen, credentials, stop.clone())
         .await
         .unwrap();
-    let page = reqwest::Client::new()
-        .get(format!("http://{bound}/pending"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(page.contains("local time, window"), "{page}");
+    let pending = page(bound, "/pending").await;
+    assert!(pending.contains("local time, window"), "{pending}");
     assert!(
-        page.contains(&local) && page.contains("Asia/Tokyo"),
-        "the console shows the local due time: {page}"
+        pending.contains(&local) && pending.contains("Asia/Tokyo"),
+        "the console shows the local due time: {pending}"
     );
     assert!(
-        page.contains("window mon,tue,wed,thu,fri 09:00-17:00"),
-        "{page}"
+        pending.contains("window mon,tue,wed,thu,fri 09:00-17:00"),
+        "{pending}"
     );
     // The job's own page too.
-    let page = reqwest::Client::new()
-        .get(format!("http://{bound}/job?key=in-tokyo"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let job_page = page(bound, "/job?key=in-tokyo").await;
     assert!(
-        page.contains("Due, local time and window: ") && page.contains(&local),
-        "the job page shows the local due time: {page}"
+        job_page.contains("Due, local time and window: ") && job_page.contains(&local),
+        "the job page shows the local due time: {job_page}"
     );
     stop.cancel();
     serving.stop().await;
