@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
 use postie::testing::broker;
-use postie::testing::inbox::{Claim, Completion, Debounced, Debouncing, Inbox};
+use postie::testing::inbox::{Claim, Completion, Debounced, Debouncing, Inbox, Scheduled};
 use support::{amqp_url, eventually, free_port, job, message_id, sample, TestEnv};
 
 fn now_ms() -> i64 {
@@ -239,6 +239,56 @@ async fn a_lost_version_is_re_published_under_its_revision() {
     assert_eq!(row(&env, "lost-cart").await, ("sent".to_string(), recorded));
     let reconciled = env.inbox_count("reconciled_at IS NOT NULL").await;
     assert_eq!(reconciled, 1, "re-published by the reconciler");
+}
+
+/// A debounced job the relay recorded but no worker saw (its copy lost on the way to
+/// the send queue) is re-published by the reconciler without a revision, so the
+/// worker debounces it then: not sent at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_no_worker_saw_is_debounced_when_re_published() {
+    let env = TestEnv::new("debounceunseen").await;
+    let mut settings = env.settings();
+    settings.delay.reconcile_grace = Duration::from_secs(1);
+    let inbox = Inbox::connect(&settings.database).await.unwrap();
+    inbox.migrate().await.unwrap();
+    let published = now_ms() - 5_000;
+    let body = version("unseen-cart", 0, &serde_json::json!({"wait": "60s"}));
+    let recorded = Scheduled {
+        key: "unseen-cart".into(),
+        revision: 0,
+        due_ms: published,
+        lane: None,
+        body: Some(body.to_string().into_bytes()),
+    };
+    inbox.schedule_many(&[recorded]).await.unwrap();
+    let serving = env.serve(settings);
+    let envr = &env;
+    let debounced = "key = 'unseen-cart' AND reconciled = 1 AND revision = 1
+                     AND debounce_last_at IS NOT NULL AND status = 'scheduled'";
+    let sent_at_once = eventually(
+        "re-published and debounced",
+        Duration::from_secs(60),
+        || async move {
+            if envr.sink.count().await > 0 {
+                return Some(true);
+            }
+            (envr.inbox_count(debounced).await == 1).then_some(false)
+        },
+    )
+    .await;
+    assert!(!sent_at_once, "re-published, it was sent without its wait");
+    serving.stop().await;
+    let due: i64 = (env.db().await)
+        .query_one(
+            "SELECT (extract(epoch FROM due_at) * 1000)::bigint FROM postie_inbox
+              WHERE key = 'unseen-cart'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(due, published + 60_000, "due a wait after its arrival");
+    assert_eq!(env.sink.count().await, 0, "sent without its wait");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

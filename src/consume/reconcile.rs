@@ -216,8 +216,10 @@ impl Service {
         for (published, job) in jobs.iter().enumerate() {
             let mut table = FieldTable::default();
             headers::set_int(&mut table, HEADER_DUE_AT, job.due_ms);
-            // A debounced job is claimed by the revision postie gave it.
-            headers::set_int(&mut table, HEADER_REVISION, i64::from(job.revision));
+            // A debounced job's version is claimed by the revision postie gave it.
+            if let Some(revision) = job.debounced {
+                headers::set_int(&mut table, HEADER_REVISION, i64::from(revision));
+            }
             self.cx.seal.seal(&mut table, &job.body);
             let mut properties = broker::job_properties().with_headers(table);
             // Per-producer keys: the job goes back under the user_id it came with.

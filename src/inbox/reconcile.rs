@@ -17,8 +17,11 @@ pub(crate) struct Overdue {
     pub(crate) due_ms: i64,
     /// The job as published.
     pub(crate) body: Vec<u8>,
-    /// The row's revision: a debounced job is claimed by it (`postie-revision`).
-    pub(crate) revision: i32,
+    /// The revision the worker recorded a debounced job's version under, by which it
+    /// is claimed (`postie-revision`); `None` for any other row, a debounced job's
+    /// version the relay recorded but no worker saw included (it is debounced when
+    /// it arrives).
+    pub(crate) debounced: Option<i32>,
 }
 
 /// Which rows belong to one lane: `lane` for a configured lane other than the default;
@@ -98,7 +101,8 @@ impl Inbox {
                     AND (status = 'scheduled' AND arrived_at IS NULL
                          OR status = 'sending' AND rescheduled
                             AND lease_until <= clock_timestamp())
-                 RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body, revision",
+                 RETURNING key, (extract(epoch FROM due_at) * 1000)::bigint, body,
+                           CASE WHEN debounce_last_at IS NOT NULL THEN revision END",
                 &[&keys],
             )
             .await?;
@@ -108,7 +112,7 @@ impl Inbox {
                 key: r.get(0),
                 due_ms: r.get(1),
                 body: r.get(2),
-                revision: r.get(3),
+                debounced: r.get(3),
             })
             .collect();
         jobs.sort_by_key(|job| job.due_ms);
