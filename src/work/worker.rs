@@ -15,9 +15,9 @@
 //! answers again.
 //!
 //! One delivery goes through three steps: [`Worker::admit`] (parse, cancel, due time,
-//! a debounced job's first sight (`Outcome::Debounced`), its send window (`Outcome::Held` until it opens), wait out the ladder's last
-//! sub-unit rest; a job of another lane than its queue's
-//! is `Outcome::Moved` to its lane), then turns ([`Worker::take_turn`]: the route (the
+//! a debounced job's first sight (`Outcome::Debounced`), its send window
+//! (`Outcome::Held` until it opens), wait out the ladder's last sub-unit rest; a job
+//! of another lane than its queue's is `Outcome::Moved` to its lane), then turns ([`Worker::take_turn`]: the route (the
 //! job's pin, else the first up) and that route's send rate, a connection slot, the
 //! claim) until one ends in an outcome, each claimed turn making one
 //! [`Worker::attempt`] (throttle, lease, send, record; an uncertain send pins the job
