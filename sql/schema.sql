@@ -166,7 +166,7 @@ CREATE TABLE postie_events (
     key                 text        NOT NULL,
     outcome             text        NOT NULL CHECK (outcome IN
                         ('sent', 'dead', 'suppressed', 'throttled', 'cancelled', 'bounced',
-                         'complained')),
+                         'complained', 'unsubscribed')),
     type                text,
     message_id          text,
     provider            text,

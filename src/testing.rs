@@ -49,6 +49,7 @@ pub mod inbox {
 }
 /// The transports.
 pub mod mail {
+    pub use crate::mail::unsubscribe::{Link, Links, Refusal};
     pub use crate::mail::{Clearance, Email, Mailer, SendError};
 }
 /// Metrics, health, HTTP.

@@ -1,3 +1,7 @@
+//! `postie feedback unsubscribe`: one email to the one-click unsubscribe's mailto
+//! address on stdin, its Subject's token read and recorded as a one-click POST is
+//! (issue 50).
+//!
 //! `postie feedback ingest`: one bounce report (RFC 3464 DSN) or abuse report
 //! (RFC 5965 ARF) on stdin, e.g. from a mailbox or an MTA pipe, recorded as the
 //! webhooks' notifications are (the job's row by its Message-ID, the suppression list).
@@ -12,8 +16,9 @@ use tokio::io::AsyncReadExt;
 
 use super::Exit;
 use crate::config::Settings;
-use crate::feedback::report;
+use crate::feedback::{report, unsubscribe};
 use crate::inbox::{Inbox, Recorded};
+use crate::mail::unsubscribe::Links;
 
 /// The exit status of an ingest that suppressed no one it was asked to, because the
 /// report names no email postie sent to that address (a forgery, or mail not
@@ -29,11 +34,14 @@ pub enum FeedbackCommand {
     /// 3: read, but an address was not suppressed because the report names no email
     /// postie sent to it.
     Ingest,
+    /// Read one email sent to the one-click unsubscribe's mailto address
+    /// (`unsubscribe.mailto`) on stdin and record the unsubscribe its Subject's token
+    /// asks for (source `mailto`), as a one-click POST does. Exit 1: no valid token.
+    Unsubscribe,
 }
 
 /// Runs `command`.
 pub(super) async fn run(settings: &Settings, command: FeedbackCommand) -> anyhow::Result<()> {
-    let FeedbackCommand::Ingest = command;
     let limit = settings.feedback.max_body_bytes;
     let mut message = Vec::new();
     tokio::io::stdin()
@@ -42,9 +50,40 @@ pub(super) async fn run(settings: &Settings, command: FeedbackCommand) -> anyhow
         .await?;
     anyhow::ensure!(
         message.len() <= limit,
-        "the report is over feedback.max_body_bytes ({limit} bytes)"
+        "the message is over feedback.max_body_bytes ({limit} bytes)"
     );
-    let notes = report::read(&message, &settings.suppression.hard_bounce_codes)
+    match command {
+        FeedbackCommand::Ingest => ingest(settings, &message).await,
+        FeedbackCommand::Unsubscribe => mailto(settings, &message).await,
+    }
+}
+
+/// `postie feedback unsubscribe`.
+async fn mailto(settings: &Settings, message: &[u8]) -> anyhow::Result<()> {
+    let domain = &settings.transport.message_id_domain;
+    let links = Links::new(&settings.unsubscribe, domain)
+        .ok_or_else(|| anyhow::anyhow!("unsubscribe.url is not configured"))?;
+    let token = unsubscribe::token_in_subject(message)
+        .ok_or_else(|| anyhow::anyhow!("the message has no Subject with a token"))?;
+    let link = links
+        .read(&token, jiff::Timestamp::now())
+        .map_err(|refusal| anyhow::anyhow!("not unsubscribed: {}", refusal.reason()))?;
+    let inbox = Inbox::connect(&settings.database).await?;
+    if unsubscribe::record(&inbox, &link, "mailto").await? {
+        out!("unsubscribed from {} (key {})", link.scope, link.key);
+    } else {
+        out!(
+            "already unsubscribed from {} (key {})",
+            link.scope,
+            link.key
+        );
+    }
+    Ok(())
+}
+
+/// `postie feedback ingest`.
+async fn ingest(settings: &Settings, message: &[u8]) -> anyhow::Result<()> {
+    let notes = report::read(message, &settings.suppression.hard_bounce_codes)
         .map_err(|why| anyhow::anyhow!("not a report postie reads: {why}"))?;
     if notes.is_empty() {
         out!("nothing to record: the report names no failed recipient and no abuse");

@@ -41,6 +41,10 @@ pub struct LaneSettings {
     /// Whether a job may opt out of the lane's window with `"window": null`.
     #[serde(default)]
     pub window_optional: bool,
+    /// Every email of the lane carries a one-click unsubscribe link for its
+    /// recipient (RFC 8058; `unsubscribe.*`), scoped to the job's type.
+    #[serde(default)]
+    pub unsubscribe: bool,
 }
 
 fn one() -> u32 {

@@ -22,7 +22,9 @@
 //!   webhooks' (`feedback.listen`, body and time bounds, each provider's key or
 //!   credentials, SNS's allow-list, its required topics and `Timestamp` window,
 //!   Mailgun's token cap, `feedback.trust_unmatched`: the sources whose unmatched
-//!   notices still suppress); `events.rs` the delivery events' (`events.*`).
+//!   notices still suppress); `events.rs` the delivery events' (`events.*`);
+//!   `unsubscribe.rs` one-click unsubscribe's (`unsubscribe.*`: the link's base, the
+//!   mailto address, the signing keys and their grace).
 //! - `outbox.rs` the outbox relay's: `outbox.sources` (each URL's `name=` taken out,
 //!   parsed as `database.url` is, under its TLS rules), `outbox.batch_size`,
 //!   `poll_interval`, `listen`.
@@ -67,6 +69,7 @@ mod smtp;
 mod suppression;
 mod throttle;
 mod transport;
+mod unsubscribe;
 mod validate;
 mod window;
 
@@ -91,6 +94,7 @@ pub use suppression::SuppressionSettings;
 pub use throttle::{ThrottlePolicy, ThrottleRule};
 pub(crate) use transport::ProviderPlan;
 pub use transport::TransportSettings;
+pub use unsubscribe::{UnsubscribeKey, UnsubscribeSettings};
 pub(crate) use validate::SmtpTransport;
 pub use window::Window;
 
@@ -133,6 +137,8 @@ pub struct Settings {
     pub events: EventsSettings,
     /// The producers' transactional outboxes that `serve` relays (`outbox.sources`).
     pub outbox: OutboxSettings,
+    /// One-click unsubscribe links (RFC 8058) and their signing keys.
+    pub unsubscribe: UnsubscribeSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
     /// The old `smtp.*` names this configuration used (see [`Settings::warnings`]).

@@ -177,6 +177,13 @@ impl Settings {
 
     fn check_feedback(&self) -> Result<(), ConfigError> {
         self.feedback.check().map_err(ConfigError)?;
+        let wanted = self
+            .topology
+            .lanes
+            .iter()
+            .find(|(_, lane)| lane.unsubscribe)
+            .map(|(name, _)| name.as_str());
+        self.unsubscribe.check(wanted).map_err(ConfigError)?;
         Ok(())
     }
 

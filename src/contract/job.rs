@@ -69,6 +69,10 @@ pub struct EmailJob {
     pub window: JobWindow,
     /// Its debounce (`debounce`), if any: a later version with its key replaces it.
     pub debounce: Option<Debounce>,
+    /// `"unsubscribe": {"scope": "…"}`: the email carries a one-click unsubscribe
+    /// link for its recipient, leaving this scope (`None`: the job's type). A lane
+    /// can ask the same of all its jobs (`topology.lanes.<l>.unsubscribe`).
+    pub unsubscribe: Option<Unsubscribe>,
 }
 
 /// The send window (quiet hours) a job asks for.
@@ -258,6 +262,8 @@ struct RawJob<'a> {
     window: Option<Option<String>>,
     #[serde(default)]
     debounce: Option<RawDebounce>,
+    #[serde(default)]
+    unsubscribe: Option<RawUnsubscribe>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -333,6 +339,37 @@ fn not_a_job(error: &impl std::fmt::Display) -> InvalidJob {
         "body is not a valid job: {}",
         readable(&error.to_string(), 300)
     ))
+}
+
+/// A job's one-click unsubscribe (`"unsubscribe"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsubscribe {
+    /// What the recipient leaves; `None`: the job's type.
+    pub scope: Option<String>,
+}
+
+/// The member as producers write it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUnsubscribe {
+    #[serde(default)]
+    scope: Option<String>,
+}
+
+impl RawUnsubscribe {
+    /// The scope checked as a type is: one unsubscribe must not leave every email
+    /// (`*`, the password resets included).
+    fn read(self) -> Result<Unsubscribe, InvalidJob> {
+        if let Some(scope) = &self.scope {
+            check_token("unsubscribe.scope", scope)?;
+            if scope == "*" {
+                return invalid(
+                    "\"unsubscribe.scope\" must name what the recipient leaves, not \"*\" (every email)",
+                );
+            }
+        }
+        Ok(Unsubscribe { scope: self.scope })
+    }
 }
 
 /// Headers a producer may not set: postie owns them, or they would change who
@@ -430,6 +467,11 @@ impl EmailJob {
         };
 
         let debounce = raw.debounce.as_ref().map(RawDebounce::read).transpose()?;
+        let unsubscribe = raw
+            .unsubscribe
+            .take()
+            .map(RawUnsubscribe::read)
+            .transpose()?;
 
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
@@ -459,6 +501,7 @@ impl EmailJob {
             time_zone: raw.time_zone,
             window,
             debounce,
+            unsubscribe,
         })
     }
 }

@@ -30,6 +30,7 @@ pub(crate) use address::Address;
 pub(crate) use debounce::Debounce;
 pub use delay::{due_at, x_delay};
 pub(crate) use delay::{with_send_at, PLUGIN_MAX_DELAY};
+pub(crate) use job::Unsubscribe;
 pub use job::{EmailJob, Request};
 pub(crate) use key::key_owner;
 pub(crate) use key::message_id_of;

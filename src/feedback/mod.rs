@@ -15,6 +15,10 @@
 //! - reports, `postie feedback ingest` (`report.rs`): an RFC 3464 DSN or an RFC 5965
 //!   ARF report on stdin.
 //!
+//! - one-click unsubscribe (issue 50), `GET`/`POST /u/TOKEN` on the same listener
+//!   when `unsubscribe.url` is set (`unsubscribe.rs`); the mailto form through
+//!   `postie feedback unsubscribe`.
+//!
 //! Either way a notice suppresses an address only when it names an email postie sent
 //! to that address (`Inbox::record_feedback`), unless `feedback.trust_unmatched`
 //! names its source (issue 45).
@@ -30,7 +34,7 @@ use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
@@ -38,6 +42,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::Settings;
 use crate::inbox::{Feedback, Inbox, Recorded, TokenSeen};
+use crate::mail::unsubscribe::Links;
 use crate::ops::metrics::{FeedbackLabel, FeedbackResult, FeedbackSource, SharedMetrics};
 
 #[cfg(test)]
@@ -45,6 +50,7 @@ mod fuzz;
 mod providers;
 pub(crate) mod report;
 mod sns;
+pub(crate) mod unsubscribe;
 mod verify;
 
 /// Why a request was not read.
@@ -81,6 +87,14 @@ pub(crate) async fn start(
     stop: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
     let cfg = settings.feedback.clone();
+    let links = Links::new(&settings.unsubscribe, &settings.transport.message_id_domain);
+    let unsubscribe = links.map(|links| {
+        Arc::new(unsubscribe::Unsubscribe {
+            links,
+            inbox: inbox.clone(),
+            metrics: metrics.clone(),
+        })
+    });
     let hooks = Arc::new(Hooks {
         sns: sns::Sns::new(&cfg.sns, cfg.request_timeout, cfg.max_body_bytes)?,
         settings: cfg.clone(),
@@ -92,16 +106,24 @@ pub(crate) async fn start(
     })?;
     let bound = listener.local_addr()?;
     let timeout = cfg.request_timeout;
-    let app = Router::new()
+    let mut app = Router::new()
         .route("/feedback/{provider}", post(feedback))
-        .with_state(hooks)
-        .layer(DefaultBodyLimit::max(cfg.max_body_bytes))
-        .layer(axum::middleware::from_fn(
-            move |req: Request, next: Next| within(timeout, req, next),
-        ));
+        .with_state(hooks);
+    let one_click = unsubscribe.is_some();
+    if let Some(state) = unsubscribe {
+        let links = Router::new()
+            .route("/u/{token}", get(unsubscribe::page).post(unsubscribe::post))
+            .with_state(state);
+        app = app.merge(links);
+    }
+    let app =
+        app.layer(DefaultBodyLimit::max(cfg.max_body_bytes))
+            .layer(axum::middleware::from_fn(
+                move |req: Request, next: Next| within(timeout, req, next),
+            ));
     let limits = crate::ops::http::Limits::new(&settings.http, cfg.max_body_bytes);
     crate::ops::http::serve(listener, app, limits, stop, "feedback endpoint");
-    tracing::info!(%bound, "feedback endpoint: /feedback/{{ses,sendgrid,postmark,mailgun}}");
+    tracing::info!(%bound, one_click, "feedback endpoint: /feedback/{{ses,sendgrid,postmark,mailgun}}, one-click unsubscribe /u/TOKEN if one_click");
     Ok(bound)
 }
 

@@ -62,6 +62,7 @@ const MIGRATIONS: &[Migration] = migrations![
     (23, "0023_one_rate_engine"),
     (24, "0024_window_take"),
     (25, "0025_debounce"),
+    (26, "0026_unsubscribed"),
 ];
 
 /// Arbitrary constant for `pg_advisory_lock`, so concurrent start-ups migrate one at a time.

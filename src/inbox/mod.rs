@@ -19,7 +19,8 @@
 //!   (the migrations), `header_key.rs` (the fleet's header key).
 //! - feedback: `suppression.rs` (the suppression list; `suppression/filter.rs`,
 //!   `suppression/bulk.rs`), `reputation.rs` (bounce and complaint rates),
-//!   `feedback.rs` (`Inbox::record_feedback`), `replay.rs` (Mailgun's tokens).
+//!   `feedback.rs` (`Inbox::record_feedback`), `replay.rs` (Mailgun's tokens),
+//!   `unsubscribe.rs` (a one-click unsubscribe: the suppression and its event).
 //! - for the console: `breakers.rs`, `inspect.rs`.
 //! - connections: `dial.rs` (`Dialer`, a connection outside the pool), `tls.rs`.
 
@@ -48,6 +49,7 @@ mod reputation;
 mod sends;
 mod suppression;
 mod tls;
+mod unsubscribe;
 
 pub(crate) use dial::Dialer;
 pub(crate) use error::DbError;
@@ -64,6 +66,7 @@ pub(crate) use reconcile::{LaneRows, Overdue};
 pub(crate) use replay::TokenSeen;
 pub(crate) use sends::{MinuteSends, RecentSends};
 pub(crate) use suppression::{normalise, Entry as SuppressionEntry, Suppress, SuppressionReason};
+pub(crate) use unsubscribe::Unsubscribing;
 
 use crate::config::{DatabaseSettings, DbPlan};
 use crate::endpoint::redact_url;

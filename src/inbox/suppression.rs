@@ -134,15 +134,15 @@ pub(super) const ADD_SQL: &str = "WITH added AS (
  SELECT address, scope, 'add', reason, source, evidence FROM added";
 
 impl Inbox {
-    /// The suppressed among `addresses` (normalised) for a job of type `kind`, each
-    /// with its reason.
+    /// The suppressed among `addresses` (normalised) under any of `scopes` (`*`, the
+    /// job's type, the scope its unsubscribe link leaves), each with its reason.
     ///
     /// The filter answers first (no statement when none of them can be on the list);
     /// it is started on the first call.
     pub(crate) async fn suppressed(
         &self,
         addresses: &[String],
-        kind: &str,
+        scopes: &[&str],
     ) -> Result<Vec<(String, SuppressionReason)>, DbError> {
         let filter = self.suppression_filter.get_or_init(|| {
             let filter = std::sync::Arc::new(Filter::new(filter::CAPACITY));
@@ -155,12 +155,12 @@ impl Inbox {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
-                "SELECT address, reason FROM postie_suppression
-                  WHERE address = ANY($1) AND scope IN ('*', $2)
+                "SELECT DISTINCT ON (address) address, reason FROM postie_suppression
+                  WHERE address = ANY($1) AND scope = ANY($2)
                     AND (expires_at IS NULL OR expires_at > now())",
             )
             .await?;
-        let rows = client.query(&stmt, &[&addresses, &kind]).await?;
+        let rows = client.query(&stmt, &[&addresses, &scopes]).await?;
         Ok(rows
             .iter()
             .filter_map(|r| {

@@ -20,6 +20,8 @@
 //! - `api/`: providers' HTTP APIs (`ses.rs`, `sendgrid.rs`, `postmark.rs`,
 //!   `mailgun.rs`; `request.rs`), each with its reply reading and unit tests.
 //! - `bounce.rs`: which refusal is a hard bounce. `file.rs`: `.eml` files.
+//! - `unsubscribe.rs`: one-click unsubscribe's headers and the signed token in
+//!   their link, made at send time and read by the feedback listener's `/u/`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -36,6 +38,7 @@ mod file;
 mod message;
 mod route;
 mod smtp;
+pub(crate) mod unsubscribe;
 
 pub(crate) use api::{web_client, WebClient};
 pub(crate) use route::RouteId;
@@ -237,6 +240,8 @@ pub struct Mailer {
     slots: Arc<Semaphore>,
     /// The most one send may take ([`TransportSettings::send_deadline`](crate::config::TransportSettings::send_deadline)).
     deadline: Duration,
+    /// One-click unsubscribe links, when `unsubscribe.url` is set.
+    links: Option<Arc<unsubscribe::Links>>,
 }
 
 /// A turn on one of the transport's `transport.pool_size` connections, which a send needs.
@@ -293,7 +298,14 @@ impl Mailer {
             message_id_domain: shared.message_id_domain.clone(),
             slots: Arc::new(Semaphore::new(shared.pool_size as usize)),
             deadline: shared.send_deadline(),
+            links: unsubscribe::Links::new(&settings.unsubscribe, &shared.message_id_domain)
+                .map(Arc::new),
         })
+    }
+
+    /// One-click unsubscribe's links, if configured (`unsubscribe.url`).
+    pub(crate) fn unsubscribe_links(&self) -> Option<&unsubscribe::Links> {
+        self.links.as_deref()
     }
 
     /// The routes and their breakers.

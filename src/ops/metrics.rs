@@ -21,7 +21,7 @@ mod labels;
 pub use labels::{
     Counters, DeadReason, Dependency, EventOutcome, FeedbackKind, FeedbackLabel, FeedbackResult,
     FeedbackSource, Label, LabelValue, ProviderLabel, ProviderName, ProviderResult, Pruned,
-    RateLabel, RateWindow, RelayRoute, Step, Suppressed, ThrottlePolicy,
+    RateLabel, RateWindow, RelayRoute, Step, Suppressed, ThrottlePolicy, UnsubscribeResult,
 };
 
 /// Labels naming a queue (the topology's own queues only).
@@ -199,6 +199,8 @@ declare! {
             => "feedback_rate", "Bounces or complaints per email sent, per job type, over the last hour or day (polled by the maintenance instance)";
         feedback_notifications: Family<FeedbackLabel, Counter>
             => "feedback_notifications", "Bounce and complaint notifications from the providers' webhooks, by provider and result";
+        unsubscribe_requests: Counters<UnsubscribeResult>
+            => "unsubscribe_requests", "One-click unsubscribe requests (/u/TOKEN), by result";
         stale: Counter
             => "stale", "Jobs skipped because a newer revision exists";
         pending: Gauge

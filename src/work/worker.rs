@@ -24,7 +24,8 @@
 //! to its route, `Pin`). The rest lives beside it: `db.rs`, `follow.rs`, `send.rs`,
 //! `lease.rs`, `limits.rs`, `throttle.rs`, `due.rs`, `route.rs`, `suppress.rs`,
 //! `window.rs` (the send window, checked again just before the claim), `debounce.rs`
-//! (a debounced job's version recorded, then claimed by the revision postie gave it).
+//! (a debounced job's version recorded, then claimed by the revision postie gave it),
+//! `unsubscribe.rs` (one-click unsubscribe's headers, added when the job is admitted).
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -41,6 +42,7 @@ mod route;
 mod send;
 mod suppress;
 mod throttle;
+mod unsubscribe;
 mod window;
 
 use super::context::SharedContext;
@@ -218,6 +220,9 @@ impl Worker {
         if lane != from {
             let key = job.key;
             return Ok(ControlFlow::Break(Outcome::Moved { key, lane }));
+        }
+        if let Err(reason) = self.add_unsubscribe(&mut job, lane) {
+            return Ok(invalid(Some(job.key), reason));
         }
         let due_ms = match self.due_ms(headers, timestamp_s, job.send_at_ms) {
             Ok(due) => due,

@@ -321,8 +321,19 @@ pub fn ingest_with(
     report: &str,
     extra: &[(&str, &str)],
 ) -> (Option<i32>, String, String) {
+    feedback_command(env, "ingest", report, extra)
+}
+
+/// Runs `postie feedback <command>` with `input` on stdin and `extra` settings: exit
+/// code, stdout, stderr.
+pub fn feedback_command(
+    env: &TestEnv,
+    command: &str,
+    input: &str,
+    extra: &[(&str, &str)],
+) -> (Option<i32>, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_postie"))
-        .args(["feedback", "ingest"])
+        .args(["feedback", command])
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(env.env_vars())
@@ -336,7 +347,7 @@ pub fn ingest_with(
         .stdin
         .take()
         .unwrap()
-        .write_all(report.as_bytes())
+        .write_all(input.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
     (

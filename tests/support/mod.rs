@@ -10,6 +10,7 @@ pub mod feedback;
 pub mod providers;
 pub mod proxy;
 pub mod sink;
+pub mod tap;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -148,12 +148,14 @@ label_enum! {
         Bounced = "bounced",
         /// The recipient complained (ARF or a provider's notification).
         Complained = "complained",
+        /// The recipient left the job's scope by its one-click unsubscribe link.
+        Unsubscribed = "unsubscribed",
     }
 }
 
 impl EventOutcome {
     /// Every outcome.
-    pub(crate) const ALL: [Self; 7] = [
+    pub(crate) const ALL: [Self; 8] = [
         Self::Sent,
         Self::Dead,
         Self::Suppressed,
@@ -161,6 +163,7 @@ impl EventOutcome {
         Self::Cancelled,
         Self::Bounced,
         Self::Complained,
+        Self::Unsubscribed,
     ];
 
     /// The outcome `text` names (as `postie_events.outcome` holds it), if any.
@@ -322,6 +325,24 @@ label_enum! {
         Postmark = "postmark",
         /// Mailgun's webhooks.
         Mailgun = "mailgun",
+    }
+}
+
+label_enum! {
+    /// What became of a one-click unsubscribe request (`result`, issue 50).
+    UnsubscribeResult, "result" {
+        /// A POST that suppressed the address for the link's scope.
+        Unsubscribed = "unsubscribed",
+        /// A POST for an address already suppressed for that scope: nothing changed.
+        Duplicate = "duplicate",
+        /// A GET: the confirmation page, nothing changed.
+        Page = "page",
+        /// Not a token postie makes, or a POST without RFC 8058's body (400).
+        Malformed = "malformed",
+        /// Tampered, or signed by a key not accepted now (403).
+        Forbidden = "forbidden",
+        /// The database did not answer (503).
+        Unavailable = "unavailable",
     }
 }
 

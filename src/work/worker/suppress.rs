@@ -45,10 +45,14 @@ impl Worker {
         }
         let recipients = || job.to.iter().chain(&job.cc).chain(&job.bcc);
         let addresses: Vec<String> = recipients().map(|a| normalise(&a.email)).collect();
-        let kind = job.kind.as_deref().unwrap_or("");
+        // Every email, the job's type, and the scope its unsubscribe link leaves.
+        let mut scopes = vec!["*", job.kind.as_deref().unwrap_or("")];
+        if let Some(scope) = job.unsubscribe.as_ref().and_then(|u| u.scope.as_deref()) {
+            scopes.push(scope);
+        }
         let found = self
             .db("suppression check", || {
-                self.cx.inbox.suppressed(&addresses, kind)
+                self.cx.inbox.suppressed(&addresses, &scopes)
             })
             .await?;
         if found.is_empty() {
