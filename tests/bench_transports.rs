@@ -9,6 +9,10 @@
 //! PostgreSQL's and RabbitMQ's (every process of theirs, `/proc`), and keys lost or
 //! accepted twice (by Message-ID). The test server's own CPU goes to the JSON.
 //!
+//! `make bench-unsubscribe` runs SMTP with one-click unsubscribe's headers off and on
+//! (the same lane and keys), A B B A twice, and checks that every email of an "on"
+//! run carried them and none of an "off" run did.
+//!
 //! `make bench-transports` (release build) prints a Markdown table and writes JSON to
 //! POSTIE_BENCH_OUT, else target/bench/transports.json. POSTIE_BENCH_POSTIE_ENV adds
 //! settings to the postie processes as in `tests/bench.rs`.
@@ -69,6 +73,46 @@ const CHECK_RUNS: [Run; 12] = [
     ("smtp, no events", "smtp", NO_EVENTS),
     ("smtp, no suppression check", "smtp", NO_CHECK),
     ("smtp", "smtp", &[]),
+];
+
+/// One-click unsubscribe's headers on every email (issue 50): the default lane asks
+/// for them, signed with a test key.
+const UNSUBSCRIBE_ON: &[(&str, &str)] = &[
+    ("POSTIE__TOPOLOGY__DEFAULT_LANE", "main"),
+    ("POSTIE__TOPOLOGY__LANES__MAIN__UNSUBSCRIBE", "true"),
+    ("POSTIE__UNSUBSCRIBE__URL", "https://shop.example/u/"),
+    ("POSTIE__UNSUBSCRIBE__MAILTO", "unsubscribe@shop.example"),
+    ("POSTIE__UNSUBSCRIBE__SIGN_WITH", "k1"),
+    (
+        "POSTIE__UNSUBSCRIBE__KEYS__K1__SECRET",
+        "bench-bench-bench-bench-bench-bench-bench",
+    ),
+];
+
+/// The same lane and keys, the headers off: the only difference is the headers.
+const UNSUBSCRIBE_OFF: &[(&str, &str)] = &[
+    ("POSTIE__TOPOLOGY__DEFAULT_LANE", "main"),
+    ("POSTIE__TOPOLOGY__LANES__MAIN__UNSUBSCRIBE", "false"),
+    ("POSTIE__UNSUBSCRIBE__URL", "https://shop.example/u/"),
+    ("POSTIE__UNSUBSCRIBE__MAILTO", "unsubscribe@shop.example"),
+    ("POSTIE__UNSUBSCRIBE__SIGN_WITH", "k1"),
+    (
+        "POSTIE__UNSUBSCRIBE__KEYS__K1__SECRET",
+        "bench-bench-bench-bench-bench-bench-bench",
+    ),
+];
+
+/// `make bench-unsubscribe`: SMTP with one-click unsubscribe's headers off and on,
+/// A B B A twice.
+const UNSUBSCRIBE_RUNS: [Run; 8] = [
+    ("smtp, unsubscribe off", "smtp", UNSUBSCRIBE_OFF),
+    ("smtp, unsubscribe on", "smtp", UNSUBSCRIBE_ON),
+    ("smtp, unsubscribe on", "smtp", UNSUBSCRIBE_ON),
+    ("smtp, unsubscribe off", "smtp", UNSUBSCRIBE_OFF),
+    ("smtp, unsubscribe off", "smtp", UNSUBSCRIBE_OFF),
+    ("smtp, unsubscribe on", "smtp", UNSUBSCRIBE_ON),
+    ("smtp, unsubscribe on", "smtp", UNSUBSCRIBE_ON),
+    ("smtp, unsubscribe off", "smtp", UNSUBSCRIBE_OFF),
 ];
 
 /// Key prefix of the jobs (as `tests/bench.rs`'s end-to-end runs).
@@ -165,6 +209,8 @@ struct Row {
     server_cpu_s: Option<f64>,
     lost: usize,
     duplicates: usize,
+    /// Emails that carried `List-Unsubscribe-Post` (SMTP runs only).
+    one_click: Option<usize>,
 }
 
 impl Row {
@@ -273,6 +319,20 @@ async fn run_transport(
     let cpu = before.until(&CpuSnapshot::take(), n);
     drop(postie);
 
+    let one_click = match &server {
+        Server::Sink(sink) => Some(
+            sink.messages(true)
+                .await
+                .iter()
+                .filter(|m| {
+                    m.raw
+                        .as_deref()
+                        .is_some_and(|raw| raw.contains("\r\nList-Unsubscribe-Post: "))
+                })
+                .count(),
+        ),
+        Server::Provider(_) => None,
+    };
     let mut ids = BTreeSet::new();
     let mut duplicates = 0;
     for id in server.message_ids().await {
@@ -291,6 +351,7 @@ async fn run_transport(
         server_cpu_s,
         lost,
         duplicates,
+        one_click,
     }
 }
 
@@ -359,6 +420,33 @@ async fn bench_checks() {
         rates.sort_by(f64::total_cmp);
         let median = (rates[rates.len() / 2 - 1] + rates[rates.len() / 2]) / 2.0;
         println!("{label}: median {median:.0} emails/s over {rates:.0?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: make bench-unsubscribe"]
+async fn bench_unsubscribe() {
+    let rows = run_all(&UNSUBSCRIBE_RUNS, "unsubscribe.json").await;
+    for label in ["smtp, unsubscribe off", "smtp, unsubscribe on"] {
+        let of_label: Vec<&Row> = rows.iter().filter(|r| r.transport == label).collect();
+        let want = if label.ends_with("on") {
+            of_label[0].n
+        } else {
+            0
+        };
+        for r in &of_label {
+            assert_eq!(r.one_click, Some(want), "{label}: emails with the headers");
+        }
+        let mut rates: Vec<f64> = of_label.iter().map(|r| r.rate()).collect();
+        let mut cpu: Vec<f64> = of_label.iter().map(|r| r.postie_ms_per_email()).collect();
+        rates.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
+        let mid = |v: &[f64]| (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0;
+        println!(
+            "{label}: median {:.0} emails/s over {rates:.0?}; postie CPU median {:.3} ms/email over {cpu:.3?}",
+            mid(&rates),
+            mid(&cpu)
+        );
     }
 }
 

@@ -367,12 +367,20 @@ async fn one_click_as_gmail_sends_it_suppresses_the_scope_fleet_wide_and_tells_t
         "sent 4 s or more after the POST: {late_sent:?}"
     );
     // Which instance suppressed which job: each says so in its log.
-    let suppressed_in = |log: String| {
+    let counted_in = |log: String, outcome: &str| {
+        let outcome = format!("outcome=\"{outcome}\"");
         log.lines()
-            .filter(|l| l.contains("key=\"c-next-") && l.contains("outcome=\"suppressed\""))
+            .filter(|l| l.contains("key=\"c-next-") && l.contains(&outcome))
             .count()
     };
-    let by_instance = [suppressed_in(first.log()), suppressed_in(second.log())];
+    let by_instance = [
+        counted_in(first.log(), "suppressed"),
+        counted_in(second.log(), "suppressed"),
+    ];
+    let sent_by = [
+        counted_in(first.log(), "sent"),
+        counted_in(second.log(), "sent"),
+    ];
     assert!(
         by_instance.iter().all(|n| *n > 0),
         "both instances suppress: {by_instance:?} of {outcomes:?}"
@@ -451,7 +459,7 @@ async fn one_click_as_gmail_sends_it_suppresses_the_scope_fleet_wide_and_tells_t
         "c-first, c-receipt and the bulk jobs recorded sent"
     );
     println!(
-        "FIGURES unsubscribe: {} bulk jobs published every 200 ms after the POST's 200, on 2 instances: {sent} sent (the last published {:?} ms after the POST), the rest suppressed (the first published {:?} ms after it), suppressed by each instance {by_instance:?}",
+        "FIGURES unsubscribe: {} bulk jobs published every 200 ms after the POST's 200, on 2 instances: {sent} sent (the last published {:?} ms after the POST), the rest suppressed (the first published {:?} ms after it); sent by [the instance that took the POST, the other] {sent_by:?}, suppressed by them {by_instance:?}",
         outcomes.len(),
         last_sent,
         first_suppressed
