@@ -3,7 +3,6 @@
 //! window.
 
 use crate::config::Settings;
-use crate::contract;
 use crate::inbox::Inbox;
 
 /// Arguments of `postie pending`.
@@ -31,12 +30,7 @@ pub(super) async fn run(settings: &Settings, args: &PendingArgs) -> anyhow::Resu
         let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
             .unwrap_or_default();
-        let local = contract::describe_pending(
-            &settings.topology,
-            job.lane.as_deref(),
-            (job.time_zone.as_deref(), job.window.as_deref()),
-            job.due_ms,
-        );
+        let local = job.terms.describe(&settings.topology, job.due_ms);
         let local = if local.is_empty() {
             local
         } else {

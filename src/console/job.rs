@@ -66,13 +66,8 @@ pub(super) async fn job(
                 (page::table(&["column", "value"], row.fields.iter().map(|(name, value)| html! {
                     tr { td { (name) } td { (value.as_deref().unwrap_or("-")) } }
                 })))
-                @let terms = &row.terms;
-                @let local = terms.due_ms.map(|due| crate::contract::describe_pending(
-                    &console.settings.topology,
-                    terms.lane.as_deref(),
-                    (terms.time_zone.as_deref(), terms.window.as_deref()),
-                    due,
-                )).unwrap_or_default();
+                @let local = row.due_ms.map(|due| row.terms.describe(&console.settings.topology, due))
+                    .unwrap_or_default();
                 @if !local.is_empty() { p #local { "Due, local time and window: " (local) } }
             }
         }

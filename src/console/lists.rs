@@ -16,7 +16,6 @@ use super::action::{Action, Csrf};
 use super::auth::Principal;
 use super::overview::urlencode;
 use super::{page, Answer, Console};
-use crate::contract;
 use crate::dlq::{self, ReplayFilter};
 use crate::inbox::PendingFilter;
 
@@ -152,12 +151,7 @@ pub(super) async fn pending(
             let due = chrono::DateTime::from_timestamp_millis(job.due_ms)
                 .map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string())
                 .unwrap_or_default();
-            let local = contract::describe_pending(
-                &console.settings.topology,
-                job.lane.as_deref(),
-                (job.time_zone.as_deref(), job.window.as_deref()),
-                job.due_ms,
-            );
+            let local = job.terms.describe(&console.settings.topology, job.due_ms);
             html! { tr {
                 td { (due) }
                 td { @if local.is_empty() { "-" } @else { (local) } }

@@ -4,6 +4,7 @@
 //! `MAINTENANCE_LOCK`, read from `pg_locks`).
 
 use super::{DbError, Inbox};
+use crate::config::TopologySettings;
 
 /// `pg_try_advisory_lock` key of maintenance ("postie" + 1; migrations use "postie"):
 /// taken by `consume::maintenance`, looked up by [`Inbox::maintenance_leader`].
@@ -28,22 +29,46 @@ pub(crate) struct JobRow {
     pub(crate) status: String,
     /// The other columns, in the order of [`JOB_COLUMNS`].
     pub(crate) fields: Vec<(&'static str, Option<String>)>,
-    /// What its local due time and window are read from: the due time (Unix ms),
-    /// the lane, and the kept body's `time_zone` and `window` member (JSON text).
+    /// `due_at`, Unix ms.
+    pub(crate) due_ms: Option<i64>,
+    /// What its local due time and window are read from.
     pub(crate) terms: JobTerms,
 }
 
-/// A job's due time and what its terms (zone, window) are read from.
+/// What a job's terms (zone, window) are read from: its lane, and the kept body's
+/// `time_zone` and `window` member (JSON text). A scheduled job's row and the
+/// pending list both carry one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct JobTerms {
-    /// `due_at`, Unix ms.
-    pub(crate) due_ms: Option<i64>,
-    /// `lane`.
-    pub(crate) lane: Option<String>,
+pub struct JobTerms {
+    /// `lane` (`None`: the default).
+    pub lane: Option<String>,
     /// The kept body's `time_zone`.
-    pub(crate) time_zone: Option<String>,
-    /// The kept body's `window` member, as JSON text.
-    pub(crate) window: Option<String>,
+    pub time_zone: Option<String>,
+    /// The kept body's `window` member, as JSON text (`None`: absent, or no body
+    /// kept).
+    pub window: Option<String>,
+}
+
+impl JobTerms {
+    /// For a person: the job's due time `due_ms` in its zone, and its window
+    /// (`contract::describe_pending`); empty when it has neither.
+    pub(crate) fn describe(&self, topology: &TopologySettings, due_ms: i64) -> String {
+        crate::contract::describe_pending(
+            topology,
+            self.lane.as_deref(),
+            (self.time_zone.as_deref(), self.window.as_deref()),
+            due_ms,
+        )
+    }
+
+    /// The terms in the row `r`'s columns from `first` on: lane, time zone, window.
+    pub(super) fn read(r: &tokio_postgres::Row, first: usize) -> Self {
+        Self {
+            lane: r.get(first),
+            time_zone: r.get(first + 1),
+            window: r.get(first + 2),
+        }
+    }
 }
 
 /// The columns of [`JobRow::fields`].
@@ -130,12 +155,8 @@ impl Inbox {
                 .enumerate()
                 .map(|(i, name)| (*name, r.get::<_, Option<String>>(i + 1)))
                 .collect(),
-            terms: JobTerms {
-                due_ms: r.get(JOB_COLUMNS.len() + 1),
-                lane: r.get(JOB_COLUMNS.len() + 2),
-                time_zone: r.get(JOB_COLUMNS.len() + 3),
-                window: r.get(JOB_COLUMNS.len() + 4),
-            },
+            due_ms: r.get(JOB_COLUMNS.len() + 1),
+            terms: JobTerms::read(&r, JOB_COLUMNS.len() + 2),
         }))
     }
 

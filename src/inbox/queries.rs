@@ -2,6 +2,7 @@
 //! `pending_page` is the console's page of pending jobs, filtered by type and key
 //! prefix.
 
+use super::inspect::JobTerms;
 use super::machine::status_of;
 use super::{DbError, Inbox, Status};
 
@@ -16,13 +17,8 @@ pub struct PendingJob {
     pub due_ms: i64,
     /// The job's type, if it has one.
     pub kind: Option<String>,
-    /// Its lane (`None`: the default).
-    pub lane: Option<String>,
-    /// The `time_zone` of its kept body, if any.
-    pub time_zone: Option<String>,
-    /// The `window` member of its kept body as JSON text (`None`: absent, or no body
-    /// kept).
-    pub window: Option<String>,
+    /// What its local due time and window are read from.
+    pub terms: JobTerms,
 }
 
 /// Which scheduled jobs [`Inbox::pending_page`] reads; the default reads them all.
@@ -125,9 +121,7 @@ impl Inbox {
                 revision: r.get(1),
                 due_ms: r.get(2),
                 kind: r.get(3),
-                lane: r.get(4),
-                time_zone: r.get(5),
-                window: r.get(6),
+                terms: JobTerms::read(r, 4),
             })
             .collect();
         Ok((jobs, total))
