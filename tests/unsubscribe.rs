@@ -17,6 +17,9 @@
 //!   unknown key, an empty or wrong body: refused (400/403) and counted; a link of
 //!   the previous key in its grace still works;
 //! - the mailto form through `postie feedback unsubscribe`;
+//! - the same headers through each provider's API (SES and Mailgun in the MIME,
+//!   SendGrid and Postmark in the JSON's headers), as the provider test server
+//!   received them;
 //! - the confirmation page in headless Chromium: it renders, and its button
 //!   unsubscribes.
 
@@ -27,9 +30,11 @@ use std::time::{Duration, Instant};
 
 use postie::config::{UnsubscribeKey, UnsubscribeSettings};
 use postie::testing::mail::{Link, Links};
+use secrecy::SecretString;
 use serde_json::{json, Value};
 use support::browser::Browser;
 use support::feedback::feedback_command;
+use support::providers::ProviderServer;
 use support::tap::{check_each, Tap};
 use support::{eventually, free_port, job, sample, PostieProcess, TestEnv};
 
@@ -406,17 +411,8 @@ async fn one_click_as_gmail_sends_it_suppresses_the_scope_fleet_wide_and_tells_t
     // A second POST: 200, nothing more.
     let (status, _) = request("POST", &url, Some(ONE_CLICK)).await;
     assert_eq!(status, 200);
-    let adds: i64 = env
-        .db()
-        .await
-        .query_one(
-            "SELECT count(*) FROM postie_suppression_audit WHERE address = 'ann@example.com'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(adds, 1);
+    let (_, adds, _, _) = support::feedback::state(&env, "ann@example.com", "-").await;
+    assert_eq!(adds, 1, "one suppression added, with its audit row");
 
     // The producer's preference centre hears of it once.
     eventually("the unsubscribed event", WAIT, || async {
@@ -603,4 +599,49 @@ async fn the_confirmation_page_renders_in_chromium_and_its_button_unsubscribes()
         )]
     );
     drop(postie);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_headers_go_through_every_provider_api() {
+    let env = world("unsub-providers", free_port()).await;
+    let server = ProviderServer::start().await;
+    let links = links_signed_with(&env, "k2");
+    for provider in ["ses", "sendgrid", "postmark", "mailgun"] {
+        let mut settings = env.settings();
+        settings.transport.url = Some(SecretString::from(server.url(provider)));
+        let serving = env.serve(settings);
+        let key = format!("p-{provider}");
+        let mut body = typed(&key, "ann@example.com", "news", None);
+        body["unsubscribe"] = json!({});
+        env.publish(&body).await;
+        env.wait_for_status(&key, "sent", WAIT).await;
+        serving.stop().await;
+        let id = support::message_id(&key);
+        let messages = server.messages(true).await;
+        let raw = &messages
+            .iter()
+            .find(|m| m.message_id == id)
+            .unwrap_or_else(|| panic!("{provider}: no request for {key}"))
+            .raw;
+        // The token for this job, as postie made it: the only one that reads back to
+        // this key, whatever its issue second.
+        let token = raw
+            .split(|c: char| !(c.is_ascii_alphanumeric() || "-_.".contains(c)))
+            .find(|word| {
+                word.starts_with("k2.")
+                    && links
+                        .read(word, jiff::Timestamp::now())
+                        .is_ok_and(|l| l.key == key && l.scope == "news")
+            })
+            .unwrap_or_else(|| panic!("{provider}: no token for {key} in {raw}"));
+        assert!(
+            raw.contains(&format!("/u/{token}>"))
+                && raw.contains(&format!(
+                    "<mailto:unsubscribe@shop.example?subject={token}>"
+                )),
+            "{provider}: both links in {raw}"
+        );
+        assert!(raw.contains("List-Unsubscribe-Post"), "{provider}: {raw}");
+        assert!(raw.contains(ONE_CLICK), "{provider}: {raw}");
+    }
 }
