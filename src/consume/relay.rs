@@ -21,7 +21,7 @@ use lapin::types::FieldTable;
 use super::publisher::Publisher;
 use super::Service;
 use crate::broker::Acks;
-use crate::contract::{self, readable, IdempotencyKey, ParseRules};
+use crate::contract::{self, readable, IdempotencyKey, ParseRules, Peeked};
 use crate::headers::{self, HEADER_DUE_AT};
 use crate::ops::metrics::{DeadReason, RelayRoute};
 use crate::topology::ladder::Route;
@@ -42,7 +42,7 @@ pub(super) enum Decision {
 }
 
 /// Fixes the due time of an intake delivery received at `now_ms`, its body's
-/// clock time (if any) read already ([`contract::peek_clock_time`]): the later of it and
+/// clock time (if any) read already ([`contract::peek_relay`]): the later of it and
 /// `x-delay`'s (a time postie stamped already holds both).
 fn decide(
     topology: &Topology,
@@ -137,9 +137,11 @@ impl<T> Default for DueOrder<T> {
     }
 }
 
-impl DueOrder<(Delivery, Decision)> {
+impl DueOrder<(Delivery, Decision, Option<Peeked>)> {
     /// Takes in an intake delivery received at `now_ms`: its due time is fixed now,
-    /// and a body over `rules`' size limit is refused by its length, unread.
+    /// and a body over `rules`' size limit is refused by its length, unread. The body
+    /// is read once, for its clock time and for its job's key, revision and lane
+    /// (kept with it for the record).
     pub(super) fn arrive(
         &mut self,
         topology: &Topology,
@@ -148,18 +150,17 @@ impl DueOrder<(Delivery, Decision)> {
         now_ms: i64,
     ) {
         let props = &delivery.properties;
-        let decision = match rules.check_size(&delivery.data) {
-            Err(too_big) => Decision::Invalid(too_big.0),
-            Ok(()) => decide(
-                topology,
-                props.headers().as_ref(),
-                *props.timestamp(),
-                now_ms,
-                contract::peek_clock_time(&delivery.data),
-            ),
+        let (decision, job) = match rules.check_size(&delivery.data) {
+            Err(too_big) => (Decision::Invalid(too_big.0), None),
+            Ok(()) => {
+                let (clock, job) = contract::peek_relay(&delivery.data);
+                let headers = props.headers().as_ref();
+                let decision = decide(topology, headers, *props.timestamp(), now_ms, clock);
+                (decision, job)
+            }
         };
         let (turn, tag) = (decision.turn(now_ms), delivery.delivery_tag);
-        self.push(turn, tag, (delivery, decision));
+        self.push(turn, tag, (delivery, decision, job));
     }
 }
 
@@ -194,14 +195,14 @@ impl Service {
     pub(super) async fn handle_relay(
         &self,
         mut delivery: Delivery,
-        decision: Decision,
+        (decision, job): (Decision, Option<Peeked>),
         publish: &Publisher,
         acks: &Acks,
     ) {
         let mut lane = LaneId::default();
         if let Decision::Forward { due_ms } = decision {
-            // One read of the body for the record and the lane.
-            let peeked = self.scheduled_job(&delivery);
+            // The body was read when it arrived, for its due time and its job.
+            let peeked = job.and_then(|job| self.scheduled(&delivery, job));
             lane = peeked.as_ref().map_or(lane, |job| job.lane);
             if self
                 .record_scheduled(&mut delivery, due_ms, peeked)
@@ -252,15 +253,16 @@ impl Service {
     /// scheduled, read without parsing the whole body: in its producer's key space
     /// (`worker.key_namespace`); `None` for a job the worker will refuse.
     pub(super) fn scheduled_key(&self, delivery: &Delivery) -> Option<(IdempotencyKey, i32)> {
-        self.scheduled_job(delivery)
+        let peeked = contract::peek_job(&delivery.data)?;
+        self.scheduled(delivery, peeked)
             .map(|job| (job.key, job.revision))
     }
 
-    /// [`Service::scheduled_key`] and the job's lane, from one read of the body.
-    fn scheduled_job(&self, delivery: &Delivery) -> Option<ScheduledJob> {
+    /// The job `peeked` (read from `delivery`'s body) as it is recorded: its key in
+    /// its producer's key space, its revision and its lane.
+    fn scheduled(&self, delivery: &Delivery, peeked: Peeked) -> Option<ScheduledJob> {
         let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
         let rules = contract::ParseRules::from_settings(&self.cx.settings).for_user(user_id);
-        let peeked = contract::peek_job(&delivery.data)?;
         Some(ScheduledJob {
             key: rules.namespaced(&peeked.key).ok()?,
             revision: peeked.revision,

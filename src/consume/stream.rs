@@ -29,6 +29,7 @@ use super::{Role, Service, SessionEnd, GOODBYE_TIMEOUT};
 use crate::broker::Acks;
 use crate::config::Prefetch;
 use crate::contract::ParseRules;
+use crate::contract::Peeked;
 use crate::topology::{DelayLayout, LaneId};
 use crate::work::now_ms;
 
@@ -37,8 +38,9 @@ enum Work {
     /// A send queue's delivery, when to mark it as arrived if still unclaimed
     /// (`None`: marked already, or marks are off), and the queue's lane.
     Send(Delivery, Option<Instant>, LaneId),
-    /// An intake delivery, with the decision made when it arrived.
-    Relay(Delivery, Decision),
+    /// An intake delivery, with the decision made when it arrived and its job as
+    /// read then.
+    Relay(Delivery, Decision, Option<Peeked>),
 }
 
 /// A `<p>.send` delivery waiting for a slot.
@@ -182,7 +184,7 @@ impl Service {
     /// earliest due first (`relay::DueOrder`).
     async fn relay_loop(&self, c: &mut Consumer<'_>) -> SessionEnd {
         let rules = ParseRules::from_settings(&self.cx.settings);
-        let mut waiting: DueOrder<(Delivery, Decision)> = DueOrder::default();
+        let mut waiting: DueOrder<(Delivery, Decision, Option<Peeked>)> = DueOrder::default();
         loop {
             tokio::select! {
                 biased;
@@ -190,8 +192,8 @@ impl Service {
                 _ = c.lost.cancelled() => return SessionEnd::Lost("the broker session ended".into()),
                 permit = c.slots.clone().acquire_owned(), if !waiting.is_empty() => {
                     let permit = permit.expect("semaphore is never closed");
-                    let (delivery, decision) = waiting.pop().expect("not empty");
-                    self.dispatch(c, permit, Work::Relay(delivery, decision));
+                    let (delivery, decision, job) = waiting.pop().expect("not empty");
+                    self.dispatch(c, permit, Work::Relay(delivery, decision, job));
                 }
                 next = c.deliveries.next() => match c.received(next) {
                     Ok(delivery) => waiting.arrive(&self.cx.topology, &rules, self.admit(delivery), now_ms()),
@@ -287,8 +289,9 @@ impl Service {
                     this.handle_send(delivery, (mark_at, lane), &publish, &acks)
                         .await
                 }
-                Work::Relay(delivery, decision) => {
-                    this.handle_relay(delivery, decision, &publish, &acks).await
+                Work::Relay(delivery, decision, job) => {
+                    this.handle_relay(delivery, (decision, job), &publish, &acks)
+                        .await
                 }
             }
             drop(slot);

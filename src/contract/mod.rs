@@ -37,7 +37,7 @@ pub(crate) use key::message_id_of;
 pub use key::IdempotencyKey;
 pub(crate) use local::{next_open, tzdb_version};
 pub use peek::peek_key_text;
-pub(crate) use peek::{peek_clock_time, peek_job, peek_key};
+pub(crate) use peek::{peek_job, peek_key, peek_relay, Peeked};
 pub use rules::ParseRules;
 pub(crate) use terms::{describe_pending, Terms};
 

@@ -2,8 +2,8 @@
 //! path's arrival marks, the DLQ's table.
 //!
 //! `peek_key` / `peek_key_text` read the key through a borrowed struct and build
-//! nothing else; `peek_job` reads the key and the lane the relay needs, in the same
-//! pass.
+//! nothing else; `peek_relay` reads what the relay needs of an intake delivery (its
+//! clock time, key, revision and lane) in one pass.
 
 use std::borrow::Cow;
 
@@ -31,6 +31,12 @@ struct Peek<'a> {
     revision: Option<serde_json::Value>,
     #[serde(default, borrow)]
     lane: Option<KeyMember<'a>>,
+    #[serde(default, borrow)]
+    send_at: Option<KeyMember<'a>>,
+    #[serde(default, borrow)]
+    send_at_local: Option<KeyMember<'a>>,
+    #[serde(default, borrow)]
+    time_zone: Option<KeyMember<'a>>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -54,15 +60,64 @@ impl<'a> KeyMember<'a> {
 }
 
 impl<'a> Peek<'a> {
-    /// Reads a body's key members, or `None` for a cancel request or a body that is
-    /// no JSON object.
-    fn read(body: &'a [u8]) -> Option<Self> {
+    /// Reads a body's members, or `None` for a body that is no JSON object.
+    fn parse(body: &'a [u8]) -> Option<Self> {
         // serde reads a struct from an array too, by position: only an object is a job.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return None;
         }
-        let peek: Self = serde_json::from_slice(body).ok()?;
-        peek.cancel.is_none().then_some(peek)
+        serde_json::from_slice(body).ok()
+    }
+
+    /// Reads a body's key members, or `None` for a cancel request or a body that is
+    /// no JSON object.
+    fn read(body: &'a [u8]) -> Option<Self> {
+        Self::parse(body).filter(|peek| peek.cancel.is_none())
+    }
+
+    /// What the relay needs of a job: its key, revision and lane; `None` for a cancel
+    /// or a body with no usable key.
+    fn job(&self) -> Option<Peeked> {
+        if self.cancel.is_some() {
+            return None;
+        }
+        let key = IdempotencyKey::parse(&self.key()?).ok()?;
+        let revision = self
+            .revision
+            .as_ref()
+            .and_then(|r| r.as_i64())
+            .unwrap_or(0)
+            .clamp(0, i32::MAX as i64) as i32;
+        let lane = KeyMember::text(self.lane.as_ref()).map(str::to_owned);
+        Some(Peeked {
+            key,
+            revision,
+            lane,
+        })
+    }
+
+    /// The body's clock time (`send_at`, or `send_at_local` in `time_zone`): `None`
+    /// when it has none; else the instant, or why it is none.
+    fn clock(&self) -> Option<Result<i64, InvalidJob>> {
+        fn text<'m>(
+            name: &str,
+            member: &'m Option<KeyMember<'_>>,
+        ) -> Result<Option<&'m str>, InvalidJob> {
+            match member {
+                None => Ok(None),
+                Some(KeyMember::Text(text)) => Ok(Some(text)),
+                Some(KeyMember::Other(_)) => Err(InvalidJob(format!("{name} is not a string"))),
+            }
+        }
+        let clock = (|| {
+            ClockTime {
+                send_at: text("send_at", &self.send_at)?,
+                send_at_local: text("send_at_local", &self.send_at_local)?,
+                time_zone: text("time_zone", &self.time_zone)?,
+            }
+            .due_ms()
+        })();
+        clock.transpose()
     }
 
     /// The key text by [`key_text`]; `None` when the member it picks is no string.
@@ -95,19 +150,19 @@ pub(crate) struct Peeked {
 
 /// [`peek_key`] and the lane, in the same pass.
 pub(crate) fn peek_job(body: &[u8]) -> Option<Peeked> {
-    let peek = Peek::read(body)?;
-    let key = IdempotencyKey::parse(&peek.key()?).ok()?;
-    let revision = peek
-        .revision
-        .and_then(|r| r.as_i64())
-        .unwrap_or(0)
-        .clamp(0, i32::MAX as i64) as i32;
-    let lane = KeyMember::text(peek.lane.as_ref()).map(str::to_owned);
-    Some(Peeked {
-        key,
-        revision,
-        lane,
-    })
+    Peek::read(body)?.job()
+}
+
+/// What the relay reads of an intake delivery's body, in one pass: its clock time
+/// (`send_at`, or `send_at_local` in `time_zone`: `None` when there is none or the
+/// body is no JSON object, else the instant or why it is none), and the job's key,
+/// revision and lane ([`peek_job`]; `None` for a cancel or a body with no usable
+/// key). A body that fails to read is left to the worker.
+pub(crate) fn peek_relay(body: &[u8]) -> (Option<Result<i64, InvalidJob>>, Option<Peeked>) {
+    match Peek::parse(body) {
+        Some(peek) => (peek.clock(), peek.job()),
+        None => (None, None),
+    }
 }
 
 /// The key a body names by the contract's rule, as published and unvalidated (so that
@@ -116,46 +171,4 @@ pub(crate) fn peek_job(body: &[u8]) -> Option<Peeked> {
 /// `tests/properties.rs`.
 pub fn peek_key_text(body: &[u8]) -> Option<String> {
     Some(Peek::read(body)?.key()?.into_owned())
-}
-
-/// A body's clock time (`send_at`, or `send_at_local` in `time_zone`), read without
-/// the rest (the relay fixes the due time when a job arrives): `None` when there is
-/// none, or the body is no JSON object; else the instant, or why it is none. A body
-/// that fails to read is left to the worker.
-pub(crate) fn peek_clock_time(body: &[u8]) -> Option<Result<i64, InvalidJob>> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Member {
-        Text(String),
-        Other(IgnoredAny),
-    }
-    #[derive(Deserialize)]
-    struct Clock {
-        #[serde(default)]
-        send_at: Option<Member>,
-        #[serde(default)]
-        send_at_local: Option<Member>,
-        #[serde(default)]
-        time_zone: Option<Member>,
-    }
-    fn text<'m>(name: &str, member: &'m Option<Member>) -> Result<Option<&'m str>, InvalidJob> {
-        match member {
-            None => Ok(None),
-            Some(Member::Text(text)) => Ok(Some(text)),
-            Some(Member::Other(_)) => Err(InvalidJob(format!("{name} is not a string"))),
-        }
-    }
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return None;
-    }
-    let peek: Clock = serde_json::from_slice(body).ok()?;
-    let clock = (|| {
-        ClockTime {
-            send_at: text("send_at", &peek.send_at)?,
-            send_at_local: text("send_at_local", &peek.send_at_local)?,
-            time_zone: text("time_zone", &peek.time_zone)?,
-        }
-        .due_ms()
-    })();
-    clock.transpose()
 }

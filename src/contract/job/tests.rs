@@ -186,6 +186,33 @@ fn peek_key_reads_the_key_and_revision_and_skips_the_rest() {
 }
 
 #[test]
+fn the_relays_peek_reads_the_clock_time_and_the_job_in_one_pass() {
+    use crate::contract::peek_relay;
+    let body = br#"{"key": "k", "revision": 2, "lane": "bulk", "send_at": "2027-03-27T09:00:00Z", "html": "<p>"}"#;
+    let (clock, job) = peek_relay(body);
+    let job = job.unwrap();
+    assert_eq!(clock.unwrap().unwrap(), 1_806_138_000_000);
+    assert_eq!(
+        (job.key.as_str(), job.revision, job.lane.as_deref()),
+        ("k", 2, Some("bulk"))
+    );
+    // A body with no usable key still has its clock time read (the worker refuses it).
+    let (clock, job) = peek_relay(
+        br#"{"key": 5, "send_at_local": "2027-03-27T10:00", "time_zone": "Europe/Berlin"}"#,
+    );
+    assert_eq!(
+        (clock.unwrap().unwrap(), job.is_none()),
+        (1_806_138_000_000, true)
+    );
+    // No clock time; a clock time of the wrong type; a cancel; no object at all.
+    assert!(peek_relay(br#"{"key": "k"}"#).0.is_none());
+    let (clock, _) = peek_relay(br#"{"key": "k", "send_at": 5}"#);
+    assert_eq!(clock.unwrap().unwrap_err().0, "send_at is not a string");
+    assert!(peek_relay(br#"{"cancel": "k"}"#).1.is_none());
+    assert!(matches!(peek_relay(b"[1]"), (None, None)));
+}
+
+#[test]
 fn only_an_object_with_a_cancel_member_is_a_cancel_request() {
     let array = Request::parse(br#"[{"cancel": "k"}]"#, &RULES).unwrap_err();
     assert!(array.0.contains("not a JSON object"), "{array}");
