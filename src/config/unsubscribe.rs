@@ -56,11 +56,6 @@ pub struct UnsubscribeKey {
 }
 
 impl UnsubscribeSettings {
-    /// Whether the section is configured (a link base is set).
-    pub fn configured(&self) -> bool {
-        self.url.is_some()
-    }
-
     /// A key's grace as an instant, if it has one (checked by [`check`](Self::check)).
     pub(crate) fn accept_until(key: &UnsubscribeKey) -> Option<jiff::Timestamp> {
         key.accept_until.as_deref().and_then(|t| t.parse().ok())
@@ -132,12 +127,9 @@ impl UnsubscribeSettings {
 /// no fragment, no credentials.
 fn check_base(url: &str) -> Result<(), String> {
     let parsed = url::Url::parse(url).map_err(|e| format!("unsubscribe.url is not a URL ({e})"))?;
-    let loopback = parsed.host_str().is_some_and(|h| {
-        h == "localhost"
-            || h.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
-            || h == "[::1]"
-    });
+    let loopback = parsed
+        .host_str()
+        .is_some_and(crate::endpoint::is_loopback_host);
     match parsed.scheme() {
         "https" => {}
         "http" if loopback => {}

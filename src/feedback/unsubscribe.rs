@@ -123,23 +123,10 @@ pub(crate) async fn record(inbox: &Inbox, link: &Link, source: &str) -> Result<b
 /// The token in an email sent to the `mailto:` form's address: the last word of its
 /// `Subject` (a client may put `Re:` or the like before it).
 pub(crate) fn token_in_subject(message: &[u8]) -> Option<String> {
-    let text = String::from_utf8_lossy(message);
-    let head = text
-        .split("\r\n\r\n")
-        .next()
-        .and_then(|h| h.split("\n\n").next())
-        .unwrap_or("");
-    // Unfold continuation lines, then find the field.
-    let unfolded = head
-        .replace("\r\n", "\n")
-        .replace("\n ", " ")
-        .replace("\n\t", " ");
-    unfolded.lines().find_map(|line| {
-        let (name, value) = line.split_once(':')?;
-        name.trim()
-            .eq_ignore_ascii_case("subject")
-            .then(|| value.split_whitespace().last().map(str::to_owned))?
-    })
+    // Read as the reports are (`mail-parser`: folding, encoded words).
+    let parsed = mail_parser::MessageParser::new().parse_headers(message)?;
+    let word = parsed.subject()?.split_whitespace().last()?;
+    Some(word.to_owned())
 }
 
 impl Unsubscribe {

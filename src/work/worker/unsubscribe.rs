@@ -18,14 +18,7 @@ impl Worker {
     /// own `List-Unsubscribe` is left alone (nothing is added). The error is the
     /// reason the job is refused for.
     pub(super) fn add_unsubscribe(&self, job: &mut EmailJob, lane: LaneId) -> Result<(), String> {
-        let name = &self.cx.topology.lane(lane).name;
-        let lane_asks = self
-            .cx
-            .settings
-            .topology
-            .lanes
-            .get(name)
-            .is_some_and(|l| l.unsubscribe);
+        let lane_asks = self.lane_settings(lane).is_some_and(|l| l.unsubscribe);
         let scope = match &job.unsubscribe {
             Some(Unsubscribe { scope: Some(scope) }) => scope.clone(),
             Some(Unsubscribe { scope: None }) => job_type(job)?,
