@@ -26,6 +26,9 @@ pub(crate) const HEADER_X_DELAY: &str = "x-delay";
 /// Header: failed attempts so far in the current retry cycle (postie's own; RabbitMQ
 /// 3.13+ drops client-set `x-*` headers, so none of ours start with `x-`).
 pub const HEADER_ATTEMPT: &str = "postie-attempt";
+/// How many times in a row a job waited for its attachments' store (which sets how
+/// long the next wait is); never counted as an attempt.
+pub(crate) const HEADER_STORE_WAITS: &str = "postie-store-waits";
 /// Header: the transport (`transport.providers`' name) a job must be retried on,
 /// because a send through it ended without an answer and may have been accepted.
 pub(crate) const HEADER_PROVIDER: &str = "postie-provider";

@@ -23,7 +23,8 @@ pub mod consume {
 /// The producers' contract.
 pub mod contract {
     pub use crate::contract::{
-        due_at, peek_key_text, x_delay, EmailJob, IdempotencyKey, ParseRules, Request,
+        due_at, peek_key_text, x_delay, AttachmentLimits, EmailJob, IdempotencyKey, ParseRules,
+        Request,
     };
 }
 /// Dead letters.

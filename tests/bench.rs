@@ -278,6 +278,7 @@ fn parse_job(body: &[u8], settings: &Settings) -> EmailJob {
         default_from: None,
         key_namespace: postie::config::KeyNamespace::Off,
         user_id: None,
+        attachments: postie::testing::contract::AttachmentLimits::DEFAULT,
     };
     EmailJob::parse(body, &rules).expect("a valid job")
 }
@@ -449,6 +450,7 @@ async fn smtp_leg(n: usize, concurrency: usize) -> Measured {
             let body = job(&format!("smtp-{i}"), "bench@example.com").to_string();
             let message = mailer
                 .build(&parse_job(body.as_bytes(), &settings))
+                .await
                 .unwrap();
             let slot = mailer.slot().await;
             mailer
@@ -492,6 +494,7 @@ async fn sink_leg(n: usize, concurrency: usize) -> Measured {
     let body = job("sink-0", "bench@example.com").to_string();
     let email = mailer
         .build(&parse_job(body.as_bytes(), &settings))
+        .await
         .unwrap();
     let mut data = String::from_utf8(email.formatted().to_vec())
         .unwrap()

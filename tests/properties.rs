@@ -115,6 +115,7 @@ fn rules(namespace: KeyNamespace) -> ParseRules<'static> {
         default_from: Some("Shop <noreply@shop.example>"),
         key_namespace: namespace,
         user_id: Some("svc"),
+        attachments: postie::testing::contract::AttachmentLimits::DEFAULT,
     }
 }
 

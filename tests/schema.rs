@@ -21,6 +21,7 @@ const RULES: ParseRules<'static> = ParseRules {
     default_from: None,
     key_namespace: postie::config::KeyNamespace::Off,
     user_id: None,
+    attachments: postie::testing::contract::AttachmentLimits::DEFAULT,
 };
 
 fn manifest_path(relative: &str) -> PathBuf {

@@ -24,7 +24,9 @@
 //!   Mailgun's token cap, `feedback.trust_unmatched`: the sources whose unmatched
 //!   notices still suppress); `events.rs` the delivery events' (`events.*`);
 //!   `unsubscribe.rs` one-click unsubscribe's (`unsubscribe.*`: the link's base, the
-//!   mailto address, the signing keys and their grace).
+//!   mailto address, the signing keys and their grace); `attachments.rs` the
+//!   attachments' (`attachments.*`: the contract's limits, `url_hosts`, the
+//!   fetcher's bounds, the spool and its byte budget).
 //! - `outbox.rs` the outbox relay's: `outbox.sources` (each URL's `name=` taken out,
 //!   parsed as `database.url` is, under its TLS rules), `outbox.batch_size`,
 //!   `poll_interval`, `listen`.
@@ -51,6 +53,7 @@ use secrecy::SecretString;
 use serde::Deserialize;
 
 mod amqp;
+mod attachments;
 mod console;
 mod database;
 mod de;
@@ -74,6 +77,7 @@ mod validate;
 mod window;
 
 pub use amqp::{AmqpAddress, AmqpAddresses};
+pub use attachments::{AttachmentSettings, S3Settings, DEFAULT_MAX_BYTES, DEFAULT_MAX_COUNT};
 pub(crate) use console::ConsoleSettings;
 pub(crate) use database::{database_plan, DbPlan, DbTls};
 pub use events::EventsSettings;
@@ -139,6 +143,8 @@ pub struct Settings {
     pub outbox: OutboxSettings,
     /// One-click unsubscribe links (RFC 8058) and their signing keys.
     pub unsubscribe: UnsubscribeSettings,
+    /// Attachments: limits, where `url` sources may come from, the spool.
+    pub attachments: AttachmentSettings,
     /// Per-type anti-spam throttles, keyed by the job's `type` (none by default).
     pub throttle: std::collections::BTreeMap<String, ThrottleRule>,
     /// The old `smtp.*` names this configuration used (see [`Settings::warnings`]).
@@ -186,6 +192,8 @@ impl Settings {
                 .with_list_parse_key("feedback.sns.topic_arns")
                 .with_list_parse_key("feedback.trust_unmatched")
                 .with_list_parse_key("outbox.sources")
+                .with_list_parse_key("attachments.url_hosts")
+                .with_list_parse_key("attachments.s3.buckets")
                 .try_parsing(true)
                 .source(env),
         );

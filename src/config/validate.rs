@@ -184,6 +184,7 @@ impl Settings {
             .find(|(_, lane)| lane.unsubscribe)
             .map(|(name, _)| name.as_str());
         self.unsubscribe.check(wanted).map_err(ConfigError)?;
+        self.attachments.check().map_err(ConfigError)?;
         Ok(())
     }
 

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 
+use super::attachment::{read_all, Attachment, RawAttachment};
 use super::debounce::{Debounce, RawDebounce};
 use super::key::key_text;
 use super::local::ClockTime;
@@ -73,6 +74,9 @@ pub struct EmailJob {
     /// link for its recipient, leaving this scope (`None`: the job's type). A lane
     /// can ask the same of all its jobs (`topology.lanes.<l>.unsubscribe`).
     pub unsubscribe: Option<Unsubscribe>,
+    /// The files the email carries (`attachments`), checked against
+    /// `attachments.*`; inline ones decoded, fetched ones named by URL.
+    pub attachments: Vec<Attachment>,
 }
 
 /// The send window (quiet hours) a job asks for.
@@ -264,6 +268,8 @@ struct RawJob<'a> {
     debounce: Option<RawDebounce>,
     #[serde(default)]
     unsubscribe: Option<RawUnsubscribe>,
+    #[serde(default)]
+    attachments: Vec<RawAttachment>,
     #[serde(default, deserialize_with = "present")]
     cancel: Option<IgnoredAny>,
 }
@@ -473,6 +479,8 @@ impl EmailJob {
             .map(RawUnsubscribe::read)
             .transpose()?;
 
+        let attachments = read_all(std::mem::take(&mut raw.attachments), &rules.attachments)?;
+
         let mut headers = Vec::with_capacity(raw.headers.len());
         for (name, value) in raw.headers {
             check_header_name(&name)?;
@@ -502,6 +510,7 @@ impl EmailJob {
             window,
             debounce,
             unsubscribe,
+            attachments,
         })
     }
 }

@@ -10,6 +10,8 @@
 //!   default sender, key space); `peek.rs`: a body's key (and lane, and clock time)
 //!   without a parse;
 //!   `key.rs`: the one key rule, the idempotency key, the Message-ID.
+//! - `attachment.rs`: a job's `attachments` (name, type, size, SHA-256, an inline
+//!   or URL source), checked against `attachments.*`.
 //! - `address.rs`: mailboxes; `delay.rs`: `x-delay`, `send_at` and the due time (the
 //!   later of the two); `local.rs`: `send_at_local` in `time_zone`, with the
 //!   compiled-in time-zone database (gaps and folds); `debounce.rs`: a job's
@@ -17,6 +19,7 @@
 //!   under (its own, else its lane's), for the worker and for the views that show it.
 
 mod address;
+mod attachment;
 mod debounce;
 mod delay;
 mod job;
@@ -27,6 +30,8 @@ mod rules;
 mod terms;
 
 pub(crate) use address::Address;
+pub use attachment::AttachmentLimits;
+pub(crate) use attachment::{Attachment, Source};
 pub(crate) use debounce::Debounce;
 pub use delay::{due_at, x_delay};
 pub(crate) use delay::{with_send_at, PLUGIN_MAX_DELAY};

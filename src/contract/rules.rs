@@ -4,7 +4,7 @@
 //! its producer's key space under `worker.key_namespace`; the worker, the relay's
 //! scheduled record and the DLQ's reading all use it.
 
-use super::{invalid, IdempotencyKey, InvalidJob};
+use super::{invalid, AttachmentLimits, IdempotencyKey, InvalidJob};
 use crate::config::{KeyNamespace, Settings};
 
 /// What the contract allows around the body.
@@ -18,6 +18,8 @@ pub struct ParseRules<'a> {
     pub key_namespace: KeyNamespace,
     /// The message's AMQP `user_id` property, checked by the broker.
     pub user_id: Option<&'a str>,
+    /// What a job's `attachments` may hold (`attachments.*`).
+    pub attachments: AttachmentLimits,
 }
 
 impl<'a> ParseRules<'a> {
@@ -28,6 +30,7 @@ impl<'a> ParseRules<'a> {
             default_from: settings.transport.default_from.as_deref(),
             key_namespace: settings.worker.key_namespace,
             user_id: None,
+            attachments: AttachmentLimits::of(&settings.attachments),
         }
     }
 

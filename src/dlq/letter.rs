@@ -222,6 +222,7 @@ mod tests {
         default_from: None,
         key_namespace: crate::config::KeyNamespace::Off,
         user_id: None,
+        attachments: crate::contract::AttachmentLimits::DEFAULT,
     };
 
     fn table_of(pairs: &[(&str, AMQPValue)]) -> FieldTable {

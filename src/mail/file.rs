@@ -1,4 +1,6 @@
 //! The `.eml` file transport (`transport.url = file:///dir`): for demos and local runs.
+//! An email with attachments is written chunk by chunk, as it would be streamed to
+//! a relay, to a `.part` file renamed to its `.eml` name once complete.
 
 use std::path::PathBuf;
 
@@ -9,7 +11,7 @@ use lettre::{AsyncFileTransport, AsyncTransport, Tokio1Executor};
 use super::{Clearance, Email, SendError, Transport};
 
 /// Writes each email to `<dir>/<uuid>.eml`.
-pub(super) struct EmlFiles(AsyncFileTransport<Tokio1Executor>);
+pub(super) struct EmlFiles(AsyncFileTransport<Tokio1Executor>, PathBuf);
 
 impl EmlFiles {
     /// Creates `dir` if needed.
@@ -21,7 +23,30 @@ impl EmlFiles {
                 dir.display()
             )
         })?;
-        Ok(Self(AsyncFileTransport::<Tokio1Executor>::new(dir)))
+        Ok(Self(AsyncFileTransport::<Tokio1Executor>::new(&dir), dir))
+    }
+}
+
+impl EmlFiles {
+    /// Writes an email with attachments chunk by chunk; only a complete one gets its
+    /// `.eml` name.
+    async fn stream(&self, email: &Email) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt as _;
+        let name = uuid::Uuid::new_v4();
+        let part = self.1.join(format!("{name}.part"));
+        let mut file = tokio::fs::File::create(&part).await?;
+        let written = async {
+            for chunk in email.chunks() {
+                file.write_all(&chunk?).await?;
+            }
+            file.flush().await
+        }
+        .await;
+        if let Err(e) = written {
+            let _ = tokio::fs::remove_file(&part).await;
+            return Err(e);
+        }
+        tokio::fs::rename(&part, self.1.join(format!("{name}.eml"))).await
     }
 }
 
@@ -33,6 +58,13 @@ impl Transport for EmlFiles {
     ) -> BoxFuture<'a, Result<Option<String>, SendError>> {
         async move {
             clearance.check()?;
+            if email.is_streamed() {
+                return self
+                    .stream(email)
+                    .await
+                    .map(|_| None)
+                    .map_err(|e| SendError::Transient(format!("writing .eml file: {e}")));
+            }
             self.0
                 .send_raw(email.envelope(), email.formatted())
                 .await
@@ -64,10 +96,11 @@ mod tests {
             default_from: Some("Shop <noreply@shop.example>"),
             key_namespace: crate::config::KeyNamespace::Off,
             user_id: None,
+            attachments: crate::contract::AttachmentLimits::DEFAULT,
         };
         let body = br#"{"key": "k-1", "to": ["a@example.com"], "subject": "s", "text": "hi"}"#;
         let job = EmailJob::parse(body, &rules).unwrap();
-        let email = mailer.build(&job).unwrap();
+        let email = mailer.build(&job).await.unwrap();
         let slot = mailer.slot().await;
         mailer.send(&slot, &email, &Clearance::new()).await.unwrap();
         let files: Vec<_> = std::fs::read_dir(&dir)
@@ -79,6 +112,91 @@ mod tests {
         assert_eq!(std::fs::read(&files[0]).unwrap(), email.formatted());
         let text = String::from_utf8_lossy(email.formatted()).into_owned();
         assert!(text.contains(&job.key.message_id(&settings.transport.message_id_domain)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn an_email_with_attachments_is_written_whole_and_reads_back() {
+        use base64::Engine as _;
+        use mail_parser::MimeHeaders as _;
+        use sha2::Digest as _;
+        let dir = std::env::temp_dir().join(format!("postie-att-eml-{}", uuid::Uuid::new_v4()));
+        let mut settings = Settings::default();
+        settings.transport.url = Some(format!("file://{}", dir.display()).into());
+        let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
+        let pdf: Vec<u8> = (0..150_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let png = b"\x89PNG\r\n\x1a\n not really".to_vec();
+        let ics = b"BEGIN:VCALENDAR\r\nMETHOD:REQUEST\r\nEND:VCALENDAR\r\n".to_vec();
+        let file = |name: &str, ty: &str, bytes: &[u8], cid: Option<&str>| {
+            let mut one = serde_json::json!({
+                "filename": name, "content_type": ty, "size": bytes.len(),
+                "sha256": hex::encode(sha2::Sha256::digest(bytes)),
+                "source": {"inline": base64::engine::general_purpose::STANDARD.encode(bytes)},
+            });
+            if let Some(cid) = cid {
+                one["disposition"] = "inline".into();
+                one["content_id"] = cid.into();
+            }
+            one
+        };
+        let body = serde_json::json!({
+            "key": "k-att", "from": "shop@example.com", "to": ["a@example.com"], "subject": "Your invoice",
+            "text": "See attached.", "html": "<img src=\"cid:logo@shop\"> See attached.",
+            "attachments": [
+                file("Rechnung März.pdf", "application/pdf", &pdf, None),
+                file("logo.png", "image/png", &png, Some("logo@shop")),
+                file("invite.ics", "text/calendar; method=REQUEST; charset=UTF-8", &ics, None),
+            ]
+        });
+        let rules = ParseRules {
+            max_body_bytes: 1 << 20,
+            ..ParseRules::from_settings(&settings)
+        };
+        let job = EmailJob::parse(body.to_string().as_bytes(), &rules).unwrap();
+        let email = mailer.build(&job).await.unwrap();
+        assert!(
+            email.formatted().len() < 4_000,
+            "the skeleton holds no file"
+        );
+        let slot = mailer.slot().await;
+        mailer.send(&slot, &email, &Clearance::new()).await.unwrap();
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        let written = std::fs::read(&files[0]).unwrap();
+        assert_eq!(written.len() as u64, email.size());
+        assert_eq!(written, email.whole().unwrap());
+        assert!(
+            written.split(|b| *b == b'\n').all(|line| line.len() <= 78),
+            "76-column lines"
+        );
+        let parsed = mail_parser::MessageParser::default()
+            .parse(&written)
+            .unwrap();
+        let parts: Vec<_> = parsed.attachments().collect();
+        assert_eq!(parts.len(), 3);
+        let find = |name: &str| {
+            parts
+                .iter()
+                .find(|p| p.attachment_name() == Some(name))
+                .unwrap()
+        };
+        let got = find("Rechnung März.pdf");
+        assert_eq!(got.contents(), &pdf[..]);
+        assert_eq!(got.content_type().unwrap().subtype(), Some("pdf"));
+        let logo = find("logo.png");
+        assert_eq!(logo.contents(), &png[..]);
+        assert_eq!(logo.content_id(), Some("logo@shop"));
+        assert!(logo.content_disposition().unwrap().is_inline());
+        let invite = find("invite.ics");
+        assert_eq!(invite.contents(), &ics[..]);
+        assert_eq!(
+            invite.content_type().unwrap().attribute("method"),
+            Some("REQUEST")
+        );
+        assert!(parsed.body_html(0).unwrap().contains("cid:logo@shop"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

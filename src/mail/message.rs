@@ -3,15 +3,21 @@
 
 use std::str::FromStr;
 
-use lettre::message::header::{HeaderName, HeaderValue};
-use lettre::message::{Mailbox, MultiPart, SinglePart};
+use lettre::message::header::{
+    ContentDisposition, ContentId, ContentTransferEncoding, ContentType, HeaderName, HeaderValue,
+};
+use lettre::message::{Body, Mailbox, MultiPart, SinglePart};
 use lettre::Message;
 
 use super::SendError;
-use crate::contract::{Address, EmailJob};
+use crate::contract::{Address, Attachment, EmailJob};
 
-/// Builds the email with the given Message-ID; an error is permanent.
-pub(super) fn build(job: &EmailJob, message_id: String) -> Result<Message, SendError> {
+/// Builds the email with the given Message-ID; an error is permanent. A job with
+/// attachments gets a placeholder body for each, named by `stream::mark` under
+/// `nonce`, where its bytes go when it is streamed (`stream.rs`): the text, or the
+/// alternative of text and HTML, then each attachment, in a `multipart/mixed`; the
+/// inline ones (`cid:` images) with the HTML in a `multipart/related`.
+pub(super) fn build(job: &EmailJob, message_id: String, nonce: &str) -> Result<Message, SendError> {
     let mut builder = Message::builder()
         .from(mailbox(&job.from)?)
         .subject(job.subject.clone())
@@ -29,14 +35,10 @@ pub(super) fn build(job: &EmailJob, message_id: String) -> Result<Message, SendE
     if let Some(reply_to) = &job.reply_to {
         builder = builder.reply_to(mailbox(reply_to)?);
     }
-    let built = match (&job.text, &job.html) {
-        (Some(text), Some(html)) => builder.multipart(MultiPart::alternative_plain_html(
-            text.clone(),
-            html.clone(),
-        )),
-        (Some(text), None) => builder.singlepart(SinglePart::plain(text.clone())),
-        (None, Some(html)) => builder.singlepart(SinglePart::html(html.clone())),
-        (None, None) => return Err(SendError::Permanent("job has no body".into())),
+    let built = match (job.attachments.is_empty(), text_part(job)?) {
+        (true, Text::Single(part)) => builder.singlepart(part),
+        (true, Text::Alternative(parts)) => builder.multipart(parts),
+        (false, text) => builder.multipart(with_attachments(job, text, nonce)?),
     };
     let mut message =
         built.map_err(|e| SendError::Permanent(format!("cannot build email: {e}")))?;
@@ -48,6 +50,76 @@ pub(super) fn build(job: &EmailJob, message_id: String) -> Result<Message, SendE
             .insert_raw(HeaderValue::new(name, value.clone()));
     }
     Ok(message)
+}
+
+/// The job's text, HTML, or both as alternatives.
+enum Text {
+    Single(SinglePart),
+    Alternative(MultiPart),
+}
+
+fn text_part(job: &EmailJob) -> Result<Text, SendError> {
+    Ok(match (&job.text, &job.html) {
+        (Some(text), Some(html)) => Text::Alternative(MultiPart::alternative_plain_html(
+            text.clone(),
+            html.clone(),
+        )),
+        (Some(text), None) => Text::Single(SinglePart::plain(text.clone())),
+        (None, Some(html)) => Text::Single(SinglePart::html(html.clone())),
+        (None, None) => return Err(SendError::Permanent("job has no body".into())),
+    })
+}
+
+/// `multipart/mixed`: the text (with the inline parts in a `multipart/related`), then
+/// the attachments.
+fn with_attachments(job: &EmailJob, text: Text, nonce: &str) -> Result<MultiPart, SendError> {
+    let mut inline = job
+        .attachments
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.content_id.is_some())
+        .peekable();
+    let body = if inline.peek().is_some() {
+        let mut related = match text {
+            Text::Single(part) => MultiPart::related().singlepart(part),
+            Text::Alternative(parts) => MultiPart::related().multipart(parts),
+        };
+        for (index, attachment) in inline {
+            related = related.singlepart(file_part(attachment, nonce, index)?);
+        }
+        Text::Alternative(related)
+    } else {
+        text
+    };
+    let mut mixed = match body {
+        Text::Single(part) => MultiPart::mixed().singlepart(part),
+        Text::Alternative(parts) => MultiPart::mixed().multipart(parts),
+    };
+    for (index, attachment) in job.attachments.iter().enumerate() {
+        if attachment.content_id.is_none() {
+            mixed = mixed.singlepart(file_part(attachment, nonce, index)?);
+        }
+    }
+    Ok(mixed)
+}
+
+/// One file's part: its type, its disposition and name, base64, and its placeholder.
+fn file_part(attachment: &Attachment, nonce: &str, index: usize) -> Result<SinglePart, SendError> {
+    let content_type = ContentType::parse(&attachment.content_type).map_err(|e| {
+        SendError::Permanent(format!("content_type {:?}: {e}", attachment.content_type))
+    })?;
+    let mut part = SinglePart::builder().header(content_type);
+    part = match &attachment.content_id {
+        Some(id) => part
+            .header(ContentDisposition::inline_with_name(&attachment.filename))
+            .header(ContentId::from(format!("<{id}>"))),
+        None => part.header(ContentDisposition::attachment(&attachment.filename)),
+    };
+    let body = Body::dangerous_pre_encoded(
+        super::stream::mark(nonce, index).into_bytes(),
+        ContentTransferEncoding::Base64,
+    );
+    Ok(part.body(body))
 }
 
 /// The job's address as lettre's mailbox. The address was parsed by lettre's parser
@@ -75,6 +147,18 @@ pub(crate) struct Fields {
     pub(crate) html: Option<String>,
     /// The job's headers, then `Message-ID`.
     pub(crate) headers: Vec<(String, String)>,
+    /// The attachments, in the job's order (their bytes are the email's
+    /// [`contents`](super::Email::contents)).
+    pub(crate) files: Vec<FileField>,
+}
+
+/// What an API that takes files as JSON is told of one.
+#[derive(Debug, Clone)]
+pub(crate) struct FileField {
+    pub(crate) filename: String,
+    pub(crate) content_type: String,
+    /// Inline (`cid:`) images' Content-ID, without brackets.
+    pub(crate) content_id: Option<String>,
 }
 
 impl Fields {
@@ -92,6 +176,15 @@ impl Fields {
             text: job.text.clone(),
             html: job.html.clone(),
             headers,
+            files: job
+                .attachments
+                .iter()
+                .map(|a| FileField {
+                    filename: a.filename.clone(),
+                    content_type: a.content_type.clone(),
+                    content_id: a.content_id.clone(),
+                })
+                .collect(),
         }
     }
 }

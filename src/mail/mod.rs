@@ -19,30 +19,39 @@
 //! - `smtp.rs`: the SMTP relay, `smtp/transaction.rs` one email's transaction.
 //! - `api/`: providers' HTTP APIs (`ses.rs`, `sendgrid.rs`, `postmark.rs`,
 //!   `mailgun.rs`; `request.rs`), each with its reply reading and unit tests.
-//! - `bounce.rs`: which refusal is a hard bounce. `file.rs`: `.eml` files.
+//! - `email.rs`: the built [`Email`]. `bounce.rs`: which refusal is a hard bounce.
+//!   `file.rs`: `.eml` files.
 //! - `unsubscribe.rs`: one-click unsubscribe's headers and the signed token in
 //!   their link, made at send time and read by the feedback listener's `/u/`.
+//! - `fetch/`: a job's `url` and `s3` attachments fetched into the spool, checked
+//!   (the fetcher's attacker table; `address.rs` which addresses are public, `s3.rs`
+//!   the S3 store); `stream.rs`: an email with attachments as chunks, the skeleton
+//!   lettre formatted spliced with each file's base64 lines; `api/payload.rs` the
+//!   providers' streamed request bodies.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use lettre::address::Envelope;
-use lettre::Message;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod api;
 pub(crate) mod bounce;
+mod email;
+mod fetch;
 mod file;
 mod message;
 mod route;
 mod smtp;
+mod stream;
 pub(crate) mod unsubscribe;
 
 pub(crate) use api::{web_client, WebClient};
+pub use email::Email;
 pub(crate) use route::RouteId;
 pub(crate) use route::{Change, Routes};
+pub(crate) use stream::Content;
 
 use crate::config::{ProviderPlan, Settings, SmtpTransport};
 use crate::contract::EmailJob;
@@ -68,6 +77,11 @@ pub enum SendError {
     /// claim was lost): the email was not handed over.
     #[error("withdrawn: {0}")]
     Withdrawn(String),
+    /// Something the email needs besides the transport (an attachment's store) did
+    /// not answer: not the job's fault, nothing was handed over; retried with backoff,
+    /// never counted as an attempt, never a dead letter.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl SendError {
@@ -78,7 +92,8 @@ impl SendError {
             | Self::Throttled(text)
             | Self::Unreachable(text)
             | Self::Permanent(text)
-            | Self::Withdrawn(text) => text,
+            | Self::Withdrawn(text)
+            | Self::Unavailable(text) => text,
         }
     }
 }
@@ -150,44 +165,6 @@ impl Clearance {
     }
 }
 
-/// An email ready to be handed over: its envelope and its RFC 5322 text, formatted
-/// once when it is built. Transports borrow it: nothing of the message is copied on
-/// the way to the relay or the file.
-#[derive(Debug, Clone)]
-pub struct Email {
-    envelope: Envelope,
-    formatted: Vec<u8>,
-    /// The job's fields, for a transport that asks for them
-    /// ([`Transport::wants_fields`]: SendGrid, Postmark).
-    fields: Option<Box<message::Fields>>,
-}
-
-impl Email {
-    /// `message`, formatted.
-    pub fn new(message: &Message) -> Self {
-        Self {
-            envelope: message.envelope().clone(),
-            formatted: message.formatted(),
-            fields: None,
-        }
-    }
-
-    /// The job's fields, when the mailer's transport asked for them.
-    pub(crate) fn fields(&self) -> Option<&message::Fields> {
-        self.fields.as_deref()
-    }
-
-    /// MAIL FROM and RCPT TO.
-    pub(crate) fn envelope(&self) -> &Envelope {
-        &self.envelope
-    }
-
-    /// The message as sent after `DATA`.
-    pub fn formatted(&self) -> &[u8] {
-        &self.formatted
-    }
-}
-
 /// Somewhere an email can be handed to: an SMTP relay, a provider's API, a directory
 /// of `.eml` files.
 pub(crate) trait Transport: Send + Sync {
@@ -242,6 +219,10 @@ pub struct Mailer {
     deadline: Duration,
     /// One-click unsubscribe links, when `unsubscribe.url` is set.
     links: Option<Arc<unsubscribe::Links>>,
+    /// Fetches `url` attachments into the spool.
+    fetcher: Arc<fetch::Fetcher>,
+    /// `attachments.*`, for the time a file's transfer may take.
+    attachments: crate::config::AttachmentSettings,
 }
 
 /// A turn on one of the transport's `transport.pool_size` connections, which a send needs.
@@ -300,6 +281,8 @@ impl Mailer {
             deadline: shared.send_deadline(),
             links: unsubscribe::Links::new(&settings.unsubscribe, &shared.message_id_domain)
                 .map(Arc::new),
+            fetcher: Arc::new(fetch::Fetcher::new(&settings.attachments)?),
+            attachments: settings.attachments.clone(),
         })
     }
 
@@ -326,30 +309,61 @@ impl Mailer {
         job.key.message_id(&self.message_id_domain)
     }
 
-    /// Builds and formats the email for the first route ([`Mailer::build_for`]).
-    pub fn build(&self, job: &EmailJob) -> Result<Email, SendError> {
-        self.build_for(job, RouteId(0))
+    /// Builds and formats the email for the first route ([`Mailer::build_for`]),
+    /// its attachments fetched first.
+    pub async fn build(&self, job: &EmailJob) -> Result<Email, SendError> {
+        let contents = self.fetch(job).await?;
+        self.build_for(job, RouteId(0), &contents)
     }
 
-    /// Builds and formats the email for `route`; an error here is permanent (the job
-    /// can never be sent).
-    pub(crate) fn build_for(&self, job: &EmailJob, route: RouteId) -> Result<Email, SendError> {
+    /// The job's attachments' bytes, in order: inline ones as they are, `url` ones
+    /// fetched into the spool and checked against their size and SHA-256 (`fetch.rs`:
+    /// a failure that is the job's fault is permanent, the store's transient).
+    pub(crate) async fn fetch(&self, job: &EmailJob) -> Result<Vec<Content>, SendError> {
+        if job.attachments.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.fetcher.fetch(job).await
+    }
+
+    /// Builds and formats the email for `route`, with `contents` as its attachments'
+    /// bytes ([`Mailer::fetch`]); an error here is permanent (the job can never be
+    /// sent).
+    pub(crate) fn build_for(
+        &self,
+        job: &EmailJob,
+        route: RouteId,
+        contents: &[Content],
+    ) -> Result<Email, SendError> {
         let message_id = self.message_id(job);
         let fields = self
             .routes
             .get(route)
             .with_fields
             .then(|| Box::new(message::Fields::of(job, &message_id)));
-        message::build(job, message_id).map(|message| Email {
-            fields,
-            ..Email::new(&message)
-        })
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let message = message::build(job, message_id, &nonce)?;
+        let mut email = if contents.is_empty() {
+            Email::new(&message)
+        } else {
+            Email::spliced(&message, &nonce, contents)?
+        };
+        email.transfer = self.attachments.transfer_time(email.attachments_size());
+        email.fields = fields;
+        Ok(email)
     }
 
     /// The most one send may take: [`TransportSettings::send_deadline`](crate::config::TransportSettings::send_deadline). A claim must have
     /// at least this much lease left when its send starts.
     pub(crate) fn deadline(&self) -> Duration {
         self.deadline
+    }
+
+    /// The most the send of `email` may take: [`Mailer::deadline`], and for an email
+    /// with attachments the time their encoded bytes take at `attachments.min_rate`
+    /// (20 MiB, 26.7 MiB encoded, at the default 256 KiB/s: 107 s more).
+    pub(crate) fn deadline_for(&self, email: &Email) -> Duration {
+        self.deadline() + email.transfer_time()
     }
 
     /// Sends one email through the first route ([`Mailer::send_through`]).
@@ -380,14 +394,15 @@ impl Mailer {
         clearance: &Clearance,
     ) -> Result<Sent, SendError> {
         let send = self.routes.get(route).transport.send(email, clearance);
-        let id = tokio::time::timeout(self.deadline, send)
+        let deadline = self.deadline_for(email);
+        let id = tokio::time::timeout(deadline, send)
             .await
             .unwrap_or_else(|_| {
                 // Where it stopped is not known: the body may have gone.
                 clearance.mark_uncertain();
                 Err(SendError::Unreachable(format!(
                     "the send took longer than its deadline ({})",
-                    humantime::format_duration(self.deadline)
+                    humantime::format_duration(deadline)
                 )))
             })?;
         Ok(Sent {

@@ -224,7 +224,8 @@ impl ProviderResult {
             None => Self::Sent,
             Some(_) if uncertain => Self::Uncertain,
             Some(SendError::Throttled(_)) => Self::Throttled,
-            Some(SendError::Transient(_)) => Self::Transient,
+            // An attachment's store fails before any send: never judged on a route.
+            Some(SendError::Transient(_) | SendError::Unavailable(_)) => Self::Transient,
             Some(SendError::Permanent(_)) => Self::Permanent,
             Some(SendError::Unreachable(_)) => Self::Unreachable,
             Some(SendError::Withdrawn(_)) => Self::Withdrawn,

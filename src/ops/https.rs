@@ -22,6 +22,13 @@ pub(crate) fn connector(
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(connect_timeout));
     http.enforce_http(false);
+    wrap(http)
+}
+
+/// `http` (its resolver and timeouts set by the caller) with [`tls_config`] over it.
+pub(crate) fn wrap<R>(
+    http: HttpConnector<R>,
+) -> anyhow::Result<hyper_rustls::HttpsConnector<HttpConnector<R>>> {
     Ok(hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls_config()?)
         .https_or_http()

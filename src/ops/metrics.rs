@@ -235,6 +235,8 @@ declare! {
             => "lane_moves", "Jobs that reached <p>.send (ladder, retry, replay) moved to the queue of the lane they name";
         tenant_deferred: Counter
             => "tenant_deferred", "Jobs over their tenant's cap in their lane, deferred to the tenant's next slot";
+        store_waits: Counter
+            => "attachment_store_waits", "Jobs whose attachments' store did not answer (5xx, timeout, unreachable), sent back through the retry ladder without counting an attempt";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

@@ -126,6 +126,18 @@ pub(crate) enum Outcome {
         /// Retry queue index.
         step: usize,
     },
+    /// Its attachments' store is down: through retry queue `step` without counting an
+    /// attempt, carrying `postie-store-waits` = `waits`.
+    Waiting {
+        /// The job's key.
+        key: IdempotencyKey,
+        /// Retry queue index.
+        step: usize,
+        /// Waits in a row, this one included.
+        waits: u32,
+        /// What the store did.
+        error: String,
+    },
     /// Every recipient is suppressed: recorded `suppressed`, acked, never sent.
     Suppressed {
         /// The job's key.
@@ -196,6 +208,7 @@ impl Outcome {
             Self::CancelRequest { .. } => "cancel_request",
             Self::Throttled { .. } => "throttled",
             Self::Deferred { .. } => "deferred",
+            Self::Waiting { .. } => "waiting",
             Self::Retry { .. } => "retry",
             Self::Suppressed { .. } => "suppressed",
             Self::Moved { .. } => "moved",
@@ -277,6 +290,16 @@ impl Outcome {
                 tracing::info!(step, "claimed elsewhere; parked until the lease ends");
                 metrics.deferred.inc();
                 let headers = headers::without(original, &[]);
+                Disposition::Republish(retry(topology, *step, headers))
+            }
+            Self::Waiting {
+                step, waits, error, ..
+            } => {
+                tracing::warn!(step, waits, %error, "an attachment's store is unavailable; waiting in the retry ladder, not counted as an attempt");
+                metrics.store_waits.inc();
+                let mut headers = headers::without(original, &[]);
+                headers::set_int(&mut headers, headers::HEADER_STORE_WAITS, i64::from(*waits));
+                headers::set_text(&mut headers, headers::HEADER_LAST_ERROR, error);
                 Disposition::Republish(retry(topology, *step, headers))
             }
             Self::Held {
@@ -363,6 +386,7 @@ impl Outcome {
             | Self::CancelRequest { key, .. }
             | Self::Throttled { key, .. }
             | Self::Deferred { key, .. }
+            | Self::Waiting { key, .. }
             | Self::Retry { key, .. }
             | Self::Suppressed { key, .. }
             | Self::Moved { key, .. }

@@ -35,6 +35,12 @@ pub(crate) enum Failure {
     },
     /// The relay throttles this sender: not the job's fault.
     Throttled,
+    /// Something besides the transport the email needs (an attachment's store) is
+    /// down, for the `waits`-th time in a row before this one: not the job's fault.
+    Unavailable {
+        /// Waits so far.
+        waits: u32,
+    },
 }
 
 /// What happens next.
@@ -62,6 +68,15 @@ pub(crate) enum Next {
     /// Not the job's fault: hold the delivery until the dependency answers, without
     /// counting an attempt.
     Hold,
+    /// Not the job's fault, and only this job's: through retry queue `step` (one
+    /// longer each time, up to the last) without counting an attempt, carrying
+    /// `waits`.
+    Wait {
+        /// Retry queue index.
+        step: usize,
+        /// Waits in a row, this one included.
+        waits: u32,
+    },
     /// Not the job's fault: give the claim back, wait a short jittered moment (the
     /// instance slows down meanwhile) and try again, without counting an attempt.
     Pause {
@@ -116,6 +131,10 @@ impl RetryPolicy {
             Failure::LeaseBusy { remaining } => Next::Defer {
                 step: self.step_at_least(remaining),
             },
+            Failure::Unavailable { waits } => Next::Wait {
+                step: (waits as usize).min(self.steps.len().saturating_sub(1)),
+                waits: waits.saturating_add(1),
+            },
         }
     }
 
@@ -166,6 +185,9 @@ mod tests {
             (Throttled,                        4, Next::Pause { tried: false }),
             (LeaseBusy { remaining: secs(4) }, 0, Next::Defer { step: 0 }),
             (LeaseBusy { remaining: secs(31) },2, Next::Defer { step: 2 }),
+            (Unavailable { waits: 0 },         3, Next::Wait { step: 0, waits: 1 }),
+            (Unavailable { waits: 1 },         0, Next::Wait { step: 1, waits: 2 }),
+            (Unavailable { waits: 9 },         3, Next::Wait { step: 2, waits: 10 }),
         ];
         for &(failure, failed, expected) in table {
             assert_eq!(

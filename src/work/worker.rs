@@ -51,7 +51,9 @@ use super::limiter::Limiter;
 use super::policy::{Failure, RetryPolicy};
 use super::{now_ms, DeadKind, Outcome};
 use crate::contract::{self, EmailJob, InvalidJob, ParseRules, Request};
-use crate::headers::{header_int, header_text, HEADER_ATTEMPT, HEADER_PROVIDER};
+use crate::headers::{
+    header_int, header_text, HEADER_ATTEMPT, HEADER_PROVIDER, HEADER_STORE_WAITS,
+};
 use crate::inbox::{Claim, DbError};
 use crate::mail::{RouteId, SendError, Slot};
 use crate::topology::LaneId;
@@ -85,6 +87,8 @@ struct Admitted {
     lane: LaneId,
     due_ms: i64,
     failed_so_far: u32,
+    /// Times in a row it waited for its attachments' store (`postie-store-waits`).
+    store_waits: u32,
     pin: route::Pin,
 }
 
@@ -196,6 +200,9 @@ impl Worker {
         let failed_so_far = header_int(headers, HEADER_ATTEMPT)
             .unwrap_or(0)
             .clamp(0, 1_000) as u32;
+        let store_waits = header_int(headers, HEADER_STORE_WAITS)
+            .unwrap_or(0)
+            .clamp(0, 1_000) as u32;
         let pin = header_text(headers, HEADER_PROVIDER).and_then(|name| {
             let route = self.cx.mailer.routes().named(&name);
             if route.is_none() {
@@ -272,6 +279,7 @@ impl Worker {
             lane,
             due_ms,
             failed_so_far,
+            store_waits,
             pin: route::Pin::new(pin),
         }))
     }
@@ -390,17 +398,31 @@ impl Worker {
             return Ok(Followed::Outcome(outcome));
         }
         let mut held = lease::Held::new(fence, asked, self.cx.settings.worker.lease);
-        let sent = if self.lease_for_send(key.as_str(), &mut held).await? {
-            let send = self.send(&slot, route, job, &held.clearance);
-            tokio::select! {
-                _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
-                sent = self.holding(key.as_str(), &held, send) => sent,
+        // The attachments are fetched under the claim, its lease kept meanwhile.
+        let prepared = tokio::select! {
+            _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+            email = self.holding(key.as_str(), &held, self.prepare(route, job)) => email,
+        };
+        let sent = match prepared {
+            Err(error) => Err(error),
+            Ok(email) => {
+                let deadline = self.cx.mailer.deadline_for(&email);
+                if self
+                    .lease_for_send(key.as_str(), &mut held, deadline)
+                    .await?
+                {
+                    let send = self.send(&slot, route, &email, &held.clearance);
+                    tokio::select! {
+                        _ = self.cx.hard_stop.cancelled() => return Err(Stop::Interrupted),
+                        sent = self.holding(key.as_str(), &held, send) => sent,
+                    }
+                } else {
+                    // The claim is gone: its clearance is withdrawn.
+                    Err(held.clearance.check().err().unwrap_or_else(|| {
+                        SendError::Withdrawn("the claim was lost before the send".into())
+                    }))
+                }
             }
-        } else {
-            // The claim is gone: its clearance is withdrawn.
-            Err(held.clearance.check().err().unwrap_or_else(|| {
-                SendError::Withdrawn("the claim was lost before the send".into())
-            }))
         };
         drop(slot);
         if held.clearance.uncertain() {
@@ -418,7 +440,7 @@ impl Worker {
                 if matches!(error, SendError::Throttled(_)) {
                     limiter.throttled();
                 }
-                let mut failure = self.failure(&error);
+                let mut failure = self.failure(&error, admitted.store_waits);
                 let recipients = job.to.len() + job.cc.len() + job.bcc.len();
                 if matches!(error, SendError::Permanent(_))
                     && self.note_bounce(route, &held.clearance, job).await?

@@ -8,6 +8,7 @@ const RULES: ParseRules<'static> = ParseRules {
     default_from: Some("Shop <noreply@shop.example>"),
     key_namespace: crate::config::KeyNamespace::Off,
     user_id: None,
+    attachments: crate::contract::AttachmentLimits::DEFAULT,
 };
 
 fn parse(json: serde_json::Value) -> Result<EmailJob, InvalidJob> {

@@ -4,11 +4,17 @@
 //! 200 with `{"id": "<…>", "message": "Queued. Thank you."}`; errors carry
 //! `{"message": …}` (or plain text): 429 throttled, 401 the key refused, 400 an email
 //! it cannot take, 403 a domain or account that may not send, 5xx its own trouble.
+//! An email with attachments is streamed into the form (`payload.rs`); Mailgun takes
+//! at most 25 MB a message: refused before sending when larger.
 
 use secrecy::{ExposeSecret, SecretString};
 
+use super::payload::Payload;
 use super::{failure, HttpRequest, Reply};
 use crate::mail::{Email, SendError};
+
+/// Mailgun's largest message: 25 MB.
+const MAX_REQUEST: u64 = 25_000_000;
 
 /// The endpoint and the key.
 pub(super) struct Mailgun {
@@ -50,15 +56,24 @@ impl Mailgun {
             )
             .as_bytes(),
         );
-        body.extend_from_slice(email.formatted());
-        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-        Ok(HttpRequest::post(&self.url)
+        let end = format!("\r\n--{boundary}--\r\n");
+        let request = HttpRequest::post(&self.url)
             .basic_auth("api", self.key.expose_secret())
             .header(
                 "content-type",
                 format!("multipart/form-data; boundary={boundary}"),
-            )
-            .body(body))
+            );
+        if email.is_streamed() {
+            let payload = Payload::default()
+                .text(body)
+                .email(email, false)
+                .text(end)
+                .within(MAX_REQUEST, "Mailgun's 25 MB message limit")?;
+            return Ok(request.streamed(payload));
+        }
+        body.extend_from_slice(email.formatted());
+        body.extend_from_slice(end.as_bytes());
+        Ok(request.body(body))
     }
 }
 

@@ -28,7 +28,8 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use http::{HeaderMap, StatusCode};
-use http_body_util::Full;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
@@ -37,6 +38,7 @@ use crate::config::{ApiEndpoint, ApiProvider, TransportSettings};
 use crate::ops::https;
 
 mod mailgun;
+mod payload;
 mod postmark;
 mod request;
 mod sendgrid;
@@ -101,8 +103,11 @@ enum Api {
     Mailgun(mailgun::Mailgun),
 }
 
-type Client =
-    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+/// The providers' client: a body is whole, or streamed (an email with attachments).
+type Client = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<HttpConnector>,
+    BoxBody<Bytes, std::io::Error>,
+>;
 
 /// A provider's HTTP API as a [`Transport`].
 pub(super) struct ApiTransport {
@@ -172,15 +177,16 @@ impl ApiTransport {
         }
     }
 
-    /// Sends the request and reads the whole reply, all within `transport.timeout`. A
-    /// failure after the request may have reached the provider marks `clearance`
-    /// uncertain.
+    /// Sends the request and reads the whole reply, all within `transport.timeout`
+    /// and `extra` (an email's attachments' transfer time). A failure after the
+    /// request may have reached the provider marks `clearance` uncertain.
     async fn exchange(
         &self,
         request: HttpRequest,
         clearance: &Clearance,
+        extra: Duration,
     ) -> Result<Reply, SendError> {
-        let sent = self.exchange_once(request).await;
+        let sent = self.exchange_once(request, extra).await;
         if let Err(Lost::AfterSending(_)) = &sent {
             clearance.mark_uncertain();
         }
@@ -188,7 +194,7 @@ impl ApiTransport {
     }
 
     /// [`ApiTransport::exchange`]'s request and reply, the failure told apart.
-    async fn exchange_once(&self, request: HttpRequest) -> Result<Reply, Lost> {
+    async fn exchange_once(&self, request: HttpRequest, extra: Duration) -> Result<Reply, Lost> {
         let mut builder = http::Request::builder()
             .method(request.method)
             .uri(&request.url)
@@ -196,14 +202,18 @@ impl ApiTransport {
         for (name, value) in request.headers {
             builder = builder.header(name, value);
         }
-        let request = builder
-            .body(Full::new(Bytes::from(request.body)))
-            .map_err(|e| {
-                Lost::Before(SendError::Unreachable(format!(
-                    "{}: bad request URL: {e}",
-                    self.name
-                )))
-            })?;
+        let body = match request.stream {
+            Some(payload) => payload.into_body(),
+            None => Full::new(Bytes::from(request.body))
+                .map_err(|never| match never {})
+                .boxed(),
+        };
+        let request = builder.body(body).map_err(|e| {
+            Lost::Before(SendError::Unreachable(format!(
+                "{}: bad request URL: {e}",
+                self.name
+            )))
+        })?;
         let exchange = async {
             let response = self
                 .client
@@ -222,12 +232,13 @@ impl ApiTransport {
                 body: body.to_vec(),
             })
         };
-        tokio::time::timeout(self.step, exchange)
+        let limit = self.step + extra;
+        tokio::time::timeout(limit, exchange)
             .await
             .unwrap_or_else(|_| {
                 Err(self.after_sending(&format!(
                     "no reply within {}",
-                    humantime::format_duration(self.step)
+                    humantime::format_duration(limit)
                 )))
             })
     }
@@ -281,7 +292,8 @@ impl Transport for ApiTransport {
         async move {
             let request = self.request(email)?;
             clearance.check()?;
-            let reply = self.exchange(request, clearance).await?;
+            let extra = email.transfer_time();
+            let reply = self.exchange(request, clearance, extra).await?;
             self.read(&reply)
         }
         .boxed()
@@ -296,7 +308,7 @@ impl Transport for ApiTransport {
             let Ok(request) = self.account_request() else {
                 return false;
             };
-            match self.exchange_once(request).await {
+            match self.exchange_once(request, Duration::ZERO).await {
                 Ok(reply) => reply.status.is_success() || reply.status.as_u16() == 429,
                 Err(_) => false,
             }
@@ -322,7 +334,8 @@ impl Transport for ApiTransport {
 
 /// An HTTP(S) client on the same TLS as the providers' APIs (`ops::https`), for
 /// the feedback endpoint's fetches (SNS certificates, subscription URLs).
-pub(crate) type WebClient = Client;
+pub(crate) type WebClient =
+    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// A [`WebClient`]; each connection attempt within `connect_timeout`.
 pub(crate) fn web_client(connect_timeout: Duration) -> anyhow::Result<WebClient> {

@@ -5,14 +5,22 @@
 //! `{"MessageID", "ErrorCode": 0}`; request errors are 422 with `{"ErrorCode", "Message"}`
 //! (300 invalid request, 406 inactive recipient, 405/412 the account may not send…),
 //! 401 a refused token, 429 throttled, 5xx its own trouble.
+//!
+//! Attachments go in `Attachments` (`Name`, `Content` base64, `ContentType`, and
+//! `ContentID` `cid:…` for inline images), streamed (`payload.rs`); Postmark takes at
+//! most 10 MB a message: refused before sending when larger.
 
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{json, Value};
 
+use super::payload::json_with_files;
 use super::{failure, fields, HttpRequest, Reply};
 use crate::contract::Address;
-use crate::mail::message::mailbox_text;
+use crate::mail::message::{mailbox_text, FileField};
 use crate::mail::{Email, SendError};
+
+/// Postmark's largest message: 10 MB.
+const MAX_REQUEST: u64 = 10_000_000;
 
 /// The endpoint, the token and the stream.
 pub(super) struct Postmark {
@@ -76,10 +84,20 @@ impl Postmark {
         if let Some(html) = &f.html {
             body["HtmlBody"] = html.clone().into();
         }
-        Ok(HttpRequest::post(&self.url)
+        let request = HttpRequest::post(&self.url)
             .secret_header("x-postmark-server-token", self.token.expose_secret())
-            .header("accept", "application/json")
-            .json(&body))
+            .header("accept", "application/json");
+        let describe = |file: &FileField, mark: &str| {
+            let mut one = json!({
+                "Name": file.filename, "Content": mark, "ContentType": file.content_type,
+            });
+            if let Some(id) = &file.content_id {
+                one["ContentID"] = format!("cid:{id}").into();
+            }
+            one
+        };
+        let limit = (MAX_REQUEST, "Postmark's 10 MB message limit");
+        json_with_files(request, body, "Attachments", email, describe, limit)
     }
 }
 

@@ -10,6 +10,8 @@ pub(crate) struct HttpRequest {
     pub(super) url: String,
     pub(super) headers: Vec<(http::HeaderName, HeaderValue)>,
     pub(super) body: Vec<u8>,
+    /// A streamed body instead of `body` (an email with attachments).
+    pub(super) stream: Option<super::payload::Payload>,
 }
 
 impl HttpRequest {
@@ -27,6 +29,7 @@ impl HttpRequest {
             url: url.to_string(),
             headers: Vec::new(),
             body: Vec::new(),
+            stream: None,
         }
     }
 
@@ -70,5 +73,12 @@ impl HttpRequest {
     pub(crate) fn body(mut self, body: Vec<u8>) -> Self {
         self.body = body;
         self
+    }
+
+    /// A streamed body, with its `Content-Length`.
+    pub(crate) fn streamed(self, payload: super::payload::Payload) -> Self {
+        let mut request = self.header("content-length", payload.len().to_string());
+        request.stream = Some(payload);
+        request
     }
 }

@@ -6,13 +6,22 @@
 //! encodings). It answers 202 with the id in `X-Message-Id`; errors are
 //! `{"errors": [{"message", "field", "help"}]}`: 429 throttled (with `X-RateLimit-*`),
 //! 401 the key refused, 400/403/413 the email or the account refused.
+//!
+//! Attachments go in `attachments` (`content` base64, `filename`, `type`,
+//! `disposition`, and `content_id` for inline images), streamed (`payload.rs`);
+//! SendGrid takes at most 30 MB a request: refused before sending when larger.
 
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{json, Value};
 
+use super::payload::json_with_files;
 use super::{failure, fields, HttpRequest, Reply};
 use crate::contract::Address;
+use crate::mail::message::FileField;
 use crate::mail::{Email, SendError};
+
+/// SendGrid's largest request: 30 MB.
+const MAX_REQUEST: u64 = 30_000_000;
 
 /// The endpoint and the key.
 pub(super) struct SendGrid {
@@ -73,9 +82,19 @@ impl SendGrid {
         if let Some(reply_to) = &f.reply_to {
             body["reply_to"] = person(reply_to);
         }
-        Ok(HttpRequest::post(&self.url)
-            .bearer_auth(self.key.expose_secret())
-            .json(&body))
+        let request = HttpRequest::post(&self.url).bearer_auth(self.key.expose_secret());
+        let describe = |file: &FileField, mark: &str| {
+            let mut one = json!({
+                "content": mark, "filename": file.filename, "type": file.content_type,
+                "disposition": if file.content_id.is_some() { "inline" } else { "attachment" },
+            });
+            if let Some(id) = &file.content_id {
+                one["content_id"] = id.clone().into();
+            }
+            one
+        };
+        let limit = (MAX_REQUEST, "SendGrid's 30 MB request limit");
+        json_with_files(request, body, "attachments", email, describe, limit)
     }
 }
 

@@ -4,6 +4,12 @@
 //! envelope sender in `FromEmailAddress`; `ConfigurationSetName` when configured.
 //! Signed with AWS's own SigV4 implementation (`aws-sigv4`), service `ses`.
 //!
+//! An email with attachments is streamed (`payload.rs`): the JSON around
+//! `Content.Raw.Data`, and in it the MIME base64-encoded as it is read. SigV4 signs
+//! the body's SHA-256, so the body is read twice: once to hash it, once to send it.
+//! SES takes at most 40 MB a message, as sent (its attachments base64-encoded):
+//! refused before sending when larger.
+//!
 //! Errors are REST-JSON: the type in `x-amzn-ErrorType` (`TooManyRequestsException`,
 //! `MessageRejected`, `AccountSuspendedException`, `SendingPausedException`, …), the
 //! text in `{"message": …}`. A 403 is the signature or the key refused
@@ -18,9 +24,13 @@ use aws_sigv4::sign::v4;
 use base64::Engine as _;
 use secrecy::ExposeSecret;
 
+use super::payload::{split_json, Payload};
 use super::{failure, HttpRequest, Reply};
 use crate::config::ApiProvider;
-use crate::mail::{Email, SendError};
+use crate::mail::{stream, Email, SendError};
+
+/// SES's largest message, as sent: 40 MB.
+const MAX_MESSAGE: u64 = 40_000_000;
 
 /// What every SES request needs.
 pub(super) struct Ses {
@@ -65,12 +75,19 @@ impl Ses {
     /// The signed `SendEmail` request.
     pub(super) fn request(&self, email: &Email) -> Result<HttpRequest, SendError> {
         let envelope = email.envelope();
+        let streamed = email.is_streamed();
+        let data_mark = stream::mark(&uuid::Uuid::new_v4().simple().to_string(), 0);
+        let data = if streamed {
+            data_mark.clone()
+        } else {
+            base64::engine::general_purpose::STANDARD.encode(email.formatted())
+        };
         let mut body = serde_json::json!({
             "Destination": {
                 "ToAddresses": envelope.to().iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             },
             "Content": {
-                "Raw": { "Data": base64::engine::general_purpose::STANDARD.encode(email.formatted()) },
+                "Raw": { "Data": data },
             },
         });
         if let Some(from) = envelope.from() {
@@ -79,13 +96,31 @@ impl Ses {
         if let Some(set) = &self.configuration_set {
             body["ConfigurationSetName"] = set.clone().into();
         }
+        let content_type = ("content-type", "application/json");
+        let request = HttpRequest::post(&self.url).header(content_type.0, content_type.1);
+        if streamed {
+            if email.size() > MAX_MESSAGE {
+                return Err(SendError::Permanent(format!(
+                    "ses: the email is {} bytes with its attachments, over SES's limit of {MAX_MESSAGE}",
+                    email.size()
+                )));
+            }
+            let (parts, _) = split_json(&body, &[data_mark])?;
+            let payload = Payload::default()
+                .text(parts[0].clone())
+                .email(email, true)
+                .text(parts[1].clone());
+            let hash = SignableBody::Precomputed(payload.sha256_hex()?);
+            return self
+                .signed(request, "POST", &self.url, hash, Some(content_type))
+                .map(|request| request.streamed(payload));
+        }
         let body = serde_json::to_vec(&body).map_err(|e| {
             SendError::Permanent(format!("ses: the request cannot be encoded: {e}"))
         })?;
-        let content_type = ("content-type", "application/json");
-        let request = HttpRequest::post(&self.url).header(content_type.0, content_type.1);
-        self.signed(request, "POST", &self.url, &body, Some(content_type))
-            .map(|request| request.body(body))
+        let signable = SignableBody::Bytes(&body);
+        let signed = self.signed(request, "POST", &self.url, signable, Some(content_type))?;
+        Ok(signed.body(body))
     }
 
     /// The signed `GetAccount` request: the breaker's probe (it also proves the key).
@@ -94,7 +129,7 @@ impl Ses {
             HttpRequest::get(&self.account),
             "GET",
             &self.account,
-            &[],
+            SignableBody::Bytes(&[]),
             None,
         )
     }
@@ -105,7 +140,7 @@ impl Ses {
         mut request: HttpRequest,
         method: &str,
         url: &str,
-        body: &[u8],
+        body: SignableBody<'_>,
         header: Option<(&str, &str)>,
     ) -> Result<HttpRequest, SendError> {
         for (name, value) in self.sign(method, url, body, header)? {
@@ -119,7 +154,7 @@ impl Ses {
         &self,
         method: &str,
         url: &str,
-        body: &[u8],
+        body: SignableBody<'_>,
         header: Option<(&str, &str)>,
     ) -> Result<Vec<(String, String)>, SendError> {
         // A signing failure is postie's set-up (a URL it cannot sign for), not the job's.
@@ -137,8 +172,7 @@ impl Ses {
             .map_err(|e| failed(&e))?
             .into();
         let signable =
-            SignableRequest::new(method, url, header.into_iter(), SignableBody::Bytes(body))
-                .map_err(|e| failed(&e))?;
+            SignableRequest::new(method, url, header.into_iter(), body).map_err(|e| failed(&e))?;
         let (instructions, _) = sign(signable, &params)
             .map_err(|e| failed(&e))?
             .into_parts();

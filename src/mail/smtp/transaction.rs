@@ -17,12 +17,24 @@
 //! group is written, a reply that never comes (a closed connection, a timeout) may
 //! follow a delivery, whichever reply it was: the send is marked uncertain.
 //!
+//! An email with attachments ([`Email::is_streamed`]) always takes the DATA path, its
+//! body streamed in chunks of at most 64 KiB (`stream.rs`) through lettre's
+//! `message_iter`, which dot-stuffs across the chunks and ends with the final dot;
+//! that step may take `transport.timeout` plus the email's transfer time. It is
+//! refused before MAIL FROM when it is larger than the relay's `SIZE`, and MAIL FROM
+//! names its size. Should the spool fail to read mid-body, the chunk iterator unwinds
+//! (`resume_unwind`, caught here) instead of letting the final dot end a truncated
+//! message: the connection is dropped without it, the relay discards the
+//! transaction, and the send is transient.
+//!
 //! Either way the body is never started once the send's [`Clearance`] is withdrawn: a
 //! pipelined DATA is answered 354 and then left without a body, which the connection's
 //! drop ends (the relay discards a transaction that never saw its final dot); a
 //! chunked email is written only after the clearance's last check.
 
 use std::fmt;
+
+use futures_util::FutureExt as _;
 
 use lettre::address::{Address, Envelope};
 use lettre::transport::smtp::client::AsyncSmtpConnection;
@@ -40,6 +52,8 @@ pub(super) struct Session {
     pub(super) pipelining: bool,
     /// The relay advertised CHUNKING as well as PIPELINING.
     pub(super) chunking: bool,
+    /// The largest message the relay takes (`SIZE n`, RFC 1870), if it said.
+    pub(super) size: Option<u64>,
 }
 
 impl Session {
@@ -51,6 +65,7 @@ impl Session {
             connection,
             pipelining,
             chunking: chunking && pipelining && advertises(ehlo, "CHUNKING"),
+            size: size_limit(ehlo),
         }
     }
 }
@@ -63,6 +78,19 @@ fn advertises(ehlo: &Response, extension: &str) -> bool {
             .is_some_and(|word| word.eq_ignore_ascii_case(extension))
     })
 }
+
+/// The relay's `SIZE n` (0 or none: no limit).
+fn size_limit(ehlo: &Response) -> Option<u64> {
+    ehlo.message().find_map(|line| {
+        let mut words = line.split_whitespace();
+        let named = words.next()?.eq_ignore_ascii_case("SIZE");
+        let n: u64 = words.next()?.parse().ok()?;
+        (named && n > 0).then_some(n)
+    })
+}
+
+/// Unwinds the chunk iterator when the spool cannot be read (see the module's doc).
+struct SpoolFailed(String);
 
 /// How a transaction failed.
 pub(super) enum Failed {
@@ -155,12 +183,23 @@ impl SmtpRelay {
         clearance: &Clearance,
     ) -> Result<(), Failed> {
         let (envelope, body) = (email.envelope(), email.formatted());
+        let streamed = email.is_streamed();
+        if let Some(limit) = session.size.filter(|limit| email.size() > *limit) {
+            return Err(Failed::Later(SendError::Permanent(format!(
+                "the email is {} bytes, over the relay's SIZE limit of {limit}",
+                email.size()
+            ))));
+        }
         let connection = &mut session.connection;
-        let options = mail_options(connection.server_info(), envelope, body)?;
+        let mut options = mail_options(connection.server_info(), envelope, body)?;
+        if streamed && session.size.is_some() {
+            options.push(MailParameter::Size(email.size() as usize));
+        }
         clearance.check()?;
         let mail = Mail::new(envelope.from().cloned(), options);
         let text = std::str::from_utf8(body).ok();
-        if let ([to], Some(body), true) = (envelope.to(), text, session.chunking) {
+        let chunked = session.chunking && !streamed;
+        if let ([to], Some(body), true) = (envelope.to(), text, chunked) {
             let group = ChunkedGroup { mail, to, body };
             return self.chunked(connection, group, clearance).await;
         }
@@ -194,6 +233,7 @@ impl SmtpRelay {
         // The body and its final dot in one write when it is text (lettre's `message`
         // writes them apart); the bytes on the wire are the same.
         let ended = match text {
+            _ if streamed => self.stream(connection, email).await,
             Some(text) => {
                 let content = connection.command(DataContent(text));
                 self.bounded("the end of data", self.step, content).await
@@ -205,6 +245,34 @@ impl SmtpRelay {
         };
         ended.inspect_err(|error| unanswered(clearance, error))?;
         Ok(())
+    }
+
+    /// The body of an email with attachments, chunk by chunk, and the final dot,
+    /// within `transport.timeout` plus its transfer time. A spool that fails to read
+    /// abandons the message before the final dot (transient).
+    async fn stream(
+        &self,
+        connection: &mut AsyncSmtpConnection,
+        email: &Email,
+    ) -> Result<Response, SendError> {
+        let chunks = email.chunks().map(|chunk| match chunk {
+            Ok(chunk) => chunk,
+            Err(e) => std::panic::resume_unwind(Box::new(SpoolFailed(e.to_string()))),
+        });
+        let limit = self.step + email.transfer_time();
+        let body = std::panic::AssertUnwindSafe(connection.message_iter(chunks));
+        match tokio::time::timeout(limit, body.catch_unwind()).await {
+            Ok(Ok(Ok(reply))) => Ok(reply),
+            Ok(Ok(Err(error))) => Err(super::classify(error, &self.throttles)),
+            Ok(Err(unwound)) => match unwound.downcast::<SpoolFailed>() {
+                Ok(failed) => Err(SendError::Transient(format!(
+                    "reading the spooled attachment: {}; the message was abandoned before its end",
+                    failed.0
+                ))),
+                Err(other) => std::panic::resume_unwind(other),
+            },
+            Err(_) => Err(super::no_answer("the end of data", limit)),
+        }
     }
 
     /// The envelope and the body in one write, then MAIL's, RCPT's and BDAT's replies

@@ -59,6 +59,17 @@ impl Worker {
                     step,
                 })
             }
+            Next::Wait { step, waits } => {
+                // Nothing reached the transport: no SMTP attempt recorded.
+                self.hand_back("wait for a store", job, fence, error)
+                    .await?;
+                Followed::Outcome(Outcome::Waiting {
+                    key: key.clone(),
+                    step,
+                    waits,
+                    error: error.to_string(),
+                })
+            }
             Next::Hold => {
                 // Not the job's fault: give the claim back, hold the delivery, and
                 // start over when the dependency answers.
@@ -114,20 +125,10 @@ impl Worker {
         tried: bool,
         error: &str,
     ) -> Result<Followed, Stop> {
-        match fence {
-            Some(_) if tried => self.give_back("release", job, fence, error).await?,
-            Some(fence) => {
-                self.db("release", || {
-                    self.cx.inbox.complete(
-                        job.key.as_str(),
-                        fence,
-                        job.kind.as_deref(),
-                        Completion::Unclaimed { why: error },
-                    )
-                })
-                .await?;
-            }
-            None => {}
+        if tried {
+            self.give_back("release", job, fence, error).await?;
+        } else {
+            self.hand_back("release", job, fence, error).await?;
         }
         let jitter = uuid::Uuid::new_v4().as_u128() % 750;
         tokio::select! {
@@ -148,14 +149,35 @@ impl Worker {
         fence: Option<i64>,
         error: &str,
     ) -> Result<(), Stop> {
+        self.let_go(what, job, fence, Completion::Retrying { error })
+            .await
+    }
+
+    /// Gives the claim `fence` (if held) back without an SMTP attempt recorded
+    /// (`Completion::Unclaimed`): nothing reached the transport.
+    async fn hand_back(
+        &self,
+        what: &str,
+        job: &EmailJob,
+        fence: Option<i64>,
+        why: &str,
+    ) -> Result<(), Stop> {
+        self.let_go(what, job, fence, Completion::Unclaimed { why })
+            .await
+    }
+
+    /// Records `completion` under the claim `fence`, if this instance holds one.
+    async fn let_go(
+        &self,
+        what: &str,
+        job: &EmailJob,
+        fence: Option<i64>,
+        completion: Completion<'_>,
+    ) -> Result<(), Stop> {
         if let Some(fence) = fence {
+            let (key, kind) = (job.key.as_str(), job.kind.as_deref());
             self.db(what, || {
-                self.cx.inbox.complete(
-                    job.key.as_str(),
-                    fence,
-                    job.kind.as_deref(),
-                    Completion::Retrying { error },
-                )
+                self.cx.inbox.complete(key, fence, kind, completion)
             })
             .await?;
         }
@@ -165,8 +187,9 @@ impl Worker {
     /// What a send error is to the retry policy. An unreachable transport pauses the
     /// job while some route is up (it goes through the next one, or waits for its
     /// pinned one), and holds it once every route's breaker is open.
-    pub(super) fn failure(&self, error: &SendError) -> Failure {
+    pub(super) fn failure(&self, error: &SendError, store_waits: u32) -> Failure {
         match error {
+            SendError::Unavailable(_) => Failure::Unavailable { waits: store_waits },
             SendError::Permanent(_) => Failure::Refused,
             // Another instance holds the key now: it has its own copy of the job.
             SendError::Withdrawn(_) => Failure::LeaseBusy {

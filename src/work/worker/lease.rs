@@ -1,7 +1,9 @@
-//! Keeping a claim alive while it is held. A send starts only with at least the send
-//! deadline ([`crate::mail::Mailer::deadline`]) left on its lease, renewing it first if
+//! Keeping a claim alive while it is held. A send starts only with at least its send
+//! deadline ([`crate::mail::Mailer::deadline_for`]) left on its lease, renewing it first if
 //! not; while the send runs, and while its outcome is recorded, the lease is renewed
-//! every third of `worker.lease`. A renewal that finds the claim gone withdraws the
+//! every third of `worker.lease`. An email whose attachments make its deadline longer
+//! than `worker.lease` has its lease renewed for that deadline instead, every third
+//! of it: the send still ends before the lease it started with, renewed or not. A renewal that finds the claim gone withdraws the
 //! send's [`Clearance`]: a send that has not started `DATA` stops there.
 //!
 //! So a lease cannot run out under a send unnoticed: the send ends (deadline) before
@@ -28,6 +30,8 @@ pub(super) struct Held {
     expires: Instant,
     /// Withdrawn once a renewal finds the claim gone.
     pub(super) clearance: Clearance,
+    /// How long each renewal makes it: `worker.lease`, or a longer send's deadline.
+    lease: Duration,
 }
 
 impl Held {
@@ -37,19 +41,27 @@ impl Held {
             fence,
             expires: asked + lease,
             clearance: Clearance::new(),
+            lease,
         }
     }
 }
 
 impl Worker {
-    /// Renews the lease now if less than the send deadline is left on it. `false`: the
-    /// claim is gone (and the clearance withdrawn).
-    pub(super) async fn lease_for_send(&self, key: &str, held: &mut Held) -> Result<bool, Stop> {
+    /// Renews the lease now if less than `deadline` (the send's) is left on it, for
+    /// `worker.lease` or, if the deadline is longer, for the deadline (and so every
+    /// renewal after). `false`: the claim is gone (and the clearance withdrawn).
+    pub(super) async fn lease_for_send(
+        &self,
+        key: &str,
+        held: &mut Held,
+        deadline: Duration,
+    ) -> Result<bool, Stop> {
+        held.lease = held.lease.max(deadline);
         let left = held.expires.saturating_duration_since(Instant::now());
-        if left >= self.cx.mailer.deadline() {
+        if left >= deadline {
             return Ok(true);
         }
-        let lease = self.cx.settings.worker.lease;
+        let lease = held.lease;
         let asked = Instant::now();
         let kept = self
             .db("renew lease", || {
@@ -80,7 +92,7 @@ impl Worker {
     /// Renews the claim every third of the lease, forever; withdraws its clearance
     /// once a renewal finds it gone.
     async fn keep_lease(&self, key: &str, held: &Held) -> Infallible {
-        let lease = self.cx.settings.worker.lease;
+        let lease = held.lease;
         let mut wait = lease / 3;
         loop {
             tokio::time::sleep(wait).await;

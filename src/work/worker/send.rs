@@ -10,25 +10,33 @@ use std::time::Duration;
 use super::{Stop, Worker};
 use crate::contract::{EmailJob, IdempotencyKey};
 use crate::inbox::{normalise, Completion};
-use crate::mail::{Change, Clearance, RouteId, SendError, Sent, Slot};
+use crate::mail::{Change, Clearance, Email, RouteId, SendError, Sent, Slot};
 use crate::ops::backoff::Backoff;
 use crate::work::{now_ms, Outcome};
 
 impl Worker {
-    /// Builds and sends the email through `route` while `clearance` holds, and counts
+    /// The job's email for `route`: its attachments fetched (`url` ones into the
+    /// spool, checked), then built. A failure is the job's (permanent) or the
+    /// store's (transient); it never counts on the route's breaker.
+    pub(super) async fn prepare(&self, route: RouteId, job: &EmailJob) -> Result<Email, SendError> {
+        let mailer = &self.cx.mailer;
+        let contents = mailer.fetch(job).await?;
+        mailer.build_for(job, route, &contents)
+    }
+
+    /// Sends the email through `route` while `clearance` holds, and counts
     /// the result on the route's breaker: when it opens, its prober starts, and when
     /// no route is left, consumption pauses.
     pub(super) async fn send(
         &self,
         slot: &Slot,
         route: RouteId,
-        job: &EmailJob,
+        message: &Email,
         clearance: &Clearance,
     ) -> Result<Sent, SendError> {
         let mailer = &self.cx.mailer;
-        let message = mailer.build_for(job, route)?;
         let started = std::time::Instant::now();
-        let sent = mailer.send_through(slot, route, &message, clearance).await;
+        let sent = mailer.send_through(slot, route, message, clearance).await;
         self.cx
             .metrics()
             .smtp_send_seconds
