@@ -7,7 +7,7 @@ TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 TEST_SERVERS = POSTIE_SMTP_SINK=$(TARGET_DIR)/debug/postie-smtp-sink POSTIE_PROVIDER_SERVER=$(TARGET_DIR)/debug/postie-provider-server
 NEXTEST = $(CARGO) build --locked -q -p postie-smtp-sink -p postie-provider-server && $(TEST_SERVERS) $(CARGO) nextest run --locked --workspace --all-targets
 
-.PHONY: help build test test-slow test-rabbitmq-4 test-slow-rabbitmq-4 test-times demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-unsubscribe bench-abba bench-delay chaos bench-console console-screenshots model
+.PHONY: help build test test-slow test-rabbitmq-4 test-slow-rabbitmq-4 test-times demo fmt lint check ci bench bench-lanes bench-transports bench-checks bench-unsubscribe bench-attachments bench-abba bench-delay chaos bench-console console-screenshots model
 
 help: ## this list
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ bench-checks: ## SMTP with and without the suppression check and the events' row
 
 bench-unsubscribe: ## SMTP with one-click unsubscribe's headers off and on, A B B A twice: emails/s, CPU/email (target/bench/unsubscribe.json)
 	$(CARGO) test --release --locked --test bench_transports -- --ignored --nocapture bench_unsubscribe
+
+bench-attachments: ## emails with a 1 MB and a 20 MB attachment through SMTP and SES, A B B A each: emails/s, postie CPU/email, peak RSS (POSTIE_BENCH_N, default 200)
+	$(CARGO) test --release --locked --test attachments -- --ignored --nocapture bench_attachments
 
 bench-console: ## each console page timed over HTTP with 10^5 pending jobs and 10^4 dead letters (tests/bench_console.rs)
 	$(CARGO) test --release --locked --test bench_console -- --ignored --nocapture bench_console_pages

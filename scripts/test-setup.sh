@@ -77,6 +77,12 @@ if ! python3 -c 'import yaml' 2>/dev/null; then
     say "installing PyYAML (pip install pyyaml)"
     pip_args+=(pyyaml)
 fi
+# moto in server mode: the S3-compatible store of the attachment tests
+# (tests/support/moto.rs).
+if ! command -v moto_server >/dev/null; then
+    say "installing moto's S3 server (pip install 'moto[server]')"
+    pip_args+=('moto[server]')
+fi
 if [ ${#pip_args[@]} -gt 0 ]; then
     # A Python whose packages belong to the OS (PEP 668) refuses a plain pip install.
     if python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then

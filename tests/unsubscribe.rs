@@ -120,16 +120,6 @@ fn header(raw: &str, name: &str) -> Option<String> {
     })
 }
 
-/// The raw email the sink received for `key` (its Message-ID).
-async fn email_of(env: &TestEnv, key: &str) -> String {
-    let id = support::message_id(key);
-    let messages = env.sink.messages(true).await;
-    let found = messages.iter().find(|m| m.message_id == id);
-    found
-        .and_then(|m| m.raw.clone())
-        .unwrap_or_else(|| panic!("no email for {key}"))
-}
-
 /// The two URIs of a `List-Unsubscribe` value.
 fn uris(value: &str) -> Vec<String> {
     value
@@ -254,7 +244,7 @@ async fn a_bulk_lane_email_carries_one_click_headers_and_a_transactional_one_non
     );
     let links = links_signed_with(&env, "k2");
 
-    let bulk = email_of(&env, "h-bulk").await;
+    let bulk = env.email_of("h-bulk").await;
     let value = header(&bulk, "List-Unsubscribe").expect("the bulk email's List-Unsubscribe");
     let [http, mailto] = <[String; 2]>::try_from(uris(&value)).expect("two URIs");
     let (token, link) = link_in(&bulk, &links);
@@ -282,18 +272,18 @@ async fn a_bulk_lane_email_carries_one_click_headers_and_a_transactional_one_non
         link.issued
     );
 
-    let own = email_of(&env, "h-own").await;
+    let own = env.email_of("h-own").await;
     let (_, link) = link_in(&own, &links);
     assert_eq!(
         (link.address.as_str(), link.scope.as_str()),
         ("bob@example.com", "reminders")
     );
 
-    let receipt = email_of(&env, "h-receipt").await;
+    let receipt = env.email_of("h-receipt").await;
     assert_eq!(header(&receipt, "List-Unsubscribe"), None);
     assert_eq!(header(&receipt, "List-Unsubscribe-Post"), None);
 
-    let producers = email_of(&env, "h-producers").await;
+    let producers = env.email_of("h-producers").await;
     assert_eq!(
         header(&producers, "List-Unsubscribe").as_deref(),
         Some("<https://producer.example/u/1>")
@@ -314,7 +304,7 @@ async fn one_click_as_gmail_sends_it_suppresses_the_scope_fleet_wide_and_tells_t
         .await;
     env.wait_for_status("c-first", "sent", WAIT).await;
     let (token, _) = link_in(
-        &email_of(&env, "c-first").await,
+        &env.email_of("c-first").await,
         &links_signed_with(&env, "k2"),
     );
     let url = format!("http://127.0.0.1:{feedback}/u/{token}");
@@ -616,13 +606,7 @@ async fn the_headers_go_through_every_provider_api() {
         env.publish(&body).await;
         env.wait_for_status(&key, "sent", WAIT).await;
         serving.stop().await;
-        let id = support::message_id(&key);
-        let messages = server.messages(true).await;
-        let raw = &messages
-            .iter()
-            .find(|m| m.message_id == id)
-            .unwrap_or_else(|| panic!("{provider}: no request for {key}"))
-            .raw;
+        let raw = &server.raw_of(&key).await;
         // The token for this job, as postie made it: the only one that reads back to
         // this key, whatever its issue second.
         let token = raw

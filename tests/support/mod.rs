@@ -7,6 +7,7 @@ pub mod browser;
 pub mod cluster;
 pub mod db;
 pub mod feedback;
+pub mod moto;
 pub mod providers;
 pub mod proxy;
 pub mod sink;
@@ -124,6 +125,16 @@ impl TestEnv {
     pub async fn with_sink(name: &str, sink_args: &[&str]) -> Self {
         let sink = SmtpSink::start_with(sink_args).await;
         Self::build(name, &amqp_url(), &[], sink).await
+    }
+
+    /// [`TestEnv::with_sink`] and [`TestEnv::with_settings`] at once.
+    pub async fn with_sink_and_settings(
+        name: &str,
+        sink_args: &[&str],
+        extra: &[(&str, &str)],
+    ) -> Self {
+        let sink = SmtpSink::start_with(sink_args).await;
+        Self::build(name, &amqp_url(), extra, sink).await
     }
 
     /// Like [`TestEnv::new`], with an empty database (every other world's is a copy of
@@ -580,6 +591,16 @@ impl TestEnv {
             .await
             .unwrap_or_else(|e| panic!("counting inbox rows where {condition}: {e}"))
             .get(0)
+    }
+
+    /// The raw email the sink received for job `key` (its Message-ID).
+    pub async fn email_of(&self, key: &str) -> String {
+        let id = message_id(key);
+        let messages = self.sink.messages(true).await;
+        let found = messages.into_iter().find(|m| m.message_id == id);
+        found
+            .and_then(|m| m.raw)
+            .unwrap_or_else(|| panic!("no email for {key}"))
     }
 
     /// The readable reasons of every dead letter (taken off the queue).

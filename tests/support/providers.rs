@@ -66,6 +66,17 @@ pub struct ProviderStats {
     pub reply_bytes: u64,
 }
 
+/// Byte `i` of the provider server's file `seed` (its `files.rs` makes the same).
+pub fn file_byte(seed: u64, i: u64) -> u8 {
+    let x = (i ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (x >> 56) as u8
+}
+
+/// The provider server's file `seed` of `size` bytes.
+pub fn file_bytes(seed: u64, size: u64) -> Vec<u8> {
+    (0..size).map(|i| file_byte(seed, i)).collect()
+}
+
 /// The executable, built on first use (`POSTIE_PROVIDER_SERVER` names one instead).
 pub fn binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
@@ -86,7 +97,13 @@ pub struct ProviderServer {
 impl ProviderServer {
     /// Starts a server on ephemeral ports.
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts a server on ephemeral ports with extra arguments (`--keep-bytes N`).
+    pub async fn start_with(args: &[&str]) -> Self {
         let mut child = Command::new(binary())
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -114,6 +131,29 @@ impl ProviderServer {
             child,
             http: reqwest::Client::new(),
         }
+    }
+
+    /// The URL of the server's file `seed` of `size` bytes ([`file_bytes`] makes the
+    /// same bytes), on host `host` (`127.0.0.1` or `localhost`).
+    pub fn file_url(&self, host: &str, seed: u64, size: u64) -> String {
+        let port = self.api.rsplit(':').next().unwrap();
+        format!("http://{host}:{port}/files/{seed}/{size}")
+    }
+
+    /// The raw MIME or JSON of the accepted request for job `key` (its Message-ID).
+    pub async fn raw_of(&self, key: &str) -> String {
+        let id = super::message_id(key);
+        self.messages(true)
+            .await
+            .into_iter()
+            .find(|m| m.message_id == id)
+            .unwrap_or_else(|| panic!("no request for {key}"))
+            .raw
+    }
+
+    /// The API's address, `127.0.0.1:PORT`.
+    pub fn api_addr(&self) -> &str {
+        &self.api
     }
 
     /// `transport.url` for `provider`'s API on this server, with the accepted credentials.

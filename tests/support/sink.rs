@@ -35,6 +35,9 @@ pub struct SinkMessage {
     /// It came in `BDAT` chunks, not after `DATA` (a sink started with `--chunking`).
     #[serde(default)]
     pub chunked: bool,
+    /// Its size in bytes (after dot-unstuffing).
+    #[serde(default)]
+    pub size: usize,
 }
 
 /// The sink's counters (`GET /stats`).

@@ -56,6 +56,9 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
                     )
             },
         )
+        .merge(crate::files::router())
+        // Emails with attachments: SES's 40 MB message is 54 MB of JSON.
+        .layer(axum::extract::DefaultBodyLimit::max(96 * 1024 * 1024))
         .with_state(state)
 }
 

@@ -38,6 +38,12 @@
 //! once it holds, with `{"down": bool}`, as `GET /down` does. Messages, counters, fault
 //! rules and the quota are kept. The control API is never down.
 //!
+//! Files for postie's `url` attachments (`files.rs`), on the API listener:
+//! `GET /files/{seed}/{size}[?corrupt=true]` (deterministic bytes) and
+//! `GET /redirect?to=URL`.
+//!
+//! `--keep-bytes N` keeps only the first N bytes of each request's raw MIME or JSON.
+//!
 //! On startup it prints one line, `api=127.0.0.1:PORT control=127.0.0.1:PORT`, and
 //! serves until killed.
 
@@ -46,6 +52,7 @@
 mod api;
 mod control;
 mod down;
+mod files;
 mod mime;
 mod reply;
 mod sigv4;
@@ -79,12 +86,18 @@ struct Args {
     /// Address the control API listens on.
     #[arg(long, default_value = "127.0.0.1:0")]
     control: SocketAddr,
+    /// Keep only the first N bytes of each request's raw MIME or JSON (for runs of
+    /// many large emails, which would otherwise all be held in memory).
+    #[arg(long, value_name = "N")]
+    keep_bytes: Option<usize>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let state = Arc::new(state::AppState::default());
+    let mut state = state::AppState::default();
+    state.keep_bytes = args.keep_bytes;
+    let state = Arc::new(state);
     let api = TcpListener::bind(args.api)
         .await
         .context("binding the API listener")?;

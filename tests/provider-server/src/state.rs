@@ -129,6 +129,8 @@ struct Inner {
 #[derive(Default)]
 pub(crate) struct AppState {
     inner: Mutex<Inner>,
+    /// Keep only this many bytes of each request's `raw` (`--keep-bytes`).
+    pub(crate) keep_bytes: Option<usize>,
 }
 
 /// Which counter a reply bumps.
@@ -209,7 +211,16 @@ impl AppState {
         inner.stats.accepted += 1;
         accepted.seq = inner.accepted.len() as u64 + 1;
         accepted.received_at_ms = chrono::Utc::now().timestamp_millis();
-        inner.accepted.push(accepted.clone());
+        let mut kept = accepted.clone();
+        if let Some(keep) = self.keep_bytes.filter(|keep| kept.raw.len() > *keep) {
+            let mut cut = keep;
+            while !kept.raw.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            kept.raw.truncate(cut);
+            kept.raw.shrink_to_fit();
+        }
+        inner.accepted.push(kept);
         Some(accepted)
     }
 

@@ -11,7 +11,8 @@
 //!
 //! On startup, once both listeners are bound, the process prints exactly one line,
 //! `smtp=127.0.0.1:PORT control=127.0.0.1:PORT`, to stdout. It then serves until it
-//! receives SIGTERM or Ctrl-C, and exits with status 0.
+//! receives SIGTERM or Ctrl-C, and exits with status 0. With `--keep-bytes N` it keeps
+//! only each message's first N bytes (its `size` is the whole message's).
 //!
 //! Control API:
 //! - `GET /messages[?raw=true]`, `DELETE /messages`
@@ -91,6 +92,11 @@ struct Args {
     /// Advertise CHUNKING and take `BDAT` (RFC 3030).
     #[arg(long)]
     chunking: bool,
+    /// Keep only the first N bytes of each message (its headers; `size` stays the
+    /// whole): for runs of many large messages (attachments), whose bodies would
+    /// otherwise all be held in memory.
+    #[arg(long, value_name = "N")]
+    keep_bytes: Option<usize>,
 }
 
 #[tokio::main]
@@ -104,6 +110,7 @@ async fn main() -> anyhow::Result<()> {
     let mut state = state::AppState::new(args.maildir, quota);
     state.pipelining = !args.no_pipelining;
     state.chunking = args.chunking;
+    state.keep_bytes = args.keep_bytes;
     let state = Arc::new(state);
 
     let smtp = TcpListener::bind(args.smtp)

@@ -329,6 +329,14 @@ impl Session {
             size,
             chunked: tx.chunks.is_some(),
         };
+        if let Some(keep) = self.state.keep_bytes.filter(|keep| raw.len() > *keep) {
+            let mut cut = keep;
+            while !raw.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            raw.truncate(cut);
+            raw.shrink_to_fit();
+        }
         let Some(dir) = self.state.maildir.as_ref() else {
             return self.state.record(meta, raw);
         };

@@ -95,6 +95,8 @@ pub(crate) struct AppState {
     pub(crate) pipelining: bool,
     /// Whether EHLO advertises CHUNKING (and `BDAT` is taken).
     pub(crate) chunking: bool,
+    /// Keep only this many bytes of each message (`--keep-bytes`).
+    pub(crate) keep_bytes: Option<usize>,
 }
 
 /// Locks a mutex, recovering the data if another thread panicked while holding it.
@@ -115,6 +117,7 @@ impl AppState {
             counters: Counters::default(),
             pipelining: true,
             chunking: false,
+            keep_bytes: None,
             maildir,
         }
     }
