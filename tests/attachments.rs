@@ -15,6 +15,8 @@
 //! - every provider API (SES, SendGrid, Postmark, Mailgun) receives the files, read
 //!   back from the MIME or the JSON the provider test server got; a 9 MB file is
 //!   refused for Postmark's 10 MB limit before sending;
+//! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
+//!   SES's 40 MB, SendGrid's 30 MB and Mailgun's 25 MB, each a dead letter naming it;
 //! - memory: each instance's peak RSS under 384 MiB with 20 MB attachments, through
 //!   SMTP (3 jobs on 1 instance here; 200 jobs on 3 instances in `slow_`) and SES (2
 //!   jobs here; 10 jobs of 28 MB, SES's largest, in `slow_`).
@@ -334,6 +336,80 @@ async fn every_provider_api_receives_the_files() {
         assert_eq!(got_logo.1, logo, "{provider}");
         let cid = got_logo.2.as_deref().unwrap_or("");
         assert!(cid.ends_with("logo@shop"), "{provider}: {cid:?}");
+    }
+}
+
+/// Settings for files up to 32 MiB (each transport's limit is then what refuses).
+fn large_files_allowed() -> Vec<(&'static str, &'static str)> {
+    let mut settings = FETCHING.to_vec();
+    settings.push(("POSTIE__ATTACHMENTS__MAX_FILE_BYTES", "33554432"));
+    settings.push(("POSTIE__ATTACHMENTS__MAX_TOTAL_BYTES", "33554432"));
+    settings
+}
+
+/// An SMTP relay's `SIZE` (the test server advertising 1 MB) is checked before MAIL
+/// FROM: an email with a 2 MB file is a dead letter saying so, and the relay never
+/// sees it; one with a 100 KB file goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_email_over_the_relay_s_size_is_a_dead_letter_before_mail_from() {
+    let files = ProviderServer::start().await;
+    let env = TestEnv::with_sink_and_settings("att-size", &["--size", "1000000"], FETCHING).await;
+    let _postie = env.spawn_process(&[]);
+    for (key, seed, size) in [("s-big", 51, 2_000_000), ("s-small", 52, 100_000)] {
+        let url = files.file_url("localhost", seed, size);
+        let body = with_attachments(key, vec![fetched("file.pdf", &url, seed, size)]);
+        env.publish(&body).await;
+    }
+    env.wait_for_status("s-small", "sent", WAIT).await;
+    let why = reasons(&env, 1).await;
+    assert!(
+        why.iter()
+            .any(|r| r.contains("over the relay's SIZE limit of 1000000")),
+        "{why:?}"
+    );
+    let big = support::message_id("s-big");
+    let got = env.sink.messages(false).await;
+    assert!(got.iter().all(|m| m.message_id != big), "the relay got it");
+    assert_eq!(got.len(), 1, "only the small one");
+}
+
+/// SES's 40 MB a message as sent, SendGrid's 30 MB and Mailgun's 25 MB a request
+/// (Postmark's 10 MB: `every_provider_api_receives_the_files`) are checked before the
+/// request: a file whose email is just over each is a dead letter naming the limit,
+/// and the provider never receives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_email_over_a_provider_s_limit_is_a_dead_letter_before_the_request() {
+    let server = ProviderServer::start().await;
+    let env = TestEnv::with_settings("att-limits", &large_files_allowed()).await;
+    let cases = [
+        ("ses", 30_000_000, "over SES's limit of 40000000"),
+        (
+            "sendgrid",
+            23_000_000,
+            "over SendGrid's 30 MB request limit",
+        ),
+        ("mailgun", 19_000_000, "over Mailgun's 25 MB message limit"),
+    ];
+    for (seed, (provider, size, reason)) in (61..).zip(cases) {
+        let mut settings = env.settings();
+        settings.transport.url = Some(server.url(provider).into());
+        let serving = env.serve(settings);
+        let key = format!("l-{provider}");
+        let url = server.file_url("localhost", seed, size);
+        env.publish(&with_attachments(
+            &key,
+            vec![fetched("big.pdf", &url, seed, size)],
+        ))
+        .await;
+        let why = reasons(&env, 1).await;
+        serving.stop().await;
+        assert!(
+            why.iter().any(|r| r.contains(reason)),
+            "{provider}: {why:?}"
+        );
+        let id = support::message_id(&key);
+        let got = server.messages(false).await;
+        assert!(got.iter().all(|m| m.message_id != id), "{provider} got it");
     }
 }
 

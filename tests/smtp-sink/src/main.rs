@@ -12,7 +12,8 @@
 //! On startup, once both listeners are bound, the process prints exactly one line,
 //! `smtp=127.0.0.1:PORT control=127.0.0.1:PORT`, to stdout. It then serves until it
 //! receives SIGTERM or Ctrl-C, and exits with status 0. With `--keep-bytes N` it keeps
-//! only each message's first N bytes (its `size` is the whole message's).
+//! only each message's first N bytes (its `size` is the whole message's); with
+//! `--size N` it advertises `SIZE N` and refuses a larger message.
 //!
 //! Control API:
 //! - `GET /messages[?raw=true]`, `DELETE /messages`
@@ -97,6 +98,10 @@ struct Args {
     /// otherwise all be held in memory.
     #[arg(long, value_name = "N")]
     keep_bytes: Option<usize>,
+    /// Advertise `SIZE N` (RFC 1870) and refuse a message over N bytes with 552
+    /// (default 50 MiB).
+    #[arg(long, value_name = "N")]
+    size: Option<usize>,
 }
 
 #[tokio::main]
@@ -111,6 +116,9 @@ async fn main() -> anyhow::Result<()> {
     state.pipelining = !args.no_pipelining;
     state.chunking = args.chunking;
     state.keep_bytes = args.keep_bytes;
+    if let Some(size) = args.size {
+        state.max_size = size;
+    }
     let state = Arc::new(state);
 
     let smtp = TcpListener::bind(args.smtp)

@@ -17,8 +17,8 @@ use crate::faults::{Action, Stage};
 use crate::state::{AppState, MessageMeta};
 use wire::{header_value, into_lossy_string, parse_path, read_line_capped, strip_eol, LineRead};
 
-/// Largest accepted message, also advertised as `SIZE`.
-const MAX_MESSAGE_SIZE: usize = 50 * 1024 * 1024;
+/// Largest accepted message, also advertised as `SIZE`, unless `--size` says otherwise.
+pub(crate) const MAX_MESSAGE_SIZE: usize = 50 * 1024 * 1024;
 /// Largest accepted command line, including CRLF.
 const MAX_COMMAND_LINE: usize = 4096;
 /// Line cap used while discarding the rest of an oversized message.
@@ -68,7 +68,7 @@ enum Fault {
 enum Body {
     /// The peer closed the connection before the final dot.
     Eof,
-    /// The message exceeded [`MAX_MESSAGE_SIZE`]; it was read and discarded.
+    /// The message exceeded the advertised `SIZE`; it was read and discarded.
     TooLarge,
     /// The complete, dot-unstuffed message.
     Complete(Vec<u8>),
@@ -81,7 +81,7 @@ struct Transaction {
     rcpts: Vec<String>,
     /// The `BDAT` chunks so far, once the first has come.
     chunks: Option<Vec<u8>>,
-    /// The chunks went past [`MAX_MESSAGE_SIZE`] (and were discarded).
+    /// The chunks went past the advertised `SIZE` (and were discarded).
     too_large: bool,
 }
 
@@ -188,7 +188,7 @@ impl Session {
         self.tx = None;
         let mut lines = vec![
             HOSTNAME.to_string(),
-            format!("SIZE {MAX_MESSAGE_SIZE}"),
+            format!("SIZE {}", self.state.max_size),
             "8BITMIME".into(),
         ];
         if self.state.pipelining {
@@ -373,7 +373,7 @@ impl Session {
             let cap = if too_large {
                 DISCARD_LINE
             } else {
-                MAX_MESSAGE_SIZE - start + 3
+                self.state.max_size.saturating_sub(start) + 3
             };
             match read_line_capped(&mut self.reader, &mut body, cap).await? {
                 LineRead::Eof => return Ok(Body::Eof),
@@ -391,7 +391,7 @@ impl Session {
                     if line.first() == Some(&b'.') {
                         body.remove(start);
                     }
-                    too_large |= body.len() > MAX_MESSAGE_SIZE;
+                    too_large |= body.len() > self.state.max_size;
                 }
             }
             if too_large {

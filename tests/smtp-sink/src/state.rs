@@ -97,6 +97,8 @@ pub(crate) struct AppState {
     pub(crate) chunking: bool,
     /// Keep only this many bytes of each message (`--keep-bytes`).
     pub(crate) keep_bytes: Option<usize>,
+    /// The largest message taken, advertised as `SIZE` (`--size`).
+    pub(crate) max_size: usize,
 }
 
 /// Locks a mutex, recovering the data if another thread panicked while holding it.
@@ -118,6 +120,7 @@ impl AppState {
             pipelining: true,
             chunking: false,
             keep_bytes: None,
+            max_size: crate::smtp::MAX_MESSAGE_SIZE,
             maildir,
         }
     }

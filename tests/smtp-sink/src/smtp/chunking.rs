@@ -7,7 +7,7 @@ use std::io;
 
 use tokio::io::AsyncReadExt;
 
-use super::{Fault, Flow, Session, MAX_MESSAGE_SIZE};
+use super::{Fault, Flow, Session};
 use crate::faults::Stage;
 
 /// A `BDAT` command's arguments: the chunk's size and whether it is the last.
@@ -80,7 +80,7 @@ impl Session {
             return self.discard(size).await;
         };
         let chunks = tx.chunks.get_or_insert_with(Vec::new);
-        if tx.too_large || chunks.len() + size > MAX_MESSAGE_SIZE {
+        if tx.too_large || chunks.len() + size > self.state.max_size {
             tx.too_large = true;
             *chunks = Vec::new();
             return self.discard(size).await;
