@@ -15,6 +15,8 @@
 //! - every provider API (SES, SendGrid, Postmark, Mailgun) receives the files, read
 //!   back from the MIME or the JSON the provider test server got; a 9 MB file is
 //!   refused for Postmark's 10 MB limit before sending;
+//! - a small spool shared by jobs of several files: each job's room taken at once, so
+//!   none waits on another's forever;
 //! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
 //!   SES's 40 MB, SendGrid's 30 MB and Mailgun's 25 MB, each a dead letter naming it;
 //! - memory: each instance's peak RSS under 384 MiB with 20 MB attachments, through
@@ -411,6 +413,40 @@ async fn an_email_over_a_provider_s_limit_is_a_dead_letter_before_the_request() 
         let got = server.messages(false).await;
         assert!(got.iter().all(|m| m.message_id != id), "{provider} got it");
     }
+}
+
+/// The spool's budget is taken for all of a job's files at once: with room for one
+/// and a half jobs (3 MiB; each job two 1 MB files), twelve jobs waiting together all
+/// go. Taken file by file, three jobs would each hold one file's room and wait for a
+/// second forever, and with them every send slot they held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_of_several_files_share_a_small_spool_without_waiting_on_each_other() {
+    let files = ProviderServer::start().await;
+    let mut settings = FETCHING.to_vec();
+    settings.extend([
+        ("POSTIE__ATTACHMENTS__MAX_FILE_BYTES", "2097152"),
+        ("POSTIE__ATTACHMENTS__MAX_TOTAL_BYTES", "2097152"),
+        ("POSTIE__ATTACHMENTS__INFLIGHT_BYTES", "3145728"),
+    ]);
+    let env = TestEnv::with_settings("att-spool", &settings).await;
+    let size = 1_000_000;
+    let bodies: Vec<Value> = (0..12u64)
+        .map(|i| {
+            let (a, b) = (100 + 2 * i, 101 + 2 * i);
+            let parts = vec![
+                fetched("one.pdf", &files.file_url("localhost", a, size), a, size),
+                fetched("two.pdf", &files.file_url("localhost", b, size), b, size),
+            ];
+            with_attachments(&format!("sp-{i}"), parts)
+        })
+        .collect();
+    env.publish_many(&bodies).await;
+    let _postie = env.spawn_process(&[]);
+    env.wait_for_emails("the twelve emails", 12, WAIT).await;
+    for i in 0..12 {
+        env.wait_for_status(&format!("sp-{i}"), "sent", WAIT).await;
+    }
+    assert!(env.dead_reasons().await.is_empty(), "no dead letter");
 }
 
 /// The core's takeover rule holds with attachments: one of two instances is killed

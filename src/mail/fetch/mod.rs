@@ -11,7 +11,7 @@
 //! | a redirect to another host, or from https to http | refused (same host only, at most [`REDIRECTS`]) |
 //! | a reply that never ends, or is longer than the job said | cut at `size` + 1 bytes |
 //! | a slow reply | `fetch_timeout` to connect, for the reply's head and between reads; the whole fetch within `fetch_timeout` + size ÷ `min_rate` |
-//! | many large files at once | the spool's byte budget (`attachments.inflight_bytes`): a job waits for room |
+//! | many large files at once | the spool's byte budget (`attachments.inflight_bytes`): a job waits for room for all its files at once, never for part of it (jobs holding part of their room could each wait for the rest forever) |
 //!
 //! The bytes are hashed as they arrive and checked against the job's `size` and
 //! `sha256`: a mismatch is the job's fault (dead letter naming the attachment), and
@@ -50,11 +50,12 @@ const REDIRECTS: usize = 5;
 /// The budget's unit: permits are KiB, so a budget of terabytes still fits.
 const UNIT: u64 = 1024;
 
-/// A fetched attachment in the spool, with its share of the byte budget.
+/// A fetched attachment in the spool, holding its job's room in the byte budget
+/// (given back when the job's last file is let go).
 pub(crate) struct Spooled {
     file: std::fs::File,
     len: u64,
-    _room: OwnedSemaphorePermit,
+    _room: Arc<OwnedSemaphorePermit>,
 }
 
 impl Spooled {
@@ -105,21 +106,27 @@ impl Fetcher {
         })
     }
 
-    /// The job's attachments' bytes, in order: inline ones as they are, `url` ones
-    /// fetched into the spool and checked. The first failure stops it (and what was
-    /// spooled is let go).
+    /// The job's attachments' bytes, in order: inline ones as they are, `url` and
+    /// `s3` ones fetched into the spool and checked. The spool's room for all of
+    /// them is taken first, at once. The first failure stops it (and what was
+    /// spooled is let go, and its room).
     pub(crate) async fn fetch(&self, job: &EmailJob) -> Result<Vec<Content>, SendError> {
+        let fetched: u64 = (job.attachments.iter())
+            .filter(|a| !matches!(a.source, Source::Inline(_)))
+            .map(|a| a.size)
+            .sum();
+        let room = Arc::new(self.room(fetched).await?);
         let mut contents = Vec::with_capacity(job.attachments.len());
         for (at, attachment) in job.attachments.iter().enumerate() {
             let content = match &attachment.source {
                 Source::Inline(bytes) => Content::Memory(bytes.clone()),
                 Source::Url(url) => {
-                    let spooled = self.url(attachment, url).await;
+                    let spooled = self.url(attachment, url, room.clone()).await;
                     let spooled = spooled.map_err(|f| f.into_error(&attachment.named(at)))?;
                     Content::Spooled(Arc::new(spooled))
                 }
                 Source::S3 { bucket, key } => {
-                    let spooled = self.s3_object(attachment, bucket, key).await;
+                    let spooled = self.s3_object(attachment, bucket, key, room.clone()).await;
                     let spooled = spooled.map_err(|f| f.into_error(&attachment.named(at)))?;
                     Content::Spooled(Arc::new(spooled))
                 }
@@ -129,9 +136,13 @@ impl Fetcher {
         Ok(contents)
     }
 
-    /// One `url` attachment into the spool.
-    async fn url(&self, attachment: &Attachment, url: &url::Url) -> Result<Spooled, Failure> {
-        let room = self.room(attachment.size).await?;
+    /// One `url` attachment into the spool, in `room`.
+    async fn url(
+        &self,
+        attachment: &Attachment,
+        url: &url::Url,
+        room: Arc<OwnedSemaphorePermit>,
+    ) -> Result<Spooled, Failure> {
         let mut url = url.clone();
         let origin = (
             url.scheme().to_string(),
@@ -183,14 +194,14 @@ impl Fetcher {
         )))
     }
 
-    /// One `s3` attachment into the spool.
+    /// One `s3` attachment into the spool, in `room`.
     async fn s3_object(
         &self,
         attachment: &Attachment,
         bucket: &str,
         key: &str,
+        room: Arc<OwnedSemaphorePermit>,
     ) -> Result<Spooled, Failure> {
-        let room = self.room(attachment.size).await?;
         let deadline = Instant::now()
             + self.settings.fetch_timeout
             + self.settings.transfer_time(attachment.size);
@@ -198,14 +209,16 @@ impl Fetcher {
         self.spool(body, attachment, room, deadline).await
     }
 
-    /// Room in the spool for `size` bytes (waits for others to finish).
-    async fn room(&self, size: u64) -> Result<OwnedSemaphorePermit, Failure> {
-        let units = u32::try_from(size.div_ceil(UNIT).max(1)).unwrap_or(u32::MAX);
+    /// Room in the spool for `size` bytes (none for none), a job's files together (waits, first
+    /// come first served, for others to finish: a job's files are at most
+    /// `attachments.max_total_bytes`, which the budget is at least, so it comes).
+    async fn room(&self, size: u64) -> Result<OwnedSemaphorePermit, SendError> {
+        let units = u32::try_from(size.div_ceil(UNIT)).unwrap_or(u32::MAX);
         self.budget
             .clone()
             .acquire_many_owned(units)
             .await
-            .map_err(|_| Failure::Outage("the spool is closed".into()))
+            .map_err(|_| SendError::Unavailable("the attachments' spool is closed".into()))
     }
 
     /// The URL's host is allowed and, unless private addresses are, every address it
@@ -250,7 +263,7 @@ impl Fetcher {
         &self,
         mut body: impl futures_util::Stream<Item = Result<Bytes, String>> + Unpin,
         attachment: &Attachment,
-        room: OwnedSemaphorePermit,
+        room: Arc<OwnedSemaphorePermit>,
         deadline: Instant,
     ) -> Result<Spooled, Failure> {
         let dir = self.settings.spool();
