@@ -15,6 +15,7 @@
 //! - every provider API (SES, SendGrid, Postmark, Mailgun) receives the files, read
 //!   back from the MIME or the JSON the provider test server got; a 9 MB file is
 //!   refused for Postmark's 10 MB limit before sending;
+//! - an S3 store refusing postie's own credentials is waited out, never a dead letter;
 //! - a small spool shared by jobs of several files: each job's room taken at once, so
 //!   none waits on another's forever;
 //! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
@@ -413,6 +414,52 @@ async fn an_email_over_a_provider_s_limit_is_a_dead_letter_before_the_request() 
         let got = server.messages(false).await;
         assert!(got.iter().all(|m| m.message_id != id), "{provider} got it");
     }
+}
+
+/// A store that refuses postie's own credentials (S3's 403 `InvalidAccessKeyId`, as
+/// moto answers once it checks them) is the operator's to mend, not the job's fault:
+/// the job waits in the ladder, no dead letter, the log naming the code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_store_refusing_postie_s_credentials_is_waited_out_not_dead_lettered() {
+    // Two requests without checks: the bucket and the object.
+    let moto = Moto::start_checking_credentials_after(2).await;
+    moto.bucket("invoices").await;
+    moto.put("invoices", "1042.pdf", file_bytes(33, 1_000))
+        .await;
+    let endpoint = moto.endpoint();
+    let env = TestEnv::with_settings(
+        "att-s3-creds",
+        &[
+            ("POSTIE__ATTACHMENTS__S3__BUCKETS", "invoices"),
+            ("POSTIE__ATTACHMENTS__S3__REGION", "eu-west-1"),
+            ("POSTIE__ATTACHMENTS__S3__ENDPOINT", &endpoint),
+        ],
+    )
+    .await;
+    let postie = env.spawn_process(&[
+        ("AWS_ACCESS_KEY_ID", "postie-unknown"),
+        ("AWS_SECRET_ACCESS_KEY", "postie-test-secret"),
+    ]);
+    let object = from_s3("invoice.pdf", "invoices", "1042.pdf", 33, 1_000);
+    env.publish(&with_attachments("s3-creds", vec![object]))
+        .await;
+    // The ladder (1 s, 2 s, 5 s) dead-letters a counted failure after four attempts.
+    support::eventually("five waits", WAIT, || async {
+        let log = postie.log();
+        (log.matches("an attachment's store is unavailable").count() >= 5).then_some(())
+    })
+    .await;
+    let log = postie.log();
+    assert!(
+        log.contains("the store refused postie's credentials (InvalidAccessKeyId)"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("postie-test-secret"),
+        "the secret is never logged"
+    );
+    assert!(env.dead_reasons().await.is_empty(), "no dead letter");
+    assert_eq!(env.sink.stats().await.accepted, 0);
 }
 
 /// The spool's budget is taken for all of a job's files at once: with room for one

@@ -15,9 +15,22 @@ pub struct Moto {
 impl Moto {
     /// Starts one and waits until it answers.
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts one that, after `actions` requests of the test's (its own readiness
+    /// probe is one more), checks credentials as S3 does: an access key it does not
+    /// know gets 403 `InvalidAccessKeyId`.
+    pub async fn start_checking_credentials_after(actions: u32) -> Self {
+        let actions = (actions + 1).to_string();
+        Self::start_with(&[("INITIAL_NO_AUTH_ACTION_COUNT", &actions)]).await
+    }
+
+    async fn start_with(env: &[(&str, &str)]) -> Self {
         let port = super::free_port();
         let child = Command::new("moto_server")
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -7,7 +7,10 @@
 //! `attachments.s3.buckets` are read (none by default); the store's endpoint and the
 //! credentials are the operator's (`attachments.s3.endpoint`, `.region`, and the
 //! usual `AWS_*` environment variables), never the job's. The client does not retry:
-//! a store that fails is the ladder's to wait out (`SendError::Unavailable`).
+//! a store that fails is the ladder's to wait out (`SendError::Unavailable`), and so
+//! is one that refuses postie's own credentials or clock ([`CREDENTIAL_CODES`]): an
+//! operator's mistake must not dead-letter every job that names the store. No such
+//! object, or a 403 `AccessDenied` for it, is the job's fault.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -103,17 +106,39 @@ impl Buckets {
     }
 }
 
-/// What the store's answer is: the job's fault (no such object, no access) or an
-/// outage.
+/// S3's error codes (with 403) that say postie's own credentials or clock are wrong,
+/// not the job: an operator's mistake or an expired token, to wait out rather than
+/// dead-letter every job that names the store.
+const CREDENTIAL_CODES: &[&str] = &[
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "RequestTimeTooSkewed",
+];
+
+/// What the store's answer is: the job's fault (no such object, no access to it) or
+/// an outage (postie's credentials refused, 401, anything else).
 fn failure(bucket: &str, key: &str, error: &object_store::Error) -> Failure {
     let what = format!("s3://{bucket}/{}", crate::contract::readable(key, 200));
-    match error {
-        object_store::Error::NotFound { .. } => Failure::Job(format!("{what} does not exist")),
-        object_store::Error::PermissionDenied { .. }
-        | object_store::Error::Unauthenticated { .. } => {
+    let text = crate::error_chain(error);
+    let refused = CREDENTIAL_CODES
+        .iter()
+        .find(|code| text.contains(&format!("<Code>{code}</Code>")));
+    match (error, refused) {
+        (object_store::Error::NotFound { .. }, _) => Failure::Job(format!("{what} does not exist")),
+        (object_store::Error::PermissionDenied { .. }, Some(code))
+        | (object_store::Error::Unauthenticated { .. }, Some(code)) => Failure::Outage(format!(
+            "{what}: the store refused postie's credentials ({code}); see attachments.s3 and AWS_*"
+        )),
+        (object_store::Error::Unauthenticated { .. }, None) => Failure::Outage(format!(
+            "{what}: the store refused postie's credentials (401); see attachments.s3 and AWS_*"
+        )),
+        (object_store::Error::PermissionDenied { .. }, None) => {
             Failure::Job(format!("{what} may not be read (403)"))
         }
-        other => Failure::Outage(format!(
+        (other, _) => Failure::Outage(format!(
             "{what}: {}",
             crate::contract::readable(&crate::error_chain(other), 300)
         )),
