@@ -219,10 +219,9 @@ pub struct Mailer {
     deadline: Duration,
     /// One-click unsubscribe links, when `unsubscribe.url` is set.
     links: Option<Arc<unsubscribe::Links>>,
-    /// Fetches `url` attachments into the spool.
+    /// Fetches `url` and `s3` attachments into the spool (and knows, from
+    /// `attachments.min_rate`, the time a file's transfer may take).
     fetcher: Arc<fetch::Fetcher>,
-    /// `attachments.*`, for the time a file's transfer may take.
-    attachments: crate::config::AttachmentSettings,
 }
 
 /// A turn on one of the transport's `transport.pool_size` connections, which a send needs.
@@ -282,7 +281,6 @@ impl Mailer {
             links: unsubscribe::Links::new(&settings.unsubscribe, &shared.message_id_domain)
                 .map(Arc::new),
             fetcher: Arc::new(fetch::Fetcher::new(&settings.attachments)?),
-            attachments: settings.attachments.clone(),
         })
     }
 
@@ -316,8 +314,8 @@ impl Mailer {
         self.build_for(job, RouteId(0), &contents)
     }
 
-    /// The job's attachments' bytes, in order: inline ones as they are, `url` ones
-    /// fetched into the spool and checked against their size and SHA-256 (`fetch.rs`:
+    /// The job's attachments' bytes, in order: inline ones as they are, `url` and `s3`
+    /// ones fetched into the spool and checked against their size and SHA-256 (`fetch/`:
     /// a failure that is the job's fault is permanent, the store's transient).
     pub(crate) async fn fetch(&self, job: &EmailJob) -> Result<Vec<Content>, SendError> {
         if job.attachments.is_empty() {
@@ -348,7 +346,7 @@ impl Mailer {
         } else {
             Email::spliced(&message, &nonce, contents)?
         };
-        email.transfer = self.attachments.transfer_time(email.attachments_size());
+        email.transfer = self.fetcher.transfer_time(email.attachments_size());
         email.fields = fields;
         Ok(email)
     }

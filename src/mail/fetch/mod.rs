@@ -136,6 +136,11 @@ impl Fetcher {
         Ok(contents)
     }
 
+    /// What sending `bytes` of attachments may take, at `attachments.min_rate`.
+    pub(crate) fn transfer_time(&self, bytes: u64) -> Duration {
+        self.settings.transfer_time(bytes)
+    }
+
     /// One `url` attachment into the spool, in `room`.
     async fn url(
         &self,
