@@ -426,20 +426,7 @@ async fn an_s3_store_refusing_postie_s_credentials_is_waited_out_not_dead_letter
     moto.bucket("invoices").await;
     moto.put("invoices", "1042.pdf", file_bytes(33, 1_000))
         .await;
-    let endpoint = moto.endpoint();
-    let env = TestEnv::with_settings(
-        "att-s3-creds",
-        &[
-            ("POSTIE__ATTACHMENTS__S3__BUCKETS", "invoices"),
-            ("POSTIE__ATTACHMENTS__S3__REGION", "eu-west-1"),
-            ("POSTIE__ATTACHMENTS__S3__ENDPOINT", &endpoint),
-        ],
-    )
-    .await;
-    let postie = env.spawn_process(&[
-        ("AWS_ACCESS_KEY_ID", "postie-unknown"),
-        ("AWS_SECRET_ACCESS_KEY", "postie-test-secret"),
-    ]);
+    let (env, postie) = reading_invoices("att-s3-creds", &moto, "postie-unknown").await;
     let object = from_s3("invoice.pdf", "invoices", "1042.pdf", 33, 1_000);
     env.publish(&with_attachments("s3-creds", vec![object]))
         .await;
@@ -533,6 +520,30 @@ async fn a_killed_instance_s_jobs_are_taken_over_and_sent() {
 }
 
 /// An attachment from an S3 object, said to be the provider server's file `seed`.
+/// A world whose postie reads the bucket `invoices` (only) of `moto`, with the
+/// access key `access_key` and the secret `postie-test-secret`.
+async fn reading_invoices(
+    name: &str,
+    moto: &Moto,
+    access_key: &str,
+) -> (TestEnv, support::PostieProcess) {
+    let endpoint = moto.endpoint();
+    let env = TestEnv::with_settings(
+        name,
+        &[
+            ("POSTIE__ATTACHMENTS__S3__BUCKETS", "invoices"),
+            ("POSTIE__ATTACHMENTS__S3__REGION", "eu-west-1"),
+            ("POSTIE__ATTACHMENTS__S3__ENDPOINT", &endpoint),
+        ],
+    )
+    .await;
+    let postie = env.spawn_process(&[
+        ("AWS_ACCESS_KEY_ID", access_key),
+        ("AWS_SECRET_ACCESS_KEY", "postie-test-secret"),
+    ]);
+    (env, postie)
+}
+
 fn from_s3(name: &str, bucket: &str, key: &str, seed: u64, size: u64) -> Value {
     json!({
         "filename": name, "content_type": "application/pdf", "size": size,
@@ -551,20 +562,7 @@ async fn an_s3_object_is_read_with_postie_s_credentials_and_sent() {
         .await;
     moto.put("payroll", "salaries.pdf", file_bytes(32, 100))
         .await;
-    let endpoint = moto.endpoint();
-    let env = TestEnv::with_settings(
-        "att-s3",
-        &[
-            ("POSTIE__ATTACHMENTS__S3__BUCKETS", "invoices"),
-            ("POSTIE__ATTACHMENTS__S3__REGION", "eu-west-1"),
-            ("POSTIE__ATTACHMENTS__S3__ENDPOINT", &endpoint),
-        ],
-    )
-    .await;
-    let _postie = env.spawn_process(&[
-        ("AWS_ACCESS_KEY_ID", "postie-test"),
-        ("AWS_SECRET_ACCESS_KEY", "postie-test-secret"),
-    ]);
+    let (env, _postie) = reading_invoices("att-s3", &moto, "postie-test").await;
     let object = from_s3("invoice-1042.pdf", "invoices", "2026/1042.pdf", 31, size);
     env.publish(&with_attachments("s3-1", vec![object])).await;
     let missing = from_s3("gone.pdf", "invoices", "2026/0000.pdf", 31, size);
