@@ -1,6 +1,7 @@
 //! A job's `attachments`: what each file is (name, type, size, SHA-256), where its
-//! bytes come from (`inline` in the body, or a `url` fetched at send time) and how it
-//! is shown (`attachment`, or `inline` with a `content_id` for an HTML `cid:` image).
+//! bytes come from (`inline` in the body, or a `url` or an `s3` object fetched at send
+//! time) and how it is shown (`attachment`, or `inline` with a `content_id` for an
+//! HTML `cid:` image).
 //!
 //! Everything a producer can get wrong without postie fetching anything is refused
 //! here, with the attachment's position and name in the reason: a bad filename or

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use lettre::message::header::{
     ContentDisposition, ContentId, ContentTransferEncoding, ContentType, HeaderName, HeaderValue,
 };
-use lettre::message::{Body, Mailbox, MultiPart, SinglePart};
+use lettre::message::{Body, Mailbox, MultiPart, MultiPartBuilder, SinglePart};
 use lettre::Message;
 
 use super::SendError;
@@ -37,7 +37,7 @@ pub(super) fn build(job: &EmailJob, message_id: String, nonce: &str) -> Result<M
     }
     let built = match (job.attachments.is_empty(), text_part(job)?) {
         (true, Text::Single(part)) => builder.singlepart(part),
-        (true, Text::Alternative(parts)) => builder.multipart(parts),
+        (true, Text::Multi(parts)) => builder.multipart(parts),
         (false, text) => builder.multipart(with_attachments(job, text, nonce)?),
     };
     let mut message =
@@ -52,15 +52,26 @@ pub(super) fn build(job: &EmailJob, message_id: String, nonce: &str) -> Result<M
     Ok(message)
 }
 
-/// The job's text, HTML, or both as alternatives.
+/// The job's text, HTML, or both as alternatives; with inline images, that and the
+/// images in a `multipart/related`.
 enum Text {
     Single(SinglePart),
-    Alternative(MultiPart),
+    Multi(MultiPart),
+}
+
+impl Text {
+    /// `outer` with this as its next part.
+    fn within(self, outer: MultiPartBuilder) -> MultiPart {
+        match self {
+            Self::Single(part) => outer.singlepart(part),
+            Self::Multi(parts) => outer.multipart(parts),
+        }
+    }
 }
 
 fn text_part(job: &EmailJob) -> Result<Text, SendError> {
     Ok(match (&job.text, &job.html) {
-        (Some(text), Some(html)) => Text::Alternative(MultiPart::alternative_plain_html(
+        (Some(text), Some(html)) => Text::Multi(MultiPart::alternative_plain_html(
             text.clone(),
             html.clone(),
         )),
@@ -80,21 +91,15 @@ fn with_attachments(job: &EmailJob, text: Text, nonce: &str) -> Result<MultiPart
         .filter(|(_, a)| a.content_id.is_some())
         .peekable();
     let body = if inline.peek().is_some() {
-        let mut related = match text {
-            Text::Single(part) => MultiPart::related().singlepart(part),
-            Text::Alternative(parts) => MultiPart::related().multipart(parts),
-        };
+        let mut related = text.within(MultiPart::related());
         for (index, attachment) in inline {
             related = related.singlepart(file_part(attachment, nonce, index)?);
         }
-        Text::Alternative(related)
+        Text::Multi(related)
     } else {
         text
     };
-    let mut mixed = match body {
-        Text::Single(part) => MultiPart::mixed().singlepart(part),
-        Text::Alternative(parts) => MultiPart::mixed().multipart(parts),
-    };
+    let mut mixed = body.within(MultiPart::mixed());
     for (index, attachment) in job.attachments.iter().enumerate() {
         if attachment.content_id.is_none() {
             mixed = mixed.singlepart(file_part(attachment, nonce, index)?);
