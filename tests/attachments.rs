@@ -16,6 +16,8 @@
 //!   back from the MIME or the JSON the provider test server got; a 9 MB file is
 //!   refused for Postmark's 10 MB limit before sending;
 //! - an S3 store refusing postie's own credentials is waited out, never a dead letter;
+//! - a spool file that fails to read mid-send (cut short through `/proc`): the
+//!   message abandoned before its end, the job waiting uncounted, then sent whole;
 //! - a small spool shared by jobs of several files: each job's room taken at once, so
 //!   none waits on another's forever;
 //! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
@@ -433,7 +435,10 @@ async fn an_s3_store_refusing_postie_s_credentials_is_waited_out_not_dead_letter
     // The ladder (1 s, 2 s, 5 s) dead-letters a counted failure after four attempts.
     support::eventually("five waits", WAIT, || async {
         let log = postie.log();
-        (log.matches("an attachment's store is unavailable").count() >= 5).then_some(())
+        (log.matches("an attachment is unavailable (its store")
+            .count()
+            >= 5)
+            .then_some(())
     })
     .await;
     let log = postie.log();
@@ -481,6 +486,84 @@ async fn jobs_of_several_files_share_a_small_spool_without_waiting_on_each_other
         env.wait_for_status(&format!("sp-{i}"), "sent", WAIT).await;
     }
     assert!(env.dead_reasons().await.is_empty(), "no dead letter");
+}
+
+/// A spool file that can no longer be read while its email is sent (a disk fault;
+/// here the test truncates postie's unlinked spool file through `/proc` while the
+/// relay holds its reply to `DATA`): the message is abandoned before its final dot,
+/// so the relay takes nothing, and the job waits in the retry ladder without counting
+/// an attempt, then goes whole with its file fetched again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
+    let files = ProviderServer::start().await;
+    let spool = std::env::temp_dir().join(format!(
+        "postie-spool-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&spool).unwrap();
+    let dir = spool.to_string_lossy().into_owned();
+    let mut settings = FETCHING.to_vec();
+    // The relay holds its 354 for 4 s, within the transport's timeout: the window in
+    // which the test cuts the file.
+    settings.extend([
+        ("POSTIE__ATTACHMENTS__SPOOL_DIR", dir.as_str()),
+        ("POSTIE__TRANSPORT__TIMEOUT", "10s"),
+        ("POSTIE__WORKER__LEASE", "60s"),
+    ]);
+    let env = TestEnv::with_settings("att-spool-fault", &settings).await;
+    env.sink
+        .set_faults(json!([{"stage": "data", "action": {"delay_ms": 4000}, "times": 1}]))
+        .await;
+    let postie = env.spawn_process(&[]);
+    let size = 1_000_000;
+    let url = files.file_url("localhost", 77, size);
+    env.publish(&with_attachments(
+        "spool-1",
+        vec![fetched("statement.pdf", &url, 77, size)],
+    ))
+    .await;
+    // The fetched file, whole (its hash checked as it came): cut it short.
+    let fds = format!("/proc/{}/fd", postie.child.id());
+    support::eventually("the spool file, fetched", WAIT, || async {
+        let entries = std::fs::read_dir(&fds).ok()?;
+        entries.flatten().find_map(|entry| {
+            let target = std::fs::read_link(entry.path()).ok()?;
+            let whole = std::fs::metadata(entry.path()).ok()?.len() == size;
+            (target.starts_with(&spool) && whole).then(|| {
+                let file = std::fs::OpenOptions::new().write(true).open(entry.path());
+                file.and_then(|f| f.set_len(0))
+                    .expect("truncating the spool file");
+            })
+        })
+    })
+    .await;
+    env.wait_for_status("spool-1", "sent", WAIT).await;
+    let log = postie.log();
+    assert!(log.contains("reading the spooled attachment"), "{log}");
+    assert!(
+        log.contains("an attachment is unavailable (its store"),
+        "{log}"
+    );
+    let row = env.inbox_row("spool-1").await.expect("an inbox row");
+    assert_eq!(row.attempts, 1, "the abandoned send counted no attempt");
+    assert!(env.dead_reasons().await.is_empty(), "no dead letter");
+    let messages = env.sink.messages(true).await;
+    assert_eq!(messages.len(), 1, "the relay took only the whole email");
+    let raw = env.email_of("spool-1").await.into_bytes();
+    let parsed = mail_parser::MessageParser::default()
+        .parse(&raw)
+        .expect("a MIME message");
+    let part = parsed.attachments().next().expect("the file");
+    assert_eq!(
+        sha256_hex(part.contents()),
+        sha256_hex(&file_bytes(77, size))
+    );
+    drop(postie);
+    let _ = std::fs::remove_dir_all(&spool);
 }
 
 /// The core's takeover rule holds with attachments: one of two instances is killed
@@ -644,7 +727,9 @@ async fn store_down_for(name: &str, down: u64) {
     assert_eq!(row.status, "sent");
     assert_eq!(row.attempts, 1, "the waits recorded no SMTP attempt");
     let log = postie.log();
-    let waits = log.matches("an attachment's store is unavailable").count();
+    let waits = log
+        .matches("an attachment is unavailable (its store")
+        .count();
     // The ladder (1 s, 2 s, 5 s) would have dead-lettered a counted transient
     // failure after four attempts, within about 8 s.
     assert!(waits >= 3, "waited {waits} times:\n{log}");

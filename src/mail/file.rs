@@ -29,24 +29,31 @@ impl EmlFiles {
 
 impl EmlFiles {
     /// Writes an email with attachments chunk by chunk; only a complete one gets its
-    /// `.eml` name.
-    async fn stream(&self, email: &Email) -> std::io::Result<()> {
+    /// `.eml` name. A spool that fails to read is [`SendError::Unavailable`] (the
+    /// instance's disk, not the job's fault), as it is for the other transports.
+    async fn stream(&self, email: &Email) -> Result<(), SendError> {
         use tokio::io::AsyncWriteExt as _;
+        let unwritten = |e: std::io::Error| SendError::Transient(format!("writing .eml file: {e}"));
         let name = uuid::Uuid::new_v4();
         let part = self.1.join(format!("{name}.part"));
-        let mut file = tokio::fs::File::create(&part).await?;
+        let mut file = tokio::fs::File::create(&part).await.map_err(unwritten)?;
         let written = async {
             for chunk in email.chunks() {
-                file.write_all(&chunk?).await?;
+                let chunk = chunk.map_err(|e| {
+                    SendError::Unavailable(format!("reading the spooled attachment: {e}"))
+                })?;
+                file.write_all(&chunk).await.map_err(unwritten)?;
             }
-            file.flush().await
+            file.flush().await.map_err(unwritten)
         }
         .await;
         if let Err(e) = written {
             let _ = tokio::fs::remove_file(&part).await;
             return Err(e);
         }
-        tokio::fs::rename(&part, self.1.join(format!("{name}.eml"))).await
+        tokio::fs::rename(&part, self.1.join(format!("{name}.eml")))
+            .await
+            .map_err(unwritten)
     }
 }
 
@@ -59,11 +66,7 @@ impl Transport for EmlFiles {
         async move {
             clearance.check()?;
             if email.is_streamed() {
-                return self
-                    .stream(email)
-                    .await
-                    .map(|_| None)
-                    .map_err(|e| SendError::Transient(format!("writing .eml file: {e}")));
+                return self.stream(email).await.map(|_| None);
             }
             self.0
                 .send_raw(email.envelope(), email.formatted())

@@ -77,9 +77,9 @@ pub enum SendError {
     /// claim was lost): the email was not handed over.
     #[error("withdrawn: {0}")]
     Withdrawn(String),
-    /// Something the email needs besides the transport (an attachment's store) did
-    /// not answer: not the job's fault, nothing was handed over; retried with backoff,
-    /// never counted as an attempt, never a dead letter.
+    /// Something the email needs besides the transport (an attachment's store, or
+    /// this instance's spool) failed: not the job's fault, nothing was handed over;
+    /// retried with backoff, never counted as an attempt, never a dead letter.
     #[error("unavailable: {0}")]
     Unavailable(String),
 }

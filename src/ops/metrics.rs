@@ -236,7 +236,7 @@ declare! {
         tenant_deferred: Counter
             => "tenant_deferred", "Jobs over their tenant's cap in their lane, deferred to the tenant's next slot";
         store_waits: Counter
-            => "attachment_store_waits", "Jobs whose attachments' store did not answer (5xx, timeout, unreachable), sent back through the retry ladder without counting an attempt";
+            => "attachment_store_waits", "Jobs whose attachments could not be had (the store did not answer, or refused postie's own credentials; or this instance's spool failed to read), sent back through the retry ladder without counting an attempt";
     }
     also {
         /// The send-rate limit and the adaptive throttle.

@@ -295,7 +295,7 @@ impl Outcome {
             Self::Waiting {
                 step, waits, error, ..
             } => {
-                tracing::warn!(step, waits, %error, "an attachment's store is unavailable; waiting in the retry ladder, not counted as an attempt");
+                tracing::warn!(step, waits, %error, "an attachment is unavailable (its store, or this instance's spool); waiting in the retry ladder, not counted as an attempt");
                 metrics.store_waits.inc();
                 let mut headers = headers::without(original, &[]);
                 headers::set_int(&mut headers, headers::HEADER_STORE_WAITS, i64::from(*waits));

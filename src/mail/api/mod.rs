@@ -202,8 +202,12 @@ impl ApiTransport {
         for (name, value) in request.headers {
             builder = builder.header(name, value);
         }
+        let mut spool_failure = None;
         let body = match request.stream {
-            Some(payload) => payload.into_body(),
+            Some(payload) => {
+                spool_failure = Some(payload.spool_failure());
+                payload.into_body()
+            }
             None => Full::new(Bytes::from(request.body))
                 .map_err(|never| match never {})
                 .boxed(),
@@ -233,14 +237,20 @@ impl ApiTransport {
             })
         };
         let limit = self.step + extra;
-        tokio::time::timeout(limit, exchange)
+        let replied = tokio::time::timeout(limit, exchange)
             .await
             .unwrap_or_else(|_| {
                 Err(self.after_sending(&format!(
                     "no reply within {}",
                     humantime::format_duration(limit)
                 )))
-            })
+            });
+        // A body that broke off on the spool was shorter than its `Content-Length`:
+        // the provider cannot have taken it, whatever the client made of the end.
+        match spool_failure.as_ref().and_then(|failed| failed.get()) {
+            Some(failed) if replied.is_err() => Err(Lost::Before(failed.clone())),
+            _ => replied,
+        }
     }
 
     /// A request that got no reply: unreachable if no connection was made (nothing

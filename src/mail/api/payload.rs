@@ -6,6 +6,7 @@
 //! The same pieces can be read twice: SES hashes the body for its signature first.
 
 use std::io;
+use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -35,6 +36,17 @@ enum Source {
 #[derive(Clone, Default)]
 pub(crate) struct Payload {
     pieces: Vec<(Source, bool)>,
+    /// Set when a read of the spool failed while the body was being sent: the request
+    /// then broke off short of its `Content-Length`, so the provider took nothing.
+    spool_failed: Arc<OnceLock<SendError>>,
+}
+
+/// A failed read of the spool: the instance's disk, not the job's fault, and nothing
+/// was handed over (the job waits in the retry ladder, no attempt counted).
+fn spool_failed(e: &io::Error) -> SendError {
+    SendError::Unavailable(format!(
+        "reading the spooled attachment: {e}; the request was abandoned before its end"
+    ))
 }
 
 impl Payload {
@@ -96,17 +108,29 @@ impl Payload {
     pub(crate) fn sha256_hex(&self) -> Result<String, SendError> {
         let mut hash = Sha256::new();
         for chunk in self.clone().chunks() {
-            let chunk = chunk.map_err(|e| {
-                SendError::Transient(format!("reading the spooled attachment: {e}"))
-            })?;
+            let chunk = chunk.map_err(|e| spool_failed(&e))?;
             hash.update(&chunk);
         }
         Ok(hex::encode(hash.finalize()))
     }
 
-    /// The body hyper sends: the chunks as they are read.
+    /// Why the body broke off, if a read of the spool failed while it was sent
+    /// ([`Payload::into_body`]).
+    pub(crate) fn spool_failure(&self) -> Arc<OnceLock<SendError>> {
+        self.spool_failed.clone()
+    }
+
+    /// The body hyper sends: the chunks as they are read. A read of the spool that
+    /// fails ends it with the error, noted for [`Payload::spool_failure`].
     pub(crate) fn into_body(self) -> BoxBody<Bytes, io::Error> {
-        let frames = self.chunks().map(|chunk| chunk.map(http_body::Frame::data));
+        let failed = self.spool_failed.clone();
+        let frames = self.chunks().map(move |chunk| {
+            chunk
+                .inspect_err(|e| {
+                    let _ = failed.set(spool_failed(e));
+                })
+                .map(http_body::Frame::data)
+        });
         StreamBody::new(futures_util::stream::iter(frames)).boxed()
     }
 
@@ -270,6 +294,34 @@ mod tests {
                 payload.sha256_hex().unwrap(),
                 hex::encode(Sha256::digest(want.as_bytes()))
             );
+        }
+    }
+
+    /// A spool that fails to read while the body is sent ends the body with the error
+    /// and notes why for the transport: nothing handed over, not the job's fault.
+    #[tokio::test]
+    async fn a_spool_failing_mid_body_ends_it_and_is_noted_as_unavailable() {
+        let file = tempfile::tempfile().unwrap();
+        let spooled = crate::mail::fetch::Spooled::of_file(file, 100_000);
+        let content = Content::Spooled(std::sync::Arc::new(spooled));
+        let payload = Payload::default()
+            .text("{\"content\":\"")
+            .file_base64(&content)
+            .text("\"}");
+        assert!(
+            matches!(payload.sha256_hex(), Err(SendError::Unavailable(_))),
+            "the signature's pass fails as unavailable"
+        );
+        let failure = payload.spool_failure();
+        assert!(failure.get().is_none());
+        let body = payload.into_body();
+        let collected = body.collect().await;
+        assert!(collected.is_err(), "the body ends with the error");
+        match failure.get() {
+            Some(SendError::Unavailable(why)) => {
+                assert!(why.contains("reading the spooled attachment"), "{why}")
+            }
+            other => panic!("noted {other:?}"),
         }
     }
 

@@ -66,6 +66,18 @@ impl Spooled {
     pub(crate) fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
         self.file.read_at(buf, offset)
     }
+
+    /// `file` as a spooled attachment of `len` bytes, in a budget of its own: for
+    /// tests of what reads it (a file shorter than `len` is a spool that fails).
+    #[cfg(test)]
+    pub(crate) fn of_file(file: std::fs::File, len: u64) -> Self {
+        let room = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        Self {
+            file,
+            len,
+            _room: Arc::new(room),
+        }
+    }
 }
 
 type Client = hyper_util::client::legacy::Client<

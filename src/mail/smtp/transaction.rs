@@ -249,7 +249,9 @@ impl SmtpRelay {
 
     /// The body of an email with attachments, chunk by chunk, and the final dot,
     /// within `transport.timeout` plus its transfer time. A spool that fails to read
-    /// abandons the message before the final dot (transient).
+    /// abandons the message before the final dot: the relay took nothing, and the
+    /// fault is this instance's disk, not the job's ([`SendError::Unavailable`]: the
+    /// job waits in the retry ladder, its files fetched again, no attempt counted).
     async fn stream(
         &self,
         connection: &mut AsyncSmtpConnection,
@@ -265,7 +267,7 @@ impl SmtpRelay {
             Ok(Ok(Ok(reply))) => Ok(reply),
             Ok(Ok(Err(error))) => Err(super::classify(error, &self.throttles)),
             Ok(Err(unwound)) => match unwound.downcast::<SpoolFailed>() {
-                Ok(failed) => Err(SendError::Transient(format!(
+                Ok(failed) => Err(SendError::Unavailable(format!(
                     "reading the spooled attachment: {}; the message was abandoned before its end",
                     failed.0
                 ))),
