@@ -16,8 +16,9 @@
 //!   back from the MIME or the JSON the provider test server got; a 9 MB file is
 //!   refused for Postmark's 10 MB limit before sending;
 //! - an S3 store refusing postie's own credentials is waited out, never a dead letter;
-//! - a spool file that fails to read mid-send (cut short through `/proc`): the
-//!   message abandoned before its end, the job waiting uncounted, then sent whole;
+//! - a spool file that fails to read mid-send (cut short through `/proc`), over
+//!   SMTP and through SendGrid: the message or request abandoned before its end,
+//!   the job waiting uncounted, then sent whole;
 //! - a small spool shared by jobs of several files: each job's room taken at once, so
 //!   none waits on another's forever;
 //! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
@@ -488,14 +489,9 @@ async fn jobs_of_several_files_share_a_small_spool_without_waiting_on_each_other
     assert!(env.dead_reasons().await.is_empty(), "no dead letter");
 }
 
-/// A spool file that can no longer be read while its email is sent (a disk fault;
-/// here the test truncates postie's unlinked spool file through `/proc` while the
-/// relay holds its reply to `DATA`): the message is abandoned before its final dot,
-/// so the relay takes nothing, and the job waits in the retry ladder without counting
-/// an attempt, then goes whole with its file fetched again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
-    let files = ProviderServer::start().await;
+/// A spool directory of the test's own (postie's files in it are unlinked; the
+/// test finds them through `/proc`).
+fn spool_dir() -> std::path::PathBuf {
     let spool = std::env::temp_dir().join(format!(
         "postie-spool-{}-{}",
         std::process::id(),
@@ -505,15 +501,71 @@ async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
             .as_nanos()
     ));
     std::fs::create_dir_all(&spool).unwrap();
-    let dir = spool.to_string_lossy().into_owned();
-    let mut settings = FETCHING.to_vec();
-    // The relay holds its 354 for 4 s, within the transport's timeout: the window in
-    // which the test cuts the file.
+    spool
+}
+
+/// Settings for a test of a spool that fails mid-send: `spool` as the spool, and a
+/// transport timeout longer than the test server holds the send (4 s), the window
+/// in which the test cuts the file.
+fn failing_spool(spool: &std::path::Path) -> Vec<(&'static str, String)> {
+    let mut settings: Vec<(&str, String)> =
+        FETCHING.iter().map(|(k, v)| (*k, v.to_string())).collect();
     settings.extend([
-        ("POSTIE__ATTACHMENTS__SPOOL_DIR", dir.as_str()),
-        ("POSTIE__TRANSPORT__TIMEOUT", "10s"),
-        ("POSTIE__WORKER__LEASE", "60s"),
+        (
+            "POSTIE__ATTACHMENTS__SPOOL_DIR",
+            spool.to_string_lossy().into_owned(),
+        ),
+        ("POSTIE__TRANSPORT__TIMEOUT", "10s".into()),
+        ("POSTIE__WORKER__LEASE", "60s".into()),
     ]);
+    settings
+}
+
+/// Cuts postie's (`pid`) spool file short, to nothing, once it holds its `size`
+/// bytes (fetched whole, its hash checked as it came): a disk that fails under it.
+async fn cut_the_spool_file_when_whole(pid: u32, spool: &std::path::Path, size: u64) {
+    let fds = format!("/proc/{pid}/fd");
+    support::eventually("the spool file, fetched", WAIT, || async {
+        let entries = std::fs::read_dir(&fds).ok()?;
+        entries.flatten().find_map(|entry| {
+            let target = std::fs::read_link(entry.path()).ok()?;
+            let whole = std::fs::metadata(entry.path()).ok()?.len() == size;
+            (target.starts_with(spool) && whole).then(|| {
+                let file = std::fs::OpenOptions::new().write(true).open(entry.path());
+                file.and_then(|f| f.set_len(0))
+                    .expect("truncating the spool file");
+            })
+        })
+    })
+    .await;
+}
+
+/// What a send abandoned on the spool leaves: the job `key` sent at last without a
+/// counted attempt, no dead letter, and the log naming the spool.
+async fn waited_uncounted(env: &TestEnv, postie: &support::PostieProcess, key: &str) {
+    env.wait_for_status(key, "sent", WAIT).await;
+    let log = postie.log();
+    assert!(log.contains("reading the spooled attachment"), "{log}");
+    assert!(
+        log.contains("an attachment is unavailable (its store"),
+        "{log}"
+    );
+    let row = env.inbox_row(key).await.expect("an inbox row");
+    assert_eq!(row.attempts, 1, "the abandoned send counted no attempt");
+    assert!(env.dead_reasons().await.is_empty(), "no dead letter");
+}
+
+/// A spool file that can no longer be read while its email is sent (a disk fault;
+/// here the test truncates postie's unlinked spool file through `/proc` while the
+/// relay holds its reply to `DATA`): the message is abandoned before its final dot,
+/// so the relay takes nothing, and the job waits in the retry ladder without counting
+/// an attempt, then goes whole with its file fetched again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
+    let files = ProviderServer::start().await;
+    let spool = spool_dir();
+    let settings = failing_spool(&spool);
+    let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let env = TestEnv::with_settings("att-spool-fault", &settings).await;
     env.sink
         .set_faults(json!([{"stage": "data", "action": {"delay_ms": 4000}, "times": 1}]))
@@ -526,31 +578,8 @@ async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
         vec![fetched("statement.pdf", &url, 77, size)],
     ))
     .await;
-    // The fetched file, whole (its hash checked as it came): cut it short.
-    let fds = format!("/proc/{}/fd", postie.child.id());
-    support::eventually("the spool file, fetched", WAIT, || async {
-        let entries = std::fs::read_dir(&fds).ok()?;
-        entries.flatten().find_map(|entry| {
-            let target = std::fs::read_link(entry.path()).ok()?;
-            let whole = std::fs::metadata(entry.path()).ok()?.len() == size;
-            (target.starts_with(&spool) && whole).then(|| {
-                let file = std::fs::OpenOptions::new().write(true).open(entry.path());
-                file.and_then(|f| f.set_len(0))
-                    .expect("truncating the spool file");
-            })
-        })
-    })
-    .await;
-    env.wait_for_status("spool-1", "sent", WAIT).await;
-    let log = postie.log();
-    assert!(log.contains("reading the spooled attachment"), "{log}");
-    assert!(
-        log.contains("an attachment is unavailable (its store"),
-        "{log}"
-    );
-    let row = env.inbox_row("spool-1").await.expect("an inbox row");
-    assert_eq!(row.attempts, 1, "the abandoned send counted no attempt");
-    assert!(env.dead_reasons().await.is_empty(), "no dead letter");
+    cut_the_spool_file_when_whole(postie.child.id(), &spool, size).await;
+    waited_uncounted(&env, &postie, "spool-1").await;
     let messages = env.sink.messages(true).await;
     assert_eq!(messages.len(), 1, "the relay took only the whole email");
     let raw = env.email_of("spool-1").await.into_bytes();
@@ -562,6 +591,45 @@ async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
         sha256_hex(part.contents()),
         sha256_hex(&file_bytes(77, size))
     );
+    drop(postie);
+    let _ = std::fs::remove_dir_all(&spool);
+}
+
+/// The same through a provider's API (SendGrid, files in the JSON): the provider
+/// test server leaves the request's body unread for 4 s, so a 20 MB file's body
+/// stalls in the socket, and the test cuts the file meanwhile. The request breaks
+/// off short of its `Content-Length`: the provider takes nothing, the send is not
+/// uncertain, and the job waits uncounted, then goes whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_failing_mid_request_abandons_it_and_waits_uncounted() {
+    let server = ProviderServer::start().await;
+    let spool = spool_dir();
+    let settings = failing_spool(&spool);
+    let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let env = TestEnv::with_settings("att-spool-api", &settings).await;
+    server
+        .set_faults(json!([{"provider": "sendgrid", "action": {"slow_read_ms": 4000}, "times": 1}]))
+        .await;
+    let sendgrid = server.url("sendgrid");
+    let postie = env.spawn_process(&[("POSTIE__TRANSPORT__URL", sendgrid.as_str())]);
+    let size = 20_000_000;
+    let url = server.file_url("localhost", 78, size);
+    env.publish(&with_attachments(
+        "spool-api",
+        vec![fetched("statement.pdf", &url, 78, size)],
+    ))
+    .await;
+    cut_the_spool_file_when_whole(postie.child.id(), &spool, size).await;
+    waited_uncounted(&env, &postie, "spool-api").await;
+    let log = postie.log();
+    assert!(
+        log.contains("the request was abandoned before its end"),
+        "{log}"
+    );
+    assert_eq!(server.messages(false).await.len(), 1, "one request taken");
+    let files = files_in("sendgrid", &server.raw_of("spool-api").await);
+    assert_eq!(files.len(), 1);
+    assert_eq!(sha256_hex(&files[0].1), sha256_hex(&file_bytes(78, size)));
     drop(postie);
     let _ = std::fs::remove_dir_all(&spool);
 }

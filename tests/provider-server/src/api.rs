@@ -48,7 +48,17 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
                 router
                     .route(
                         send_path,
-                        post(move |State(s): Shared, req: Request| send(s, provider, req)),
+                        post(
+                            move |State(s): Shared, req: axum::extract::Request| async move {
+                                if let Some(hold) = s.slow_read(provider) {
+                                    tokio::time::sleep(hold).await;
+                                }
+                                match Request::from_request(req, &s).await {
+                                    Ok(req) => send(s, provider, req).await,
+                                    Err(refused) => refused,
+                                }
+                            },
+                        ),
                     )
                     .route(
                         probe_path,
@@ -186,6 +196,8 @@ async fn fault(
         Action::Status(status) => (Count::ServerErrors, Some(Reply::ServerError(status))),
         Action::Suspended(_) => (Count::Rejected, Some(Reply::Suspended)),
         Action::Reject(_) => (Count::Rejected, Some(Reply::Rejected(first))),
+        // Taken before the body was read (`AppState::slow_read`); never matched here.
+        Action::SlowReadMs(_) => return None,
         Action::EndlessReply(_) => {
             let state = counters.cloned().unwrap_or_default();
             state.count(Count::Endless);

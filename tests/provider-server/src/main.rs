@@ -21,7 +21,9 @@
 //! `{"status": N}` (a server error), `{"hang": true}` (never answer, after reading the
 //! request), `{"delay_ms": N}` (a slow reply), `{"suspended": true}` (the provider's
 //! account-suspended rejection), `{"reject": true}` (its invalid-recipient
-//! rejection) or `{"endless_reply": true}` (a 200 whose body never ends; `GET /stats`
+//! rejection), `{"slow_read_ms": N}` (the request's body left unread N ms before
+//! it is read, so a large one stalls in the socket; by `provider` only) or
+//! `{"endless_reply": true}` (a 200 whose body never ends; `GET /stats`
 //! counts the requests so answered in `endless` and the bytes written in
 //! `reply_bytes`). A rule applies to sends, or with `"probe": true` to the account
 //! endpoints instead (which have no recipient: such a rule has no `to_contains`).

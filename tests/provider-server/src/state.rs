@@ -40,7 +40,7 @@ pub(crate) struct Accepted {
 }
 
 /// What a fault rule does to a matching request (after its body was read and its
-/// authentication checked).
+/// authentication checked; `SlowReadMs` before its body is read).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Action {
@@ -59,6 +59,10 @@ pub(crate) enum Action {
     /// A 200 whose body never ends (a misbehaving or hostile endpoint): the bytes
     /// written before the client hung up are counted in `reply_bytes`.
     EndlessReply(bool),
+    /// Leave the request's body unread this long, then go on as without the rule: a
+    /// large body stalls in the socket's buffers meanwhile. Checked before the body
+    /// is read, so it matches by `provider` only (never `to_contains`).
+    SlowReadMs(u64),
 }
 
 /// A fault rule: `{"provider": "ses", "to_contains": "bad", "action": {"status": 503}, "times": 2}`.
@@ -177,6 +181,7 @@ impl AppState {
         let mut inner = self.lock();
         let rule = inner.rules.iter_mut().find(|rule| {
             rule.times != Some(0)
+                && !matches!(rule.action, Action::SlowReadMs(_))
                 && rule.probe == probe
                 && rule.provider.is_none_or(|p| p == provider)
                 && rule
@@ -188,6 +193,26 @@ impl AppState {
             *times -= 1;
         }
         Some(rule.action.clone())
+    }
+
+    /// How long to leave a send request's body to `provider` unread: the first live
+    /// `slow_read_ms` rule for it (one time of it used), if any.
+    pub(crate) fn slow_read(&self, provider: Provider) -> Option<Duration> {
+        let mut inner = self.lock();
+        let rule = inner.rules.iter_mut().find(|rule| {
+            rule.times != Some(0)
+                && !rule.probe
+                && rule.to_contains.is_none()
+                && rule.provider.is_none_or(|p| p == provider)
+                && matches!(rule.action, Action::SlowReadMs(_))
+        })?;
+        if let Some(times) = rule.times.as_mut() {
+            *times -= 1;
+        }
+        match rule.action {
+            Action::SlowReadMs(ms) => Some(Duration::from_millis(ms)),
+            _ => None,
+        }
     }
 
     /// Records the email unless the quota is spent (then `None`: answer 429).
