@@ -20,11 +20,12 @@ pub struct Email {
     envelope: Envelope,
     /// The message, or with attachments its skeleton (the placeholders taken out).
     formatted: Arc<[u8]>,
-    /// Where each attachment's encoded bytes go in `formatted`, in order.
+    /// Where each attachment's encoded bytes go in `formatted`, in the MIME's order
+    /// (inline images before the attachments).
     splices: Arc<[stream::Splice]>,
-    /// The attachments' bytes in the job's order (for an API that takes files as
-    /// JSON fields).
-    contents: Vec<Content>,
+    /// The attachments' bytes in the job's order, which the splices index (and an
+    /// API that takes files as JSON fields reads).
+    contents: Arc<[Content]>,
     /// What the attachments add to a send's deadline (their encoded size at
     /// `attachments.min_rate`).
     pub(super) transfer: Duration,
@@ -40,7 +41,7 @@ impl Email {
             envelope: message.envelope().clone(),
             formatted: message.formatted().into(),
             splices: Arc::new([]),
-            contents: Vec::new(),
+            contents: Arc::new([]),
             transfer: Duration::ZERO,
             fields: None,
         }
@@ -66,7 +67,7 @@ impl Email {
             formatted.extend_from_slice(piece);
             splices.push(stream::Splice {
                 at: formatted.len(),
-                content: contents[index].clone(),
+                index,
             });
         }
         formatted.extend_from_slice(pieces[pieces.len() - 1]);
@@ -74,7 +75,7 @@ impl Email {
             envelope: message.envelope().clone(),
             formatted: formatted.into(),
             splices: splices.into(),
-            contents: contents.to_vec(),
+            contents: contents.into(),
             transfer: Duration::ZERO,
             fields: None,
         })
@@ -93,9 +94,9 @@ impl Email {
 
     /// What its attachments come to, base64-encoded.
     pub(super) fn attachments_size(&self) -> u64 {
-        self.splices
+        self.contents
             .iter()
-            .map(|s| stream::encoded_len(s.content.len()))
+            .map(|content| stream::encoded_len(content.len()))
             .sum()
     }
 
@@ -103,7 +104,11 @@ impl Email {
     /// attachment's base64 lines. A read of the spool that fails ends it with the
     /// error: the transport must then abandon the message.
     pub(crate) fn chunks(&self) -> stream::Chunks {
-        stream::Chunks::new(self.formatted.clone(), self.splices.clone())
+        stream::Chunks::new(
+            self.formatted.clone(),
+            self.splices.clone(),
+            self.contents.clone(),
+        )
     }
 
     /// The attachments' bytes, in the job's order.

@@ -124,12 +124,12 @@ pub(crate) fn cut<'t>(text: &'t [u8], marks: &[String]) -> Option<(Vec<&'t [u8]>
 }
 
 /// Where an attachment's encoded bytes go in the skeleton.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Splice {
     /// Offset in the skeleton.
     pub(crate) at: usize,
-    /// The bytes.
-    pub(crate) content: Content,
+    /// Which of the contents (in the job's order) goes there.
+    pub(crate) index: usize,
 }
 
 /// The chunks of a skeleton spliced with its attachments, in order. Reading the spool
@@ -138,6 +138,7 @@ pub(crate) struct Splice {
 pub(crate) struct Chunks {
     skeleton: Arc<[u8]>,
     splices: Arc<[Splice]>,
+    contents: Arc<[Content]>,
     /// The next splice.
     next: usize,
     /// Where the skeleton goes on from.
@@ -148,10 +149,15 @@ pub(crate) struct Chunks {
 }
 
 impl Chunks {
-    pub(crate) fn new(skeleton: Arc<[u8]>, splices: Arc<[Splice]>) -> Self {
+    pub(crate) fn new(
+        skeleton: Arc<[u8]>,
+        splices: Arc<[Splice]>,
+        contents: Arc<[Content]>,
+    ) -> Self {
         Self {
             skeleton,
             splices,
+            contents,
             next: 0,
             from: 0,
             reading: None,
@@ -162,7 +168,7 @@ impl Chunks {
     /// The next chunk of one attachment: up to [`LINES_PER_CHUNK`] lines, each but the
     /// attachment's first after a CRLF.
     fn encode(&mut self, offset: u64) -> io::Result<Vec<u8>> {
-        let content = &self.splices[self.next].content;
+        let content = &self.contents[self.splices[self.next].index];
         let want = ((content.len() - offset) as usize).min(LINES_PER_CHUNK * LINE_BYTES);
         self.raw.resize(want, 0);
         content.read_all_at(offset, &mut self.raw)?;
@@ -207,7 +213,7 @@ impl Iterator for Chunks {
             return Some(Ok(chunk));
         }
         if self.next < self.splices.len() {
-            if self.splices[self.next].content.len() == 0 {
+            if self.contents[self.splices[self.next].index].len() == 0 {
                 self.next += 1;
                 return self.next();
             }
@@ -221,9 +227,9 @@ impl Iterator for Chunks {
 mod tests {
     use super::*;
 
-    fn whole(skeleton: &[u8], splices: &[Splice]) -> Vec<u8> {
+    fn whole(skeleton: &[u8], splices: &[Splice], contents: Vec<Content>) -> Vec<u8> {
         let mut out = Vec::new();
-        for chunk in Chunks::new(skeleton.into(), splices.to_vec().into()) {
+        for chunk in Chunks::new(skeleton.into(), splices.into(), contents.into()) {
             let chunk = chunk.unwrap();
             assert!(!chunk.is_empty() && chunk.len() <= CHUNK, "{}", chunk.len());
             out.extend_from_slice(&chunk);
@@ -246,22 +252,18 @@ mod tests {
             let bytes: Vec<u8> = (0..size).map(|i| (i * 7 + i / 3) as u8).collect();
             let other = b"second file".to_vec();
             let skeleton = b"head\r\n\r\nA\r\n--b\r\n\r\nB\r\n--b--\r\n";
-            let splices = [
-                Splice {
-                    at: 11,
-                    content: Content::Memory(bytes.clone().into()),
-                },
-                Splice {
-                    at: 22,
-                    content: Content::Memory(other.clone().into()),
-                },
+            // The second file in the job's order goes first.
+            let splices = [Splice { at: 11, index: 1 }, Splice { at: 22, index: 0 }];
+            let contents = vec![
+                Content::Memory(other.clone().into()),
+                Content::Memory(bytes.clone().into()),
             ];
             let mut expected = skeleton[..11].to_vec();
             expected.extend(lines(&bytes));
             expected.extend_from_slice(&skeleton[11..22]);
             expected.extend(lines(&other));
             expected.extend_from_slice(&skeleton[22..]);
-            let got = whole(skeleton, &splices);
+            let got = whole(skeleton, &splices, contents);
             assert_eq!(got, expected, "size {size}");
             assert_eq!(
                 encoded_len(size as u64),
@@ -298,7 +300,10 @@ mod tests {
     #[test]
     fn a_long_skeleton_comes_in_chunks_too() {
         let skeleton = vec![b'x'; CHUNK * 2 + 5];
-        assert_eq!(whole(&skeleton, &[]), skeleton);
-        assert_eq!(Chunks::new(skeleton.into(), Arc::new([])).count(), 3);
+        assert_eq!(whole(&skeleton, &[], vec![]), skeleton);
+        assert_eq!(
+            Chunks::new(skeleton.into(), Arc::new([]), Arc::new([])).count(),
+            3
+        );
     }
 }
