@@ -504,27 +504,37 @@ fn spool_dir() -> std::path::PathBuf {
     spool
 }
 
-/// Settings for a test of a spool that fails mid-send: `spool` as the spool, and a
-/// transport timeout longer than the test server holds the send (4 s), the window
-/// in which the test cuts the file.
-fn failing_spool(spool: &std::path::Path) -> Vec<(&'static str, String)> {
-    let mut settings: Vec<(&str, String)> =
-        FETCHING.iter().map(|(k, v)| (*k, v.to_string())).collect();
+/// A world for a test of a spool that fails mid-send: a spool directory of its own,
+/// and a transport timeout longer than the test server holds the send (4 s), the
+/// window in which the test cuts the file.
+async fn failing_spool(name: &str) -> (TestEnv, std::path::PathBuf) {
+    let spool = spool_dir();
+    let dir = spool.to_string_lossy().into_owned();
+    let mut settings = FETCHING.to_vec();
     settings.extend([
-        (
-            "POSTIE__ATTACHMENTS__SPOOL_DIR",
-            spool.to_string_lossy().into_owned(),
-        ),
-        ("POSTIE__TRANSPORT__TIMEOUT", "10s".into()),
-        ("POSTIE__WORKER__LEASE", "60s".into()),
+        ("POSTIE__ATTACHMENTS__SPOOL_DIR", dir.as_str()),
+        ("POSTIE__TRANSPORT__TIMEOUT", "10s"),
+        ("POSTIE__WORKER__LEASE", "60s"),
     ]);
-    settings
+    (TestEnv::with_settings(name, &settings).await, spool)
 }
 
-/// Cuts postie's (`pid`) spool file short, to nothing, once it holds its `size`
-/// bytes (fetched whole, its hash checked as it came): a disk that fails under it.
-async fn cut_the_spool_file_when_whole(pid: u32, spool: &std::path::Path, size: u64) {
-    let fds = format!("/proc/{pid}/fd");
+/// Publishes `key` with one fetched file (`url`, the file server's `seed`, `size`
+/// bytes) and cuts postie's (`postie`) spool file short, to nothing, once it holds
+/// all of it (fetched whole, its hash checked as it came): a disk failing under it.
+async fn publish_and_cut_the_spool_file(
+    env: &TestEnv,
+    postie: &support::PostieProcess,
+    spool: &std::path::Path,
+    key: &str,
+    (url, seed, size): (&str, u64, u64),
+) {
+    env.publish(&with_attachments(
+        key,
+        vec![fetched("statement.pdf", url, seed, size)],
+    ))
+    .await;
+    let fds = format!("/proc/{}/fd", postie.child.id());
     support::eventually("the spool file, fetched", WAIT, || async {
         let entries = std::fs::read_dir(&fds).ok()?;
         entries.flatten().find_map(|entry| {
@@ -563,22 +573,14 @@ async fn waited_uncounted(env: &TestEnv, postie: &support::PostieProcess, key: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
     let files = ProviderServer::start().await;
-    let spool = spool_dir();
-    let settings = failing_spool(&spool);
-    let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let env = TestEnv::with_settings("att-spool-fault", &settings).await;
+    let (env, spool) = failing_spool("att-spool-fault").await;
     env.sink
         .set_faults(json!([{"stage": "data", "action": {"delay_ms": 4000}, "times": 1}]))
         .await;
     let postie = env.spawn_process(&[]);
     let size = 1_000_000;
     let url = files.file_url("localhost", 77, size);
-    env.publish(&with_attachments(
-        "spool-1",
-        vec![fetched("statement.pdf", &url, 77, size)],
-    ))
-    .await;
-    cut_the_spool_file_when_whole(postie.child.id(), &spool, size).await;
+    publish_and_cut_the_spool_file(&env, &postie, &spool, "spool-1", (&url, 77, size)).await;
     waited_uncounted(&env, &postie, "spool-1").await;
     let messages = env.sink.messages(true).await;
     assert_eq!(messages.len(), 1, "the relay took only the whole email");
@@ -603,10 +605,7 @@ async fn a_spool_failing_mid_send_abandons_the_message_and_waits_uncounted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spool_failing_mid_request_abandons_it_and_waits_uncounted() {
     let server = ProviderServer::start().await;
-    let spool = spool_dir();
-    let settings = failing_spool(&spool);
-    let settings: Vec<(&str, &str)> = settings.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let env = TestEnv::with_settings("att-spool-api", &settings).await;
+    let (env, spool) = failing_spool("att-spool-api").await;
     server
         .set_faults(json!([{"provider": "sendgrid", "action": {"slow_read_ms": 4000}, "times": 1}]))
         .await;
@@ -614,12 +613,7 @@ async fn a_spool_failing_mid_request_abandons_it_and_waits_uncounted() {
     let postie = env.spawn_process(&[("POSTIE__TRANSPORT__URL", sendgrid.as_str())]);
     let size = 20_000_000;
     let url = server.file_url("localhost", 78, size);
-    env.publish(&with_attachments(
-        "spool-api",
-        vec![fetched("statement.pdf", &url, 78, size)],
-    ))
-    .await;
-    cut_the_spool_file_when_whole(postie.child.id(), &spool, size).await;
+    publish_and_cut_the_spool_file(&env, &postie, &spool, "spool-api", (&url, 78, size)).await;
     waited_uncounted(&env, &postie, "spool-api").await;
     let log = postie.log();
     assert!(
