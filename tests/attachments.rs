@@ -19,6 +19,8 @@
 //! - a spool file that fails to read mid-send (cut short through `/proc`), over
 //!   SMTP and through SendGrid: the message or request abandoned before its end,
 //!   the job waiting uncounted, then sent whole;
+//! - a spool directory postie cannot write to stops start-up when files may be
+//!   fetched;
 //! - a small spool shared by jobs of several files: each job's room taken at once, so
 //!   none waits on another's forever;
 //! - each transport's own limit before anything is sent: an SMTP relay's `SIZE`, and
@@ -626,6 +628,51 @@ async fn a_spool_failing_mid_request_abandons_it_and_waits_uncounted() {
     assert_eq!(sha256_hex(&files[0].1), sha256_hex(&file_bytes(78, size)));
     drop(postie);
     let _ = std::fs::remove_dir_all(&spool);
+}
+
+/// A spool directory postie cannot write to stops `postie serve` with one line
+/// naming it, when files may be fetched; with nothing to fetch it is never used, and
+/// postie serves (inline files only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_that_cannot_take_a_file_stops_start_up() {
+    let env = TestEnv::with_settings("att-spool-missing", FETCHING).await;
+    let missing = std::env::temp_dir().join(format!("postie-no-such-dir-{}", std::process::id()));
+    let dir = missing.to_string_lossy().into_owned();
+    let mut postie = env.spawn_process(&[("POSTIE__ATTACHMENTS__SPOOL_DIR", dir.as_str())]);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = postie.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "postie still runs:\n{}",
+            postie.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!status.success());
+    let log = postie.log();
+    let said: Vec<&str> = log.lines().filter(|l| l.contains("spool_dir")).collect();
+    assert_eq!(
+        said,
+        [format!(
+            "postie: attachments.spool_dir ({dir}): cannot create a spool file there: \
+             No such file or directory (os error 2)"
+        )],
+        "{log}"
+    );
+    // Nothing to fetch: the spool is never used, and postie serves.
+    drop(env);
+    let env = TestEnv::with_settings(
+        "att-spool-unused",
+        &[("POSTIE__ATTACHMENTS__SPOOL_DIR", dir.as_str())],
+    )
+    .await;
+    let serving = env.spawn_process(&[]);
+    env.publish(&job("no-files", "bob@example.com")).await;
+    env.wait_for_status("no-files", "sent", WAIT).await;
+    drop(serving);
 }
 
 /// The core's takeover rule holds with attachments: one of two instances is killed

@@ -97,7 +97,20 @@ pub(crate) struct Fetcher {
 }
 
 impl Fetcher {
+    /// The fetcher of `settings`. When files may be fetched (`url_hosts` or
+    /// `s3.buckets` set), the spool must take a file: a directory that is missing
+    /// or not writable stops start-up here, where otherwise every job naming a file
+    /// would wait in the retry ladder for ever (an outage never dead-letters it).
     pub(crate) fn new(settings: &AttachmentSettings) -> anyhow::Result<Self> {
+        if !settings.url_hosts.is_empty() || !settings.s3.buckets.is_empty() {
+            let dir = settings.spool();
+            tempfile::tempfile_in(&dir).map_err(|e| {
+                anyhow::anyhow!(
+                    "attachments.spool_dir ({}): cannot create a spool file there: {e}",
+                    dir.display()
+                )
+            })?;
+        }
         let mut http = HttpConnector::new_with_resolver(Checked {
             allow_private: settings.allow_private_addresses,
         });
