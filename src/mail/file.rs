@@ -202,4 +202,43 @@ mod tests {
         assert!(parsed.body_html(0).unwrap().contains("cid:logo@shop"));
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A spool that fails to read while the `.eml` is written (a disk fault): not the
+    /// job's fault ([`SendError::Unavailable`]: it waits, uncounted), and no file is
+    /// left, whole or in part.
+    #[tokio::test]
+    async fn a_spool_failing_mid_write_is_unavailable_and_leaves_no_file() {
+        use super::super::{stream::Content, RouteId, SendError};
+        let dir = std::env::temp_dir().join(format!("postie-spool-eml-{}", uuid::Uuid::new_v4()));
+        let mut settings = Settings::default();
+        settings.transport.url = Some(format!("file://{}", dir.display()).into());
+        let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
+        let body = serde_json::json!({
+            "key": "k-spool", "from": "shop@example.com", "to": ["a@example.com"],
+            "subject": "Your statement", "text": "See attached.",
+            "attachments": [{
+                "filename": "statement.pdf", "content_type": "application/pdf", "size": 3,
+                "sha256": "039058c6f2c0cb492c533b0a4d14ef77cc0f78abccced5287d84a1a2011cfb81",
+                "source": {"inline": "AQID"},
+            }]
+        });
+        let job = EmailJob::parse(
+            body.to_string().as_bytes(),
+            &ParseRules::from_settings(&settings),
+        )
+        .unwrap();
+        // The file, said to be in the spool, is not there whole: its reads come up short.
+        let spooled = crate::mail::fetch::Spooled::of_file(tempfile::tempfile().unwrap(), 100_000);
+        let contents = [Content::Spooled(std::sync::Arc::new(spooled))];
+        let email = mailer.build_for(&job, RouteId(0), &contents).unwrap();
+        let slot = mailer.slot().await;
+        let sent = mailer.send(&slot, &email, &Clearance::new()).await;
+        assert!(
+            matches!(&sent, Err(SendError::Unavailable(why)) if why.contains("reading the spooled attachment")),
+            "{sent:?}"
+        );
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
