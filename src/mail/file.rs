@@ -88,12 +88,19 @@ mod tests {
     use crate::config::Settings;
     use crate::contract::{EmailJob, ParseRules};
 
-    #[tokio::test]
-    async fn pc_the_eml_file_holds_the_email_formatted_once() {
-        let dir = std::env::temp_dir().join(format!("postie-pc-eml-{}", uuid::Uuid::new_v4()));
+    /// A mailer writing `.eml` files into a new directory named after `tag`, with
+    /// its settings.
+    fn eml_mailer(tag: &str) -> (std::path::PathBuf, Settings, Mailer) {
+        let dir = std::env::temp_dir().join(format!("postie-{tag}-{}", uuid::Uuid::new_v4()));
         let mut settings = Settings::default();
         settings.transport.url = Some(format!("file://{}", dir.display()).into());
         let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
+        (dir, settings, mailer)
+    }
+
+    #[tokio::test]
+    async fn pc_the_eml_file_holds_the_email_formatted_once() {
+        let (dir, settings, mailer) = eml_mailer("pc-eml");
         let rules = ParseRules {
             max_body_bytes: 1 << 16,
             default_from: Some("Shop <noreply@shop.example>"),
@@ -123,10 +130,7 @@ mod tests {
         use base64::Engine as _;
         use mail_parser::MimeHeaders as _;
         use sha2::Digest as _;
-        let dir = std::env::temp_dir().join(format!("postie-att-eml-{}", uuid::Uuid::new_v4()));
-        let mut settings = Settings::default();
-        settings.transport.url = Some(format!("file://{}", dir.display()).into());
-        let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
+        let (dir, settings, mailer) = eml_mailer("att-eml");
         let pdf: Vec<u8> = (0..150_000u32).map(|i| (i * 31 % 251) as u8).collect();
         let png = b"\x89PNG\r\n\x1a\n not really".to_vec();
         let ics = b"BEGIN:VCALENDAR\r\nMETHOD:REQUEST\r\nEND:VCALENDAR\r\n".to_vec();
@@ -209,10 +213,7 @@ mod tests {
     #[tokio::test]
     async fn a_spool_failing_mid_write_is_unavailable_and_leaves_no_file() {
         use super::super::{stream::Content, RouteId, SendError};
-        let dir = std::env::temp_dir().join(format!("postie-spool-eml-{}", uuid::Uuid::new_v4()));
-        let mut settings = Settings::default();
-        settings.transport.url = Some(format!("file://{}", dir.display()).into());
-        let mailer = Mailer::new(&settings.transport.one_transport().unwrap(), &settings).unwrap();
+        let (dir, settings, mailer) = eml_mailer("spool-eml");
         let body = serde_json::json!({
             "key": "k-spool", "from": "shop@example.com", "to": ["a@example.com"],
             "subject": "Your statement", "text": "See attached.",
