@@ -316,7 +316,7 @@ impl Mailer {
 
     /// The job's attachments' bytes, in order: inline ones as they are, `url` and `s3`
     /// ones fetched into the spool and checked against their size and SHA-256 (`fetch/`:
-    /// a failure that is the job's fault is permanent, the store's transient).
+    /// a failure that is the job's fault is permanent, the store's unavailable).
     pub(crate) async fn fetch(&self, job: &EmailJob) -> Result<Vec<Content>, SendError> {
         if job.attachments.is_empty() {
             return Ok(Vec::new());

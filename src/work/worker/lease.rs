@@ -3,8 +3,9 @@
 //! not; while the send runs, and while its outcome is recorded, the lease is renewed
 //! every third of `worker.lease`. An email whose attachments make its deadline longer
 //! than `worker.lease` has its lease renewed for that deadline instead, every third
-//! of it: the send still ends before the lease it started with, renewed or not. A renewal that finds the claim gone withdraws the
-//! send's [`Clearance`]: a send that has not started `DATA` stops there.
+//! of it: the send still ends before the lease it started with, renewed or not. A
+//! renewal that finds the claim gone withdraws the send's [`Clearance`]: a send that
+//! has not started `DATA` stops there.
 //!
 //! So a lease cannot run out under a send unnoticed: the send ends (deadline) before
 //! the lease it started with, renewed or not, and the one duplicate window stays

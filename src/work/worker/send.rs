@@ -15,9 +15,9 @@ use crate::ops::backoff::Backoff;
 use crate::work::{now_ms, Outcome};
 
 impl Worker {
-    /// The job's email for `route`: its attachments fetched (`url` ones into the
-    /// spool, checked), then built. A failure is the job's (permanent) or the
-    /// store's (transient); it never counts on the route's breaker.
+    /// The job's email for `route`: its attachments fetched (`url` and `s3` ones into
+    /// the spool, checked), then built. A failure is the job's (permanent) or the
+    /// store's or the spool's (unavailable); it never counts on the route's breaker.
     pub(super) async fn prepare(&self, route: RouteId, job: &EmailJob) -> Result<Email, SendError> {
         let mailer = &self.cx.mailer;
         let contents = mailer.fetch(job).await?;
